@@ -1,0 +1,66 @@
+"""Ray actors: ``ClientActor`` wraps a ClientHost (one or more clients with their persistent state)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import ray
+import torch
+
+from .aggregate import StateDict
+from .checkpoint import latest_checkpoint_name, load_checkpoint
+from .client import ClientHost, ClientState
+from .config import config_from_dict
+from .metrics import TestSet
+from .storage import RunStorage
+
+
+class ClientActorImpl:
+    """A ClientHost in its own process. Arrays arrive from the object store as zero-copy read-only views;
+    the host copies only its own clients' examples out of them."""
+
+    def __init__(self, cfg_dict: dict, client_ids: list[int], train_x: np.ndarray, train_y: np.ndarray,
+                 indices: dict[int, np.ndarray], counts: dict[int, np.ndarray], test_x: np.ndarray,
+                 test_y: np.ndarray, meta: dict, storage_uri: str):
+        cfg = config_from_dict(cfg_dict)
+        resources = cfg.runtime.client_resources
+        threads = cfg.runtime.torch_threads or max(1, int(resources.get("num_cpus", 1)))
+        torch.set_num_threads(threads)
+        device = "cuda" if resources.get("num_gpus", 0) > 0 and ray.get_gpu_ids() else "cpu"
+        with warnings.catch_warnings():
+            # The object store's arrays are read-only; nothing here writes to them.
+            warnings.simplefilter("ignore", UserWarning)
+            test = TestSet(torch.from_numpy(test_x), torch.from_numpy(test_y), meta["num_classes"])
+            self.host = ClientHost(cfg, client_ids, torch.from_numpy(train_x), torch.from_numpy(train_y), indices,
+                                   counts, test, tuple(meta["mean"]), tuple(meta["std"]), meta["augment"],
+                                   meta["num_classes"], device)
+        self.restored_round = self._restore(storage_uri)
+
+    def _restore(self, storage_uri: str) -> int | None:
+        """After a restart, take this actor's clients' state from the run's latest checkpoint."""
+        storage = RunStorage(storage_uri)
+        if latest_checkpoint_name(storage) is None:
+            return None
+        ckpt = load_checkpoint(storage)
+        self.host.set_states({cid: st for cid, st in ckpt.clients.items() if cid in self.host.states})
+        return ckpt.round_idx
+
+    def ready(self) -> dict:
+        return {"clients": self.host.client_ids, "restored_round": self.restored_round,
+                "device": str(self.host.device), "threads": torch.get_num_threads()}
+
+    def train(self, client_id: int, global_shared: StateDict, round_idx: int):
+        return self.host.train(client_id, global_shared, round_idx)
+
+    def evaluate(self, client_ids: list[int], global_shared: StateDict):
+        return self.host.evaluate(client_ids, global_shared)
+
+    def get_states(self) -> dict[int, ClientState]:
+        return self.host.get_states()
+
+    def set_states(self, states: dict[int, ClientState]) -> None:
+        self.host.set_states(states)
+
+
+ClientActor = ray.remote(ClientActorImpl)

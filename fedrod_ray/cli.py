@@ -1,0 +1,106 @@
+"""``fedrod-ray``: train a federation, or inspect a partition."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError, config_from_dict, load_config
+
+
+def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--config", required=required, help="YAML experiment config (see configs/)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set train.lr=0.05 (repeatable)")
+    p.add_argument("--data-dir", help="dataset directory (default: $FEDROD_DATA_DIR, then the user cache dir)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedrod-ray", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run federated training")
+    _add_config_args(train, required=False)
+    train.add_argument("--run-dir", help="where metrics, checkpoints and the final model go (default runs/<name>)")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    train.add_argument("--mode", choices=["local", "ray"], help="in-process or on Ray (default: runtime.mode)")
+    train.add_argument("--address", help="Ray cluster address ('auto' or ray://host:port); implies --mode ray")
+
+    part = sub.add_parser("partition", help="print the clients' class counts for a config")
+    _add_config_args(part)
+    return parser
+
+
+def _overrides(args) -> list[str]:
+    extra = list(args.set)
+    if args.data_dir:
+        extra.append(f"data.data_dir={args.data_dir}")
+    if getattr(args, "mode", None):
+        extra.append(f"runtime.mode={args.mode}")
+    if getattr(args, "address", None):
+        extra += ["runtime.mode=ray", f"runtime.address={args.address}"]
+    return extra
+
+
+def cmd_train(args) -> int:
+    from .checkpoint import latest_checkpoint_name, load_checkpoint
+    from .storage import RunStorage
+
+    ckpt = None
+    if args.resume:
+        if args.config:
+            raise ConfigError("--resume takes the config saved in the run directory; drop --config")
+        storage = RunStorage(args.resume)
+        if latest_checkpoint_name(storage) is None:
+            raise ConfigError(f"--resume: no checkpoint found in {args.resume}/checkpoints")
+        ckpt = load_checkpoint(storage)
+        cfg = config_from_dict(ckpt.config.to_dict(), _overrides(args))
+        print(f"resuming {args.resume} after round {ckpt.round_idx + 1}", flush=True)
+    else:
+        if not args.config:
+            raise ConfigError("train needs --config FILE (or --resume RUN_DIR)")
+        cfg = load_config(args.config, _overrides(args))
+        run_dir = args.run_dir or cfg.run_dir or f"runs/{cfg.name}"
+        storage = RunStorage(run_dir)
+        if latest_checkpoint_name(storage) is not None:
+            raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+                              "or choose another --run-dir")
+    if cfg.runtime.mode == "ray":
+        from .ray_runtime import run_ray
+
+        run_ray(cfg, storage, resume=ckpt is not None, log=lambda s: print(s, flush=True))
+    else:
+        from .federation import run_local
+
+        run_local(cfg, storage, ckpt, log=lambda s: print(s, flush=True))
+    print(f"done: run directory {storage.uri}", flush=True)
+    return 0
+
+
+def cmd_partition(args) -> int:
+    from .data import load_dataset
+    from .partition import format_partition, make_partition
+
+    cfg = load_config(args.config, _overrides(args))
+    ds = load_dataset(cfg.data, seed=cfg.seed)
+    print(format_partition(make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .data import DatasetNotFoundError
+    from .federation import RoundFailedError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": cmd_train, "partition": cmd_partition}[args.command](args)
+    except (ConfigError, DatasetNotFoundError) as e:
+        print(f"fedrod-ray: error: {e}", file=sys.stderr)
+        return 2
+    except RoundFailedError as e:
+        print(f"fedrod-ray: training stopped: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""ClientHost: the data shards and persistent personalized state of one or more clients.
+
+The in-process runtime uses one host for every client; the Ray runtime wraps the same class in an actor
+(``fedrod_ray.actors``), so both run exactly the same training and evaluation code.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .aggregate import StateDict
+from .config import ExperimentConfig
+from .local import ClientData, LocalResult, local_update
+from .metrics import TestSet, personal_class_correct
+from .models import FedModel, build_model
+
+
+@dataclass
+class ClientState:
+    """What a client keeps between rounds (never sent to the server's average)."""
+
+    personal: StateDict | None = None  # linear variant: phi_m
+    local_model: StateDict | None = None  # shared weights after its last local update, for P-FL (PM)
+    dyn_grad: StateDict | None = None  # FedDyn's per-client gradient term
+    rounds_trained: int = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for part in ("personal", "local_model", "dyn_grad"):
+            for k, v in (getattr(self, part) or {}).items():
+                out[f"{part}/{k}"] = v
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], rounds_trained: int) -> ClientState:
+        parts: dict[str, StateDict] = {}
+        for key, v in tensors.items():
+            part, name = key.split("/", 1)
+            parts.setdefault(part, {})[name] = v
+        return cls(rounds_trained=rounds_trained, **parts)
+
+
+@dataclass
+class ClientFailure:
+    client_id: int
+    error: str  # "<ExceptionType>: message"
+    traceback: str
+
+
+@dataclass
+class EvalCounts:
+    correct: dict[int, torch.Tensor] = field(default_factory=dict)
+    total: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class ClientHost:
+    """Holds clients' shards and states; trains and evaluates them one at a time."""
+
+    def __init__(self, cfg: ExperimentConfig, client_ids: list[int], train_x: torch.Tensor, train_y: torch.Tensor,
+                 indices: dict[int, np.ndarray], counts: dict[int, np.ndarray], test: TestSet,
+                 mean: tuple[float, ...], std: tuple[float, ...], augment: bool, num_classes: int,
+                 device: str = "cpu"):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.mean, self.std, self.augment = mean, std, augment
+        self.test = test
+        # Each host copies only its own clients' examples out of the (possibly shared) full arrays.
+        self.data = {
+            cid: ClientData(
+                x=train_x[torch.as_tensor(indices[cid], dtype=torch.long)].contiguous(),
+                y=train_y[torch.as_tensor(indices[cid], dtype=torch.long)].contiguous(),
+                counts=torch.as_tensor(counts[cid], dtype=torch.long),
+            )
+            for cid in client_ids
+        }
+        self.states = {cid: ClientState() for cid in client_ids}
+        variant = cfg.train.variant if cfg.train.algorithm == "fedrod" else None
+        self.model: FedModel = build_model(cfg.model.arch, num_classes, tuple(train_x.shape[1:]), variant,
+                                           cfg.model.hyper_hidden, cfg.seed).to(self.device)
+
+    @property
+    def client_ids(self) -> list[int]:
+        return list(self.data)
+
+    def train(self, client_id: int, global_shared: StateDict, round_idx: int) -> LocalResult | ClientFailure:
+        """One local update; errors come back as a ClientFailure (with traceback) instead of raising."""
+        try:
+            state = self.states[client_id]
+            result, personal, dyn_grad = local_update(
+                self.model, global_shared, self.data[client_id], self.cfg.train,
+                round_idx=round_idx, seed=self.cfg.seed, client_id=client_id, mean=self.mean, std=self.std,
+                augment=self.augment, personal=state.personal, dyn_grad=state.dyn_grad, device=self.device,
+            )
+        except Exception as e:  # noqa: BLE001 - any client error is reported, never fatal to the round
+            return ClientFailure(client_id, f"{type(e).__name__}: {e}", traceback.format_exc())
+        # The state changes only once the whole update succeeded: a failed update leaves it untouched.
+        state.personal = personal
+        state.dyn_grad = dyn_grad
+        state.local_model = result.shared
+        state.rounds_trained += 1
+        return result
+
+    def evaluate(self, client_ids: list[int], global_shared: StateDict) -> EvalCounts:
+        """Per-class test counts of each client's personalized model (FEDROD.md's PM).
+
+        Fed-RoD: {theta*_m, psi*_m, phi*_m} (or nu*_m) with personalized logits; FedAvg: the local model
+        w_m. A client that has not trained yet uses the current global model with its current head.
+        """
+        out = EvalCounts()
+        personal = self.model.variant is not None
+        for cid in client_ids:
+            state = self.states[cid]
+            self.model.load_partial(state.local_model or global_shared)
+            if self.model.variant == "linear":
+                if state.personal is None:
+                    torch.nn.init.zeros_(self.model.personal_head.weight)
+                else:
+                    self.model.load_partial(state.personal)
+            data = self.data[cid]
+            correct, total = personal_class_correct(self.model, self.test, data.class_dist,
+                                                    self.cfg.eval.batch_size, personal)
+            out.correct[cid], out.total[cid] = correct, total
+        return out
+
+    def get_states(self) -> dict[int, ClientState]:
+        return self.states
+
+    def set_states(self, states: dict[int, ClientState]) -> None:
+        unknown = set(states) - set(self.states)
+        if unknown:
+            raise KeyError(f"clients {sorted(unknown)} are not hosted here")
+        self.states.update(states)

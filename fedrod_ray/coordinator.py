@@ -1,0 +1,206 @@
+"""The coordinator actor and the Ray executor it drives.
+
+The coordinator holds the global weights and runs ``Federation`` (the same round loop as the
+in-process runtime). Its executor places the clients on ``ClientActor``s, puts the round's global
+weights in the object store once, keeps at most as many training calls in flight as the cluster can
+run at once, and turns a dead actor or a raising client into a counted ``ClientFailure``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import ray
+import torch
+from ray.exceptions import RayActorError, RayError
+
+from .actors import ClientActor
+from .aggregate import StateDict
+from .checkpoint import latest_checkpoint_name, load_checkpoint
+from .client import ClientFailure, ClientState, EvalCounts
+from .config import ExperimentConfig, RuntimeConfig, config_from_dict
+from .federation import Federation, Setup, prepare
+from .storage import RunStorage
+
+
+@dataclass
+class Layout:
+    """How clients map onto actors, and how many trainings may run at once."""
+
+    num_actors: int
+    clients_per_actor: int
+    max_in_flight: int
+
+    def assignment(self, client_ids: list[int]) -> list[list[int]]:
+        """Contiguous blocks of ids, one per actor."""
+        per = self.clients_per_actor
+        return [client_ids[i:i + per] for i in range(0, len(client_ids), per)]
+
+
+def plan_layout(rt: RuntimeConfig, num_clients: int, cluster: dict[str, float]) -> Layout:
+    """Size the actor pool from the cluster's resources.
+
+    A CPU-only training occupies a whole core whatever fraction Ray is told, so concurrency is counted
+    in cores there; with a GPU share the share itself is the unit.
+    """
+    req = rt.client_resources
+    gpu = req.get("num_gpus", 0) > 0
+    slots = math.inf
+    for key, amount in req.items():
+        if amount <= 0:
+            continue
+        have = cluster.get({"num_cpus": "CPU", "num_gpus": "GPU"}.get(key, key), 0.0)
+        unit = amount if (gpu or key != "num_cpus") else max(amount, 1.0)
+        slots = min(slots, math.floor(have / unit + 1e-9))
+    if slots == math.inf:
+        slots = max(1, int(cluster.get("CPU", 1)))
+    if slots < 1:
+        raise RuntimeError(f"the cluster ({cluster}) cannot fit one client with runtime.client_resources={req}")
+    if rt.clients_per_actor > 0:
+        per = rt.clients_per_actor
+        num_actors = math.ceil(num_clients / per)
+    else:
+        num_actors = min(num_clients, int(slots))
+        per = math.ceil(num_clients / num_actors)
+        num_actors = math.ceil(num_clients / per)
+    return Layout(num_actors, per, max(1, min(num_actors, int(slots))))
+
+
+class RayExecutor:
+    def __init__(self, setup: Setup, storage: RunStorage, layout: Layout):
+        cfg, ds, part = setup.cfg, setup.dataset, setup.partition
+        self.layout = layout
+        # The dataset enters the object store once; every actor maps it read-only and copies out only
+        # the examples of its own clients.
+        train_x, train_y = ray.put(ds.train_x.numpy()), ray.put(ds.train_y.numpy())
+        test_x, test_y = ray.put(setup.test.x.numpy()), ray.put(setup.test.y.numpy())
+        # Held for the executor's lifetime: a restarting actor re-reads its constructor arguments.
+        self._data_refs = (train_x, train_y, test_x, test_y)
+        meta = {"num_classes": ds.num_classes, "mean": list(ds.mean), "std": list(ds.std), "augment": setup.augment}
+        rt = cfg.runtime
+        options = {
+            "num_cpus": rt.client_resources.get("num_cpus", 1.0),
+            "num_gpus": rt.client_resources.get("num_gpus", 0.0),
+            "resources": {k: v for k, v in rt.client_resources.items() if k not in ("num_cpus", "num_gpus")},
+            "max_restarts": rt.max_restarts,
+            "max_task_retries": 0,  # a lost call is reported as a failed client, never silently re-run
+        }
+        self.actors = []
+        self.home: dict[int, int] = {}
+        for a, ids in enumerate(layout.assignment(setup.all_client_ids)):
+            self.actors.append(ClientActor.options(**options).remote(
+                cfg.to_dict(), ids, train_x, train_y, {c: part.client_indices[c] for c in ids},
+                {c: part.counts[c] for c in ids}, test_x, test_y, meta, storage.uri))
+            self.home.update({c: a for c in ids})
+        ray.get([actor.ready.remote() for actor in self.actors])
+
+    def train(self, round_idx: int, client_ids: list[int], global_shared: StateDict):
+        global_ref = ray.put(global_shared)
+        queues: dict[int, list[tuple[int, int]]] = {}
+        for slot, cid in enumerate(client_ids):
+            queues.setdefault(self.home[cid], []).append((slot, cid))
+        in_flight: dict[ray.ObjectRef, tuple[int, int, int]] = {}
+        busy: set[int] = set()
+
+        def launch() -> None:
+            # Longest queue first: the round ends when the busiest actor does.
+            while len(in_flight) < self.layout.max_in_flight:
+                idle = [a for a in queues if queues[a] and a not in busy]
+                if not idle:
+                    return
+                a = max(idle, key=lambda k: len(queues[k]))
+                slot, cid = queues[a].pop(0)
+                in_flight[self.actors[a].train.remote(cid, global_ref, round_idx)] = (a, slot, cid)
+                busy.add(a)
+
+        launch()
+        while in_flight:
+            [ref], _ = ray.wait(list(in_flight), num_returns=1)
+            a, slot, cid = in_flight.pop(ref)
+            busy.discard(a)
+            try:
+                result = ray.get(ref)
+            except RayError as e:
+                kind = "actor died" if isinstance(e, RayActorError) else "task failed"
+                result = ClientFailure(cid, f"{type(e).__name__} ({kind}): {str(e).splitlines()[0]}", str(e))
+            launch()
+            yield slot, result
+
+    def _call_all(self, method: str, *args_per_actor):
+        """One call per actor, re-sent once to an actor that died (it restarts from the checkpoint)."""
+        out = []
+        for a, actor in enumerate(self.actors):
+            args = [arg[a] for arg in args_per_actor]
+            out.append(getattr(actor, method).remote(*args))
+        results = []
+        for a, ref in enumerate(out):
+            try:
+                results.append(ray.get(ref))
+            except RayActorError:
+                args = [arg[a] for arg in args_per_actor]
+                results.append(ray.get(getattr(self.actors[a], method).remote(*args)))
+        return results
+
+    def evaluate(self, client_ids: list[int], global_shared: StateDict) -> EvalCounts:
+        ref = ray.put(global_shared)
+        per_actor = [[c for c in client_ids if self.home[c] == a] for a in range(len(self.actors))]
+        merged = EvalCounts()
+        for counts in self._call_all("evaluate", per_actor, [ref] * len(self.actors)):
+            merged.correct.update(counts.correct)
+            merged.total.update(counts.total)
+        return merged
+
+    def get_states(self) -> dict[int, ClientState]:
+        states: dict[int, ClientState] = {}
+        for part in self._call_all("get_states"):
+            states.update(part)
+        return states
+
+    def set_states(self, states: dict[int, ClientState]) -> None:
+        per_actor = [{c: s for c, s in states.items() if self.home[c] == a} for a in range(len(self.actors))]
+        self._call_all("set_states", per_actor)
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+
+
+class CoordinatorImpl:
+    """Owns the federation: the driver asks it to run rounds one at a time and prints the records."""
+
+    def __init__(self, cfg_dict: dict, storage_uri: str, resume: bool):
+        self.cfg: ExperimentConfig = config_from_dict(cfg_dict)
+        torch.set_num_threads(max(1, self.cfg.runtime.torch_threads or 1))
+        self.storage = RunStorage(storage_uri)
+        self.setup = prepare(self.cfg)
+        cluster = ray.cluster_resources()
+        self.layout = plan_layout(self.cfg.runtime, len(self.setup.all_client_ids), cluster)
+        self.executor = RayExecutor(self.setup, self.storage, self.layout)
+        self.federation = Federation(self.setup, self.executor, self.storage, log=print)
+        if resume:
+            if latest_checkpoint_name(self.storage) is None:
+                raise FileNotFoundError(f"no checkpoint to resume in {storage_uri}")
+            ckpt = load_checkpoint(self.storage)
+            self.federation.restore(ckpt)
+        self.federation.start()
+
+    def info(self) -> dict:
+        return {"next_round": self.federation.next_round, "num_actors": self.layout.num_actors,
+                "clients_per_actor": self.layout.clients_per_actor, "max_in_flight": self.layout.max_in_flight}
+
+    def run_round(self, round_idx: int) -> dict:
+        return self.federation.run_round(round_idx)
+
+    def global_weights(self) -> StateDict:
+        return self.federation.global_shared
+
+    def finish(self) -> dict:
+        try:
+            return self.federation.finish()
+        finally:
+            self.executor.close()
+
+
+Coordinator = ray.remote(CoordinatorImpl)

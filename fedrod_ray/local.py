@@ -1,0 +1,170 @@
+"""One client update: E local epochs of SGD on the client's shard (FEDROD.md, "One round", step 2).
+
+Per mini-batch there is one forward and one backward of
+
+    L = l_BR(h_G(z)) + l_CE(h_G(z).detach() + h_P(z.detach()))
+
+so the balanced loss trains theta and psi only and the personalized loss trains phi (or nu) only.
+Everything random is drawn from a generator seeded by (run seed, round, client id), so the update is
+the same wherever it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .aggregate import StateDict
+from .config import TrainConfig
+from .data.transforms import augment_batch, normalize
+from .losses import cross_entropy, get_loss
+from .models import FedModel
+
+
+class LocalTrainingError(RuntimeError):
+    """A client's update cannot go on (for example a non-finite loss)."""
+
+
+@dataclass
+class ClientData:
+    x: torch.Tensor  # uint8, N x C x H x W
+    y: torch.Tensor  # int64, N
+    counts: torch.Tensor  # int64, per-class example counts N_{m,c}
+
+    @property
+    def class_dist(self) -> torch.Tensor:
+        """a_m[c] = N_{m,c} / sum_c' N_{m,c'}."""
+        total = self.counts.sum()
+        return self.counts.to(torch.float32) / total.clamp_min(1)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass
+class LocalResult:
+    shared: StateDict  # theta*, psi* (and nu* for the hyper variant): what the server averages
+    num_samples: int
+    loss: float  # mean balanced (generic) loss over all local steps
+    personal_loss: float | None  # mean personalized loss (Fed-RoD only)
+    steps: int
+
+
+def derived_seed(*parts: int) -> int:
+    """A 63-bit seed mixed from integers (run seed, round, client id, purpose tag)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def round_lr(cfg: TrainConfig, round_idx: int) -> float:
+    """The paper's schedule: lr decayed by lr_decay once per round (round 0 uses lr)."""
+    return cfg.lr * cfg.lr_decay ** round_idx
+
+
+TRAIN_TAG = 1
+
+
+def local_update(model: FedModel, global_shared: StateDict, data: ClientData, cfg: TrainConfig, *,
+                 round_idx: int, seed: int, client_id: int, mean, std, augment: bool,
+                 personal: StateDict | None = None, dyn_grad: StateDict | None = None,
+                 device: torch.device | str = "cpu") -> tuple[LocalResult, StateDict | None, StateDict | None]:
+    """Train ``model`` from the global weights on one client's data.
+
+    ``personal`` is the client's stored P-head (linear variant; None means freshly initialised) and
+    ``dyn_grad`` its FedDyn state. Returns the result for the server, the new P-head and the new FedDyn
+    state; ``model`` is left holding the client's local model.
+    """
+    device = torch.device(device)
+    model.to(device)
+    model.load_partial(global_shared)
+    if model.variant == "linear":
+        if personal is None:
+            torch.nn.init.zeros_(model.personal_head.weight)
+        else:
+            model.load_partial(personal)
+    model.train()
+
+    gen = torch.Generator().manual_seed(derived_seed(seed, round_idx, client_id, TRAIN_TAG))
+    x_all = normalize(data.x, mean, std).to(device)
+    y_all = data.y.to(device)
+    counts = data.counts.to(device)
+    dist = data.class_dist.to(device)
+    br_loss = cross_entropy if model.variant is None else get_loss(cfg.balanced_loss)
+    gamma = cfg.gamma
+
+    lr = round_lr(cfg, round_idx)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    params = dict(model.named_parameters())
+    generic = [k for k in model.generic_keys() if k in params]
+    anchor = {k: global_shared[k].to(device) for k in generic} if cfg.generic_rule != "fedavg" else {}
+    if cfg.generic_rule == "feddyn" and dyn_grad is None:
+        dyn_grad = {k: torch.zeros_like(params[k]) for k in generic}
+    elif dyn_grad is not None:
+        dyn_grad = {k: v.to(device) for k, v in dyn_grad.items()}
+
+    n = len(data)
+    loss_sum = torch.zeros((), device=device)
+    ploss_sum = torch.zeros((), device=device)
+    steps = 0
+    for epoch in range(cfg.local_epochs):
+        order = torch.randperm(n, generator=gen).to(device)
+        for start in range(0, n, cfg.batch_size):
+            idx = order[start:start + cfg.batch_size]
+            xb, yb = x_all[idx].contiguous(memory_format=torch.channels_last), y_all[idx]
+            if augment:
+                xb = augment_batch(xb, gen)
+            z = model.features(xb)
+            g = model.generic_head(z)
+            loss_g = br_loss(g, yb, counts, gamma)
+            loss = loss_g
+            if model.variant is not None:
+                loss_p = F.cross_entropy(model.personal_logits(z.detach(), g.detach(), dist), yb)
+                loss = loss + loss_p
+                ploss_sum += loss_p.detach()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            _apply_generic_rule(cfg, params, generic, anchor, dyn_grad)
+            opt.step()
+            loss_sum += loss_g.detach()
+            steps += 1
+        # One check per epoch: a per-step .item() would synchronise a GPU on every batch.
+        if not torch.isfinite(loss_sum + ploss_sum):
+            raise LocalTrainingError(f"non-finite loss in local epoch {epoch + 1} (lr={lr:g})")
+
+    if cfg.generic_rule == "feddyn":
+        with torch.no_grad():
+            for k in generic:
+                dyn_grad[k] = dyn_grad[k] - cfg.feddyn_alpha * (params[k].detach() - anchor[k])
+    state = model.state_dict()
+    shared = {k: state[k].detach().to("cpu", copy=True) for k in model.shared_keys()}
+    new_personal = ({k: state[k].detach().to("cpu", copy=True) for k in model.personal_keys()}
+                    if model.variant == "linear" else None)
+    if dyn_grad is not None:
+        dyn_grad = {k: v.detach().to("cpu") for k, v in dyn_grad.items()}
+    result = LocalResult(
+        shared=shared,
+        num_samples=n,
+        loss=(loss_sum / max(steps, 1)).item(),
+        personal_loss=(ploss_sum / max(steps, 1)).item() if model.variant is not None else None,
+        steps=steps,
+    )
+    return result, new_personal, dyn_grad
+
+
+def _apply_generic_rule(cfg: TrainConfig, params, generic, anchor, dyn_grad) -> None:
+    """FedProx / FedDyn act on theta and psi only, as gradient corrections of the local objective."""
+    if cfg.generic_rule == "fedavg":
+        return
+    with torch.no_grad():
+        for k in generic:
+            p = params[k]
+            if p.grad is None:
+                continue
+            if cfg.generic_rule == "fedprox":
+                # d/dw of mu/2 ||w - w_global||^2
+                p.grad.add_(p - anchor[k], alpha=cfg.prox_mu)
+            else:
+                # d/dw of -<g_m, w> + alpha/2 ||w - w_global||^2 (Acar et al., 2021)
+                p.grad.add_(p - anchor[k], alpha=cfg.feddyn_alpha).sub_(dyn_grad[k])

@@ -1,0 +1,98 @@
+"""G-FL and P-FL accuracy (FEDROD.md, "Evaluation").
+
+Everything reduces to per-class (correct, total) counts on the test set. P-FL for client m is
+
+    sum_i P_m(y_i) 1[pred_i = y_i] / sum_i P_m(y_i) = (a_m . correct) / (a_m . total),
+
+so the generic model needs one pass over the test set for all clients, and a personalized model only
+needs the test examples of the classes its client has (a_m[c] = 0 contributes nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .models import FedModel
+
+
+@dataclass
+class TestSet:
+    x: torch.Tensor  # normalised float32, N x C x H x W
+    y: torch.Tensor  # int64
+    num_classes: int
+
+    def __post_init__(self) -> None:
+        # Kept sorted by label so that one class's examples are a contiguous slice: views, not copies,
+        # which matters when many actors share one read-only copy from the object store.
+        if len(self.y) > 1 and not bool((self.y[1:] >= self.y[:-1]).all()):
+            order = torch.argsort(self.y, stable=True)
+            self.x, self.y = self.x[order], self.y[order]
+        bounds = torch.bincount(self.y, minlength=self.num_classes).cumsum(0)
+        self._starts = torch.cat([torch.zeros(1, dtype=torch.long), bounds[:-1]]).tolist()
+        self._ends = bounds.tolist()
+
+    def classes(self, classes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The test examples whose label is in ``classes`` (contiguous slices, no copy for one class)."""
+        xs = [self.x[self._starts[c]:self._ends[c]] for c in classes]
+        ys = [self.y[self._starts[c]:self._ends[c]] for c in classes]
+        if len(classes) == 1:
+            return xs[0], ys[0]
+        return torch.cat(xs), torch.cat(ys)
+
+
+def class_correct(preds: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class number of correct predictions and of examples (both float64, length C)."""
+    labels = labels.to(preds.device)
+    total = torch.bincount(labels, minlength=num_classes)
+    correct = torch.bincount(labels[preds == labels], minlength=num_classes)
+    return correct.to(torch.float64).cpu(), total.to(torch.float64).cpu()
+
+
+def accuracy(correct: torch.Tensor, total: torch.Tensor) -> float:
+    """Plain accuracy from per-class counts (G-FL when the counts come from the balanced test set)."""
+    return float(correct.sum() / total.sum().clamp_min(1))
+
+
+def pfl_accuracy(correct: torch.Tensor, total: torch.Tensor, class_dist: torch.Tensor) -> torch.Tensor:
+    """P-FL accuracy of each client: (a_m . correct) / (a_m . total).
+
+    ``correct`` and ``total`` are (C,) for one model shared by all clients, or (M, C) for one model per
+    client; ``class_dist`` is (M, C). Returns (M,).
+    """
+    dist = class_dist.to(torch.float64)
+    return (dist * correct).sum(-1) / (dist * total).sum(-1).clamp_min(1e-12)
+
+
+@torch.no_grad()
+def predict(model: FedModel, x: torch.Tensor, batch_size: int, personal: bool = False,
+            class_dist: torch.Tensor | None = None) -> torch.Tensor:
+    """Argmax predictions of the generic (or personalized) logits, in batches."""
+    model.eval()
+    device = next(model.parameters()).device
+    phi = model.personal_weight(class_dist.to(device) if class_dist is not None else None) if personal else None
+    preds = []
+    for start in range(0, len(x), batch_size):
+        xb = x[start:start + batch_size].to(device)
+        z = model.features(xb)
+        logits = model.generic_head(z)
+        if phi is not None:
+            logits = logits + z @ phi.T
+        preds.append(logits.argmax(1))
+    return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=device)
+
+
+def generic_class_correct(model: FedModel, test: TestSet, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return class_correct(predict(model, test.x, batch_size), test.y, test.num_classes)
+
+
+def personal_class_correct(model: FedModel, test: TestSet, class_dist: torch.Tensor, batch_size: int,
+                           personal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class counts of a client's own model, on the test classes that client has."""
+    classes = torch.nonzero(class_dist > 0).flatten().tolist()
+    if not classes:
+        zeros = torch.zeros(test.num_classes, dtype=torch.float64)
+        return zeros, zeros.clone()
+    x, y = test.classes(classes)
+    return class_correct(predict(model, x, batch_size, personal, class_dist), y, test.num_classes)
