@@ -8,6 +8,7 @@ the default.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 class ConfigError(ValueError):
@@ -153,6 +156,9 @@ def _check_type(path: str, value: Any, tp: Any) -> Any:
         raise ConfigError(f"{path}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 reads "1e-3" (no dot) as a string, and Python prints small floats that way.
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
             return float(value)
         raise ConfigError(f"{path}: expected a number, got {value!r}")
     if tp is str:

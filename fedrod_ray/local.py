@@ -91,6 +91,8 @@ def local_update(model: FedModel, global_shared: StateDict, data: ClientData, cf
     y_all = data.y.to(device)
     counts = data.counts.to(device)
     dist = data.class_dist.to(device)
+    # Zero-padding of the raw image, expressed after normalisation.
+    black = [-m / s for m, s in zip(mean, std)] if augment else None
     br_loss = cross_entropy if model.variant is None else get_loss(cfg.balanced_loss)
     gamma = cfg.gamma
 
@@ -114,7 +116,7 @@ def local_update(model: FedModel, global_shared: StateDict, data: ClientData, cf
             idx = order[start:start + cfg.batch_size]
             xb, yb = x_all[idx].contiguous(memory_format=torch.channels_last), y_all[idx]
             if augment:
-                xb = augment_batch(xb, gen)
+                xb = augment_batch(xb, gen, fill=black)
             z = model.features(xb)
             g = model.generic_head(z)
             loss_g = br_loss(g, yb, counts, gamma)

@@ -13,7 +13,7 @@ SAMPLE_TAG = 2
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
-    return max(1, min(num_clients, int(round(fraction * num_clients))))
+    return max(1, min(num_clients, int(fraction * num_clients + 0.5)))
 
 
 def sample_clients(seed: int, round_idx: int, num_clients: int, fraction: float) -> list[int]:

@@ -9,7 +9,7 @@ from torch import nn
 from .convnet import BUILDERS, FEATURE_DIM
 from .heads import HyperNetwork
 
-__all__ = ["FedModel", "HyperNetwork", "build_model", "resolve_arch", "count_parameters"]
+__all__ = ["FedModel", "HyperNetwork", "build_model", "count_parameters", "resolve_arch"]
 
 # Parameter-name prefixes: what the server averages and what a client keeps.
 BODY = "body."

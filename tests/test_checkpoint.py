@@ -1,0 +1,224 @@
+"""Checkpoints (safetensors + JSON, atomic, keep the newest 2), run storage and the metrics files."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fedrod_ray.checkpoint import Checkpoint, latest_checkpoint_name, load_checkpoint, save_checkpoint
+from fedrod_ray.client import ClientState
+from fedrod_ray.config import config_from_dict
+from fedrod_ray.results import MetricsLog
+from fedrod_ray.storage import RunStorage
+
+
+def _rand(*shape, seed, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def make_checkpoint(round_idx: int = 3) -> Checkpoint:
+    cfg = config_from_dict({"name": "ckpt_test", "seed": 5}, [
+        "train.generic_rule=feddyn", "train.lr=0.03", "runtime.client_resources={num_cpus: 2, num_gpus: 0.5}",
+        "data.num_clients=3",
+    ])
+    global_shared = {
+        "body.0.weight": _rand(4, 1, 3, 3, seed=1) + round_idx,
+        "body.0.bias": _rand(4, seed=2),
+        "generic_head.weight": _rand(10, 4, seed=3, dtype=torch.float64),
+    }
+    server = {"body.0.weight": _rand(4, 1, 3, 3, seed=4), "generic_head.weight": _rand(10, 4, seed=5)}
+    clients = {
+        0: ClientState(
+            personal={"personal_head.weight": _rand(10, 4, seed=6)},
+            local_model={k: v + 1 for k, v in global_shared.items()},
+            dyn_grad={"body.0.weight": _rand(4, 1, 3, 3, seed=7)},
+            rounds_trained=2,
+        ),
+        2: ClientState(local_model={"body.0.bias": _rand(4, seed=8)}, rounds_trained=1),
+        1: ClientState(),  # never trained
+    }
+    return Checkpoint(round_idx, cfg, global_shared, server, clients)
+
+
+def _assert_dicts_equal(a, b):
+    assert (a is None) == (b is None)
+    if a is None:
+        return
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_round_trip_is_bitwise(tmp_path):
+    storage = RunStorage(str(tmp_path / "run"))
+    ckpt = make_checkpoint()
+    name = save_checkpoint(storage, ckpt)
+    assert name == "round_000003"
+    loaded = load_checkpoint(storage)
+    assert loaded.round_idx == 3
+    assert loaded.config == ckpt.config
+    assert loaded.config.runtime.client_resources == {"num_cpus": 2.0, "num_gpus": 0.5}
+    _assert_dicts_equal(loaded.global_shared, ckpt.global_shared)
+    _assert_dicts_equal(loaded.server_state, ckpt.server_state)
+    assert set(loaded.clients) == {0, 1, 2}
+    for cid, st in ckpt.clients.items():
+        got = loaded.clients[cid]
+        assert got.rounds_trained == st.rounds_trained
+        _assert_dicts_equal(got.personal, st.personal)
+        _assert_dicts_equal(got.local_model, st.local_model)
+        _assert_dicts_equal(got.dyn_grad, st.dyn_grad)
+    # loading by explicit name gives the same
+    assert load_checkpoint(storage, name).round_idx == 3
+
+
+def test_no_server_state_and_no_clients(tmp_path):
+    storage = RunStorage(str(tmp_path / "run"))
+    ckpt = make_checkpoint()
+    ckpt.server_state = None
+    ckpt.clients = {}
+    save_checkpoint(storage, ckpt)
+    loaded = load_checkpoint(storage)
+    assert loaded.server_state is None
+    assert loaded.clients == {}
+    _assert_dicts_equal(loaded.global_shared, ckpt.global_shared)
+
+
+def test_latest_and_retention(tmp_path):
+    storage = RunStorage(str(tmp_path / "run"))
+    assert latest_checkpoint_name(storage) is None
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(storage)
+    for r in (0, 1, 2, 9, 10):
+        save_checkpoint(storage, make_checkpoint(r))
+        assert latest_checkpoint_name(storage) == f"round_{r:06d}"
+        assert load_checkpoint(storage).round_idx == r
+    assert storage.list_dirs("checkpoints") == ["round_000009", "round_000010"]
+    loaded = load_checkpoint(storage)
+    _assert_dicts_equal(loaded.global_shared, make_checkpoint(10).global_shared)
+    assert load_checkpoint(storage, "round_000009").round_idx == 9
+
+
+def test_leftover_temporary_folder_is_ignored(tmp_path):
+    storage = RunStorage(str(tmp_path / "run"))
+    save_checkpoint(storage, make_checkpoint(7))
+    save_checkpoint(storage, make_checkpoint(8))
+    # an interrupted save of round 9: its temporary folder holds junk and `latest` still names round 8
+    junk = tmp_path / "run" / "checkpoints" / ".round_000009.tmp-deadbeef"
+    junk.mkdir()
+    (junk / "global.safetensors").write_bytes(b"\x00junk")
+    (junk / "manifest.json").write_text("{not json")
+    loaded = load_checkpoint(storage)
+    assert loaded.round_idx == 8
+    _assert_dicts_equal(loaded.global_shared, make_checkpoint(8).global_shared)
+    # a later save still works and the junk does not count towards the kept folders
+    save_checkpoint(storage, make_checkpoint(9))
+    assert load_checkpoint(storage).round_idx == 9
+    assert [d for d in storage.list_dirs("checkpoints") if d.startswith("round_")] == [
+        "round_000008", "round_000009"]
+
+
+def test_files_are_safetensors_and_json_not_pickle(tmp_path):
+    storage = RunStorage(str(tmp_path / "run"))
+    ckpt = make_checkpoint()
+    name = save_checkpoint(storage, ckpt)
+    folder = tmp_path / "run" / "checkpoints" / name
+    assert sorted(os.listdir(folder)) == ["clients.safetensors", "global.safetensors", "manifest.json"]
+    with safe_open(str(folder / "global.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert torch.equal(f.get_tensor("global/generic_head.weight"), ckpt.global_shared["generic_head.weight"])
+    assert keys == {f"global/{k}" for k in ckpt.global_shared} | {f"server/{k}" for k in ckpt.server_state}
+    with safe_open(str(folder / "clients.safetensors"), framework="pt") as f:
+        assert "0/personal/personal_head.weight" in set(f.keys())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["round"] == 3
+    assert manifest["config"]["train"]["generic_rule"] == "feddyn"
+    for path in folder.iterdir():
+        head = path.read_bytes()[:2]
+        assert head[:1] != b"\x80", path  # pickle protocol 2+ opcode
+        assert not head.startswith(b"PK"), path  # torch.save zip archive
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == name
+
+
+def _all_files(root):
+    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
+
+
+def test_storage_write_bytes_leaves_no_temporary_files(tmp_path):
+    storage = RunStorage(str(tmp_path / "run"))
+    storage.write_bytes("a/b/c.bin", b"first")
+    storage.write_bytes("a/b/c.bin", b"second")
+    storage.write_bytes("top.txt", b"x")
+    assert (tmp_path / "run" / "a" / "b" / "c.bin").read_bytes() == b"second"
+    assert storage.read_bytes("a/b/c.bin") == b"second"
+    assert storage.exists("a/b/c.bin") and not storage.exists("a/b/d.bin")
+    names = [os.path.relpath(p, tmp_path / "run") for p in _all_files(tmp_path / "run")]
+    assert sorted(names) == ["a/b/c.bin", "top.txt"]
+    assert storage.list_dirs("a") == ["b"]
+    assert storage.list_dirs("missing") == []
+    # a checkpoint save leaves none behind either
+    save_checkpoint(storage, make_checkpoint())
+    assert not [p for p in _all_files(tmp_path / "run") if ".tmp-" in p]
+    assert not [d for d in os.listdir(tmp_path / "run" / "checkpoints") if ".tmp-" in d]
+
+
+class _FailingMoveFS:
+    """Delegates to the real filesystem but fails when moving a file into place."""
+
+    def __init__(self, fs):
+        self._fs = fs
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+    def move(self, src, dst):
+        raise OSError("simulated crash before the rename")
+
+
+def test_storage_write_is_atomic_when_interrupted(tmp_path):
+    storage = RunStorage(str(tmp_path / "run"))
+    storage.write_bytes("metrics.jsonl", b"good\n")
+    storage.fs = _FailingMoveFS(storage.fs)
+    with pytest.raises(OSError):
+        storage.write_bytes("metrics.jsonl", b"partial")
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == b"good\n"
+
+
+def test_metrics_log_files(tmp_path):
+    storage = RunStorage(str(tmp_path / "run"))
+    log = MetricsLog(storage)
+    log.append({"round": 0, "loss": 1.5, "gfl_gm": None})
+    run = tmp_path / "run"
+    assert (run / "metrics.jsonl").is_file()
+    assert not (run / "curves.png").exists()  # nothing evaluated yet
+    log.append({"round": 1, "loss": 1.2, "gfl_gm": 0.5, "pfl_gm": 0.4, "pfl_pm": 0.7, "name": "t"})
+    log.append({"round": 2, "loss": 1.0, "gfl_gm": 0.6, "pfl_gm": 0.45, "pfl_pm": 0.75, "extra": 3})
+
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [0, 1, 2]
+    assert json.loads(lines[1])["pfl_pm"] == 0.7
+    csv_lines = (run / "metrics.csv").read_text().splitlines()
+    assert csv_lines[0].split(",") == ["round", "loss", "gfl_gm", "pfl_gm", "pfl_pm", "name", "extra"]
+    assert len(csv_lines) == 4
+    assert csv_lines[1] == "0,1.5,,,,,"
+    assert (run / "curves.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert not [p for p in _all_files(run) if ".tmp-" in p]
+
+
+def test_metrics_log_resume_keeps_records_up_to_round(tmp_path):
+    storage = RunStorage(str(tmp_path / "run"))
+    log = MetricsLog(storage)
+    for r in range(5):
+        log.append({"round": r, "gfl_gm": 0.1 * r})
+    resumed = MetricsLog.resume(storage, up_to_round=2)
+    assert [rec["round"] for rec in resumed.records] == [0, 1, 2]
+    resumed.append({"round": 3, "gfl_gm": 0.99})
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [0, 1, 2, 3]
+    assert json.loads(lines[-1])["gfl_gm"] == 0.99
+    assert MetricsLog.resume(RunStorage(str(tmp_path / "empty")), 5).records == []

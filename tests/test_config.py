@@ -1,0 +1,186 @@
+"""Typed configuration: YAML files, --set overrides and errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedrod_ray.config import ConfigError, ExperimentConfig, config_from_dict, dump_config, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def test_there_are_config_files():
+    assert len(CONFIGS) >= 1
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_file_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, ExperimentConfig)
+    # a dumped config loads back to the same thing
+    assert load_config(path, []) == cfg
+    assert config_from_dict(yaml.safe_load(dump_config(cfg))) == cfg
+
+
+def test_paper_config_values():
+    cfg = load_config(Path(CONFIGS[0]).parent / "fmnist_paper.yaml")
+    assert cfg.data.dataset == "fmnist"
+    assert cfg.data.num_clients == 100
+    assert cfg.train.client_fraction == 0.2
+    assert cfg.train.weight_decay == 1e-5
+    assert cfg.train.momentum == 0.9
+
+
+def test_defaults():
+    cfg = config_from_dict({})
+    assert cfg == ExperimentConfig()
+    assert cfg.runtime.client_resources == {"num_cpus": 1.0}
+
+
+def test_overrides():
+    cfg = config_from_dict({"train": {"lr": 0.5}}, [
+        "train.lr=0.1",
+        "train.variant=hyper",
+        "data.dataset=cifar10",
+        "seed=7",
+        "train.augment=true",
+        "runtime.client_resources={num_cpus: 2, num_gpus: 0.5}",
+    ])
+    assert cfg.train.lr == 0.1
+    assert cfg.train.variant == "hyper"
+    assert cfg.data.dataset == "cifar10"
+    assert cfg.seed == 7
+    assert cfg.train.augment is True
+    assert cfg.runtime.client_resources == {"num_cpus": 2.0, "num_gpus": 0.5}
+    assert isinstance(cfg.runtime.client_resources["num_cpus"], float)
+
+
+def test_nested_dict_dotted_override():
+    cfg = config_from_dict({"runtime": {"client_resources": {"num_cpus": 1}}},
+                           ["runtime.client_resources.num_gpus=0.25"])
+    assert cfg.runtime.client_resources == {"num_cpus": 1.0, "num_gpus": 0.25}
+    cfg = config_from_dict({}, ["runtime.client_resources.num_gpus=0.25"])
+    assert cfg.runtime.client_resources["num_gpus"] == 0.25
+
+
+def test_override_does_not_mutate_input():
+    data = {"train": {"lr": 0.5}}
+    config_from_dict(data, ["train.lr=0.1", "train.rounds=3"])
+    assert data == {"train": {"lr": 0.5}}
+
+
+def test_null_override_for_optional_field():
+    cfg = config_from_dict({"train": {"augment": True}}, ["train.augment=null"])
+    assert cfg.train.augment is None
+
+
+def test_integer_for_float_field_is_accepted():
+    cfg = config_from_dict({"train": {"lr": 1, "gamma": 0}})
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.train.gamma == 0.0 and isinstance(cfg.train.gamma, float)
+    cfg = config_from_dict({}, ["train.momentum=0"])
+    assert isinstance(cfg.train.momentum, float)
+
+
+def test_scientific_notation_override():
+    cfg = config_from_dict({}, ["train.lr=1e-3", "train.weight_decay=1e-05"])
+    assert cfg.train.lr == 0.001
+    assert cfg.train.weight_decay == 1e-5
+
+
+def test_scientific_notation_with_dot_override():
+    cfg = config_from_dict({}, ["train.weight_decay=1.0e-5"])
+    assert cfg.train.weight_decay == 1e-5
+
+
+@pytest.mark.parametrize(("data", "overrides", "field"), [
+    ({"train": {"lrr": 0.1}}, [], "train.lrr"),
+    ({}, ["train.lrr=0.1"], "train.lrr"),
+    ({}, ["runtime.devices=2"], "runtime.devices"),
+    ({"bogus": 1}, [], "bogus"),
+])
+def test_unknown_key_names_the_field(data, overrides, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        config_from_dict(data, overrides)
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("train.lr=fast", "train.lr"),
+    ("train.rounds=2.5", "train.rounds"),
+    ("train.rounds=true", "train.rounds"),
+    ("train.augment=maybe", "train.augment"),
+    ("data.dataset=5", "data.dataset"),
+    ("runtime.client_resources.num_cpus=lots", "runtime.client_resources.num_cpus"),
+    ("runtime.client_resources=4", "runtime.client_resources"),
+    ("train=5", "train"),
+])
+def test_wrong_type_names_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        config_from_dict({}, [override])
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("train.algorithm=fedsgd", "train.algorithm"),
+    ("train.variant=deep", "train.variant"),
+    ("train.balanced_loss=focal", "train.balanced_loss"),
+    ("data.dataset=imagenet", "data.dataset"),
+    ("train.generic_rule=scaffold_v2", "train.generic_rule"),
+    ("runtime.mode=slurm", "runtime.mode"),
+])
+def test_bad_choice_names_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        config_from_dict({}, [override])
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("train.lr=-0.1", "train.lr"),
+    ("train.lr=0", "train.lr"),
+    ("train.gamma=-1", "train.gamma"),
+    ("train.momentum=-0.5", "train.momentum"),
+    ("data.num_clients=0", "data.num_clients"),
+    ("data.new_clients=-1", "data.new_clients"),
+    ("train.client_fraction=1.5", "train.client_fraction"),
+    ("runtime.client_resources.num_gpus=-1", "runtime.client_resources.num_gpus"),
+])
+def test_out_of_range_names_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        config_from_dict({}, [override])
+
+
+def test_zero_allowed_where_non_negative():
+    cfg = config_from_dict({}, ["train.gamma=0", "train.weight_decay=0", "data.new_clients=0"])
+    assert cfg.train.gamma == 0.0
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError):
+        config_from_dict({}, ["train.lr"])
+    with pytest.raises(ConfigError):
+        config_from_dict({}, ["=3"])
+    with pytest.raises(ConfigError):
+        config_from_dict({"seed": 0}, ["seed.x=1"])
+
+
+def test_load_config_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_load_config_bad_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError):
+        load_config(p)
+
+
+def test_load_config_with_overrides_and_empty_file(tmp_path):
+    p = tmp_path / "empty.yaml"
+    p.write_text("")
+    assert load_config(p) == ExperimentConfig()
+    p.write_text("train:\n  lr: 0.2\n")
+    assert load_config(p, ["train.rounds=3"]).train.lr == 0.2
+    assert load_config(p, ["train.rounds=3"]).train.rounds == 3
+    assert load_config(None) == ExperimentConfig()
