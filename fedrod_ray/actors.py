@@ -27,7 +27,9 @@ class ClientActorImpl:
         resources = cfg.runtime.client_resources
         threads = cfg.runtime.torch_threads or max(1, int(resources.get("num_cpus", 1)))
         torch.set_num_threads(threads)
-        device = "cuda" if resources.get("num_gpus", 0) > 0 and ray.get_gpu_ids() else "cpu"
+        # A GPU share puts this actor's clients on the GPU; the same code runs on CPU without one.
+        use_gpu = resources.get("num_gpus", 0) > 0 and bool(ray.get_gpu_ids()) and torch.cuda.is_available()
+        device = "cuda" if use_gpu else "cpu"
         with warnings.catch_warnings():
             # The object store's arrays are read-only; nothing here writes to them.
             warnings.simplefilter("ignore", UserWarning)
