@@ -55,6 +55,7 @@ class ClientFailure:
 class EvalCounts:
     correct: dict[int, torch.Tensor] = field(default_factory=dict)
     total: dict[int, torch.Tensor] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)  # client id -> error, for broken client state
 
 
 class ClientHost:
@@ -78,6 +79,9 @@ class ClientHost:
             for cid in client_ids
         }
         self.states = {cid: ClientState() for cid in client_ids}
+        # A trained client's PM only changes when it trains again: its test counts are kept, keyed by
+        # rounds_trained, so an evaluation only runs the clients that trained since the last one.
+        self._pm_cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         variant = cfg.train.variant if cfg.train.algorithm == "fedrod" else None
         self.model: FedModel = build_model(cfg.model.arch, num_classes, tuple(train_x.shape[1:]), variant,
                                            cfg.model.hyper_hidden, cfg.seed).to(self.device)
@@ -114,17 +118,30 @@ class ClientHost:
         personal = self.model.variant is not None
         for cid in client_ids:
             state = self.states[cid]
-            self.model.load_partial(state.local_model or global_shared)
-            if self.model.variant == "linear":
-                if state.personal is None:
-                    torch.nn.init.zeros_(self.model.personal_head.weight)
-                else:
-                    self.model.load_partial(state.personal)
-            data = self.data[cid]
-            correct, total = personal_class_correct(self.model, self.test, data.class_dist,
-                                                    self.cfg.eval.batch_size, personal)
+            cached = self._pm_cache.get(cid)
+            if cached is not None and cached[0] == state.rounds_trained:
+                out.correct[cid], out.total[cid] = cached[1], cached[2]
+                continue
+            try:
+                correct, total = self._evaluate_one(cid, global_shared, personal)
+            except Exception as e:  # noqa: BLE001 - one broken client must not stop the evaluation
+                out.failed[cid] = f"{type(e).__name__}: {e}"
+                continue
             out.correct[cid], out.total[cid] = correct, total
+            if state.local_model is not None:
+                self._pm_cache[cid] = (state.rounds_trained, correct, total)
         return out
+
+    def _evaluate_one(self, cid: int, global_shared: StateDict, personal: bool):
+        state = self.states[cid]
+        self.model.load_partial(state.local_model or global_shared)
+        if self.model.variant == "linear":
+            if state.personal is None:
+                torch.nn.init.zeros_(self.model.personal_head.weight)
+            else:
+                self.model.load_partial(state.personal)
+        return personal_class_correct(self.model, self.test, self.data[cid].class_dist,
+                                      self.cfg.eval.batch_size, personal)
 
     def get_states(self) -> dict[int, ClientState]:
         return self.states
@@ -134,3 +151,5 @@ class ClientHost:
         if unknown:
             raise KeyError(f"clients {sorted(unknown)} are not hosted here")
         self.states.update(states)
+        for cid in states:
+            self._pm_cache.pop(cid, None)

@@ -149,6 +149,7 @@ class RayExecutor:
         for counts in self._call_all("evaluate", per_actor, [ref] * len(self.actors)):
             merged.correct.update(counts.correct)
             merged.total.update(counts.total)
+            merged.failed.update(counts.failed)
         return merged
 
     def get_states(self) -> dict[int, ClientState]:

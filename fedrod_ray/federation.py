@@ -240,20 +240,28 @@ class Federation:
         dists = self.setup.class_dists
         ids = self.setup.all_client_ids
         pm = self.executor.evaluate(ids, self.global_shared)
-        pm_correct = torch.stack([pm.correct[c] for c in ids])
-        pm_total = torch.stack([pm.total[c] for c in ids])
+        for cid, error in sorted(pm.failed.items()):
+            self.log(f"client {cid}: personalized model not evaluated: {error}")
         pfl_gm = pfl_accuracy(correct, total, dists)
-        pfl_pm = pfl_accuracy(pm_correct, pm_total, dists)
         m = self.setup.num_clients
+        ok = [c for c in ids if c in pm.correct]
+        pfl_pm = dict(zip(ok, pfl_accuracy(torch.stack([pm.correct[c] for c in ok]),
+                                           torch.stack([pm.total[c] for c in ok]), dists[ok]).tolist()))
         out = {
             "gfl_gm": accuracy(correct, total),
             "pfl_gm": float(pfl_gm[:m].mean()),
-            "pfl_pm": float(pfl_pm[:m].mean()),
+            # Over the clients whose PM could be evaluated (pm_eval_failed counts the others).
+            "pfl_pm": _mean([pfl_pm[c] for c in ok if c < m]),
+            "pm_eval_failed": len(pm.failed),
         }
         if len(ids) > m:
             out["pfl_gm_new"] = float(pfl_gm[m:].mean())
-            out["pfl_pm_new"] = float(pfl_pm[m:].mean())
+            out["pfl_pm_new"] = _mean([pfl_pm[c] for c in ok if c >= m])
         return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 def format_record(rec: dict, rounds: int) -> str:

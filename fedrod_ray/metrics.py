@@ -65,7 +65,7 @@ def pfl_accuracy(correct: torch.Tensor, total: torch.Tensor, class_dist: torch.T
     return (dist * correct).sum(-1) / (dist * total).sum(-1).clamp_min(1e-12)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def predict(model: FedModel, x: torch.Tensor, batch_size: int, personal: bool = False,
             class_dist: torch.Tensor | None = None) -> torch.Tensor:
     """Argmax predictions of the generic (or personalized) logits, in batches."""
@@ -74,7 +74,7 @@ def predict(model: FedModel, x: torch.Tensor, batch_size: int, personal: bool = 
     phi = model.personal_weight(class_dist.to(device) if class_dist is not None else None) if personal else None
     preds = []
     for start in range(0, len(x), batch_size):
-        xb = x[start:start + batch_size].to(device)
+        xb = x[start:start + batch_size].to(device).contiguous(memory_format=torch.channels_last)
         z = model.features(xb)
         logits = model.generic_head(z)
         if phi is not None:

@@ -70,6 +70,11 @@ class FedModel(nn.Module):
         """Copy the given entries (a subset of the state dict) into the model, on its device."""
         params = self.state_dict()
         for k, v in state.items():
+            if k not in params:
+                raise KeyError(f"{k} is not a parameter of this model")
+            # copy_ would broadcast a wrongly shaped tensor without complaint.
+            if params[k].shape != v.shape:
+                raise ValueError(f"{k}: shape {tuple(v.shape)} does not match the model's {tuple(params[k].shape)}")
             params[k].copy_(v)
 
     def shared_keys(self) -> list[str]:
