@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -50,7 +51,8 @@ class ClientActorImpl:
 
     def ready(self) -> dict:
         return {"clients": self.host.client_ids, "restored_round": self.restored_round,
-                "device": str(self.host.device), "threads": torch.get_num_threads()}
+                "device": str(self.host.device), "threads": torch.get_num_threads(), "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def train(self, client_id: int, global_shared: StateDict, round_idx: int):
         return self.host.train(client_id, global_shared, round_idx)

@@ -9,11 +9,12 @@ run at once, and turns a dead actor or a raising client into a counted ``ClientF
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import ray
 import torch
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from .actors import ClientActor
 from .aggregate import StateDict
@@ -22,6 +23,8 @@ from .client import ClientFailure, ClientState, EvalCounts
 from .config import ExperimentConfig, RuntimeConfig, config_from_dict
 from .federation import Federation, Setup, prepare
 from .storage import RunStorage
+
+RESTART_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -87,6 +90,7 @@ class RayExecutor:
             "max_task_retries": 0,  # a lost call is reported as a failed client, never silently re-run
         }
         self.actors = []
+        self.dead: set[int] = set()  # actors that did not come back within RESTART_TIMEOUT_S
         self.home: dict[int, int] = {}
         for a, ids in enumerate(layout.assignment(setup.all_client_ids)):
             self.actors.append(ClientActor.options(**options).remote(
@@ -99,7 +103,10 @@ class RayExecutor:
         global_ref = ray.put(global_shared)
         queues: dict[int, list[tuple[int, int]]] = {}
         for slot, cid in enumerate(client_ids):
-            queues.setdefault(self.home[cid], []).append((slot, cid))
+            if self.home[cid] in self.dead:
+                yield slot, ClientFailure(cid, f"actor {self.home[cid]} is dead", "")
+            else:
+                queues.setdefault(self.home[cid], []).append((slot, cid))
         in_flight: dict[ray.ObjectRef, tuple[int, int, int]] = {}
         busy: set[int] = set()
 
@@ -118,17 +125,36 @@ class RayExecutor:
         while in_flight:
             [ref], _ = ray.wait(list(in_flight), num_returns=1)
             a, slot, cid = in_flight.pop(ref)
-            busy.discard(a)
             try:
                 result = ray.get(ref)
             except RayError as e:
                 kind = "actor died" if isinstance(e, RayActorError) else "task failed"
                 result = ClientFailure(cid, f"{type(e).__name__} ({kind}): {str(e).splitlines()[0]}", str(e))
+                # Calls sent to a restarting actor fail at once: wait for it, so that only the client
+                # it was training is lost, not the rest of its queue.
+                if isinstance(e, RayActorError) and not self._wait_alive(a):
+                    for q_slot, q_cid in queues.pop(a, []):
+                        yield q_slot, ClientFailure(q_cid, f"actor {a} is dead", str(e))
+            busy.discard(a)
             launch()
             yield slot, result
 
+    def _wait_alive(self, a: int) -> bool:
+        """Block until actor ``a`` answers again (restarted); False once it is given up as dead."""
+        if a in self.dead:
+            return False
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self.actors[a].ready.remote(), timeout=RESTART_TIMEOUT_S)
+                return True
+            except (RayActorError, GetTimeoutError):
+                time.sleep(0.2)
+        self.dead.add(a)
+        return False
+
     def _call_all(self, method: str, *args_per_actor):
-        """One call per actor, re-sent once to an actor that died (it restarts from the checkpoint)."""
+        """One call per actor, re-sent to an actor that died once it has restarted from the checkpoint."""
         out = []
         for a, actor in enumerate(self.actors):
             args = [arg[a] for arg in args_per_actor]
@@ -138,6 +164,8 @@ class RayExecutor:
             try:
                 results.append(ray.get(ref))
             except RayActorError:
+                if not self._wait_alive(a):
+                    raise
                 args = [arg[a] for arg in args_per_actor]
                 results.append(ray.get(getattr(self.actors[a], method).remote(*args)))
         return results

@@ -23,3 +23,96 @@ def shared_data_dir() -> Path:
     if not all((SHARED_DATA / "mnist" / f).is_file() for f in MNIST_FILES):
         pytest.skip(f"real MNIST not found under {SHARED_DATA}/mnist (set FEDROD_TEST_DATA)")
     return SHARED_DATA
+
+
+# --- Ray: one private local instance per test session -------------------------------------------------
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # before anything imports ray
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A private local Ray (2 CPUs, no dashboard) for the whole session, shut down and removed at the end.
+
+    Its temp dir is short because Ray's unix socket paths must fit in 107 bytes. Tests that need a Ray of
+    their own (a multi-node cluster, the CLI's ``--mode ray``) start it in a subprocess instead.
+    """
+    import shutil
+    import tempfile
+
+    import ray
+
+    if ray.is_initialized():
+        pytest.fail("Ray was already initialised before the ray_session fixture")
+    temp_dir = tempfile.mkdtemp(prefix="frt-", dir="/tmp")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir,
+             log_to_driver=False, configure_logging=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _processes_mentioning(marker: str) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes, other than this one, whose command line or environment
+    contains ``marker``."""
+    needle = marker.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:  # gone, or not ours to read
+            continue
+        if needle in cmdline or needle in environ:
+            found.append((int(entry), cmdline.replace(b"\0", b" ").decode(errors="replace").strip()))
+    return found
+
+
+class PrivateRayEnv(dict):
+    """An environment (a dict for ``subprocess``) whose Ray lives under its own ``temp_dir``."""
+
+    def __init__(self, temp_dir: str):
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TMPDIR")}
+        super().__init__(env, RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=temp_dir, PYTHONUNBUFFERED="1")
+        self.temp_dir = temp_dir
+
+    def processes(self) -> list[tuple[int, str]]:
+        """The processes of any Ray started with this environment (they inherit it)."""
+        return _processes_mentioning(self.temp_dir)
+
+
+@pytest.fixture
+def private_ray_env():
+    """Environment for a subprocess that starts (and must stop) a Ray of its own.
+
+    The subprocess gets a private, short RAY_TMPDIR, so its Ray never meets the session's or anyone
+    else's. On teardown every process carrying that directory in its command line or environment (Ray's
+    gcs_server, raylet, workers, agents) must be gone within 30 s; stragglers are killed by pid and fail
+    the test.
+    """
+    import shutil
+    import signal
+    import tempfile
+    import time
+
+    env = PrivateRayEnv(tempfile.mkdtemp(prefix="frt-", dir="/tmp"))
+    yield env
+    deadline = time.monotonic() + 30
+    left = env.processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = env.processes()
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    shutil.rmtree(env.temp_dir, ignore_errors=True)
+    assert not left, "Ray processes outlived the subprocess that started them:\n" + "\n".join(
+        f"{pid} {cmd[:120]}" for pid, cmd in left)

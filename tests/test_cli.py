@@ -1,0 +1,173 @@
+"""``fedrod-ray``: what ``train`` prints and writes (in-process and on Ray), refusing to overwrite a run,
+config and dataset errors (exit 2, naming the problem), and ``partition``."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedrod_ray.cli import main
+from fedrod_ray.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "synthetic_tiny.yaml")
+ROUNDS = load_config(CONFIG).train.rounds
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_round_lines(stdout: str) -> None:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("[round")]
+    assert len(lines) == ROUNDS, stdout
+    for i, line in enumerate(lines, 1):
+        assert line.startswith(f"[round {i:>3}/{ROUNDS}]"), line
+        assert "G-FL" in line and "P-FL" in line, line
+
+
+def assert_run_directory(run_dir: Path) -> None:
+    cfg = load_config(run_dir / "config.yaml")
+    assert cfg.name == "synthetic_tiny" and cfg.data.dataset == "synthetic"
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == list(range(ROUNDS))
+    for r in records:
+        assert {"round", "gfl_gm", "pfl_gm", "pfl_pm"} <= set(r)
+        assert all(0.0 <= r[k] <= 1.0 for k in ("gfl_gm", "pfl_gm", "pfl_pm"))
+
+    csv_lines = (run_dir / "metrics.csv").read_text().splitlines()
+    assert len(csv_lines) == ROUNDS + 1
+    header = csv_lines[0].split(",")
+    assert {"round", "gfl_gm", "pfl_gm", "pfl_pm"} <= set(header)
+    assert [line.split(",")[header.index("round")] for line in csv_lines[1:]] == [str(i) for i in range(ROUNDS)]
+
+    assert (run_dir / "curves.png").read_bytes().startswith(PNG_MAGIC)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"round_{ROUNDS - 1:06d}"
+    weights = load_file(run_dir / "final" / "model.safetensors")
+    assert weights and all(k.startswith(("body", "generic_head")) for k in weights)
+    meta = json.loads((run_dir / "final" / "meta.json").read_text())
+    assert meta["rounds"] == ROUNDS and meta["dataset"] == "synthetic" and meta["variant"] == "linear"
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory) -> tuple[Path, str]:
+    """One in-process ``train`` (one torch thread: this test machine's cores are shared)."""
+    run_dir = tmp_path_factory.mktemp("cli") / "D"
+    threads = torch.get_num_threads()
+    try:
+        rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(run_dir),
+                                 "--set", "runtime.torch_threads=1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0, err
+    return run_dir, out
+
+
+def test_train_prints_rounds_and_writes_run_directory(local_run):
+    run_dir, out = local_run
+    assert_round_lines(out)
+    assert f"done: run directory {run_dir}" in out
+    assert_run_directory(run_dir)
+
+
+def test_train_refuses_an_existing_run_without_resume(local_run):
+    run_dir, _ = local_run
+    before = snapshot(run_dir)
+    rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(run_dir)])
+    assert rc == 2
+    assert "--resume" in err and str(run_dir) in err
+    assert "[round" not in out
+    assert snapshot(run_dir) == before
+
+
+def test_resume_takes_no_config(local_run):
+    """--resume takes the config saved in the run directory."""
+    run_dir, _ = local_run
+    rc, _, err = run_main(["train", "--resume", str(run_dir), "--config", CONFIG])
+    assert rc == 2 and "drop --config" in err
+
+
+def test_resume_needs_a_checkpoint(tmp_path):
+    rc, _, err = run_main(["train", "--resume", str(tmp_path)])
+    assert rc == 2 and "no checkpoint" in err and str(tmp_path) in err
+
+
+def test_train_needs_a_config():
+    rc, _, err = run_main(["train"])
+    assert rc == 2 and "--config" in err
+
+
+def test_bad_value_names_the_field(tmp_path):
+    rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(tmp_path / "r"),
+                             "--set", "train.lr=abc"])
+    assert rc == 2
+    assert "train.lr" in err and "abc" in err
+    assert "[round" not in out and not (tmp_path / "r").exists()
+
+
+def test_unknown_key_names_it(tmp_path):
+    rc, _, err = run_main(["train", "--config", CONFIG, "--run-dir", str(tmp_path / "r"),
+                           "--set", "train.learning_rate=0.1"])
+    assert rc == 2 and "train.learning_rate" in err
+
+
+def test_missing_dataset_names_directory_and_suggests_synthetic(tmp_path):
+    empty = tmp_path / "no_data"
+    empty.mkdir()
+    rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(tmp_path / "r"),
+                             "--set", "data.dataset=mnist", "--data-dir", str(empty), "--set", "data.download=false"])
+    assert rc == 2
+    assert str(empty / "mnist") in err
+    assert "data.dataset=synthetic" in err
+    assert "[round" not in out
+
+
+def test_partition_prints_per_client_table():
+    rc, out, _ = run_main(["partition", "--config", CONFIG])
+    assert rc == 0
+    cfg = load_config(CONFIG)
+    n = cfg.data.num_clients + cfg.data.new_clients
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["client", "kind", "n"]
+    assert lines[0].split()[3:] == [f"c{c}" for c in range(10)]
+    rows = [ln.split() for ln in lines[1:n + 1]]
+    assert [int(r[0]) for r in rows] == list(range(n))
+    assert [r[1] for r in rows] == ["train"] * cfg.data.num_clients + ["new"] * cfg.data.new_clients
+    for r in rows:  # n is the sum of the class counts
+        assert int(r[2]) == sum(int(v) for v in r[3:])
+    per_class = cfg.data.synthetic_train_per_class
+    assert sum(int(r[2]) for r in rows) == 10 * per_class
+    assert f"clients: {n} ({cfg.data.num_clients} train, {cfg.data.new_clients} new)" in out
+
+
+@pytest.mark.slow
+def test_train_on_ray_subprocess(tmp_path, private_ray_env):
+    run_dir = tmp_path / "D"
+    cmd = [sys.executable, "-m", "fedrod_ray.cli", "train", "--config", CONFIG, "--run-dir", str(run_dir),
+           "--mode", "ray", "--set", "runtime.address=local", "--set", "runtime.torch_threads=1"]
+    proc = subprocess.run(cmd, check=False, cwd=REPO, env=private_ray_env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^ray: \d+ client actor\(s\) x \d+ client\(s\)", proc.stdout, re.MULTILINE), proc.stdout
+    assert_round_lines(proc.stdout)
+    assert f"done: run directory {run_dir}" in proc.stdout
+    assert_run_directory(run_dir)
+    assert load_config(run_dir / "config.yaml").runtime.mode == "ray"

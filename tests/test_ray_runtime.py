@@ -1,0 +1,548 @@
+"""The Ray runtime against the in-process one: bitwise-equal training, actor sizing, failure handling
+(a killed actor, a raising client, a lost node) and resume after a real SIGKILL.
+
+Tests that use Ray in this process share the session's private local Ray (``ray_session`` in
+conftest.py). Those that need a Ray of their own (the CLI's ``--mode ray``, a multi-node cluster) run it
+in a subprocess with a private RAY_TMPDIR and check that none of its processes outlive it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedrod_ray.checkpoint import latest_checkpoint_name, load_checkpoint
+from fedrod_ray.client import ClientState
+from fedrod_ray.config import config_from_dict
+from fedrod_ray.coordinator import Layout, RayExecutor, plan_layout
+from fedrod_ray.federation import Federation, InProcessExecutor, RoundFailedError, make_host, prepare
+from fedrod_ray.server import sample_clients
+from fedrod_ray.storage import RunStorage
+
+REPO = Path(__file__).resolve().parents[1]
+TIME_FIELDS = ("seconds", "train_seconds")
+
+
+def tiny_config(*overrides: str):
+    """A few-second federation on generated data: 6 training clients (3 per round) and 1 new client."""
+    base = {
+        "name": "ray_runtime_test",
+        "seed": 0,
+        "data": {"dataset": "synthetic", "num_clients": 6, "new_clients": 1, "alpha": 0.3,
+                 "synthetic_train_per_class": 40, "synthetic_test_per_class": 20},
+        "train": {"rounds": 3, "client_fraction": 0.5, "local_epochs": 1, "batch_size": 20},
+        "eval": {"batch_size": 500},
+        "runtime": {"torch_threads": 1},
+    }
+    return config_from_dict(base, list(overrides))
+
+
+def ray_executor(ray, setup, storage: RunStorage) -> RayExecutor:
+    layout = plan_layout(setup.cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
+    return RayExecutor(setup, storage, layout)
+
+
+def without_time(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in records]
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    assert sorted(a) == sorted(b), what
+    for k, va in a.items():
+        assert va.dtype == b[k].dtype and torch.equal(va, b[k]), f"{what}: {k} differs"
+
+
+def assert_same_states(a: dict[int, ClientState], b: dict[int, ClientState]) -> None:
+    assert sorted(a) == sorted(b)
+    for cid, sa in a.items():
+        assert sa.rounds_trained == b[cid].rounds_trained, f"client {cid}"
+        assert_same_tensors(sa.tensors(), b[cid].tensors(), f"client {cid} state")
+
+
+def run_with_timeout(fn, seconds: float):
+    """Run ``fn`` in a thread; fail (instead of hanging the suite) if it does not return in time."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            out["error"] = e
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    th.join(seconds)
+    assert not th.is_alive(), f"still running after {seconds}s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Both runtimes on one intra-op thread, so that every reduction runs in the same order."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --- 1. the Ray runtime trains exactly what the in-process runtime trains -----------------------------
+
+VARIANTS = {
+    "linear": (),
+    "hyper": ("train.variant=hyper",),
+    "fedavg_feddyn": ("train.algorithm=fedavg", "train.generic_rule=feddyn"),
+    # One actor per client: fewer clients, since every actor is a process of its own.
+    "linear_small": ("data.num_clients=3",),
+}
+_baselines: dict[str, tuple] = {}
+
+
+def in_process_baseline(variant: str, tmp_root: Path):
+    """The in-process run of a variant (computed once per test session)."""
+    if variant not in _baselines:
+        setup = prepare(tiny_config(*VARIANTS[variant]))
+        executor = InProcessExecutor(make_host(setup, setup.all_client_ids))
+        fed = Federation(setup, executor, RunStorage(str(tmp_root / f"in_process_{variant}")), log=lambda s: None)
+        fed.run()
+        _baselines[variant] = (fed.global_shared, fed.dyn_h, fed.metrics.records, executor.get_states())
+    return _baselines[variant]
+
+
+ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources={num_cpus: 0.25}")
+
+
+@pytest.mark.parametrize(
+    "variant, layout_overrides",
+    [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ())],
+    ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn"],
+)
+def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
+                                                     variant, layout_overrides):
+    ray = ray_session
+    tmp = tmp_path_factory.mktemp("bitwise")
+    g_ref, h_ref, records_ref, states_ref = in_process_baseline(variant, tmp_path_factory.getbasetemp())
+
+    setup = prepare(tiny_config(*VARIANTS[variant], *layout_overrides))
+    storage = RunStorage(str(tmp / "ray"))
+    executor = ray_executor(ray, setup, storage)
+    try:
+        n = len(setup.all_client_ids)
+        if layout_overrides:
+            assert executor.layout.num_actors == n == len(executor.actors) == 4
+            assert executor.layout.clients_per_actor == 1 and executor.layout.max_in_flight == 2
+        else:
+            # Several clients per actor and more than one actor: completion order differs from the
+            # in-process order, which the ordered average must not see.
+            assert len(executor.actors) == 2 and executor.layout.max_in_flight == 2
+        fed = Federation(setup, executor, storage, log=lambda s: None)
+        fed.run()
+        states = executor.get_states()
+    finally:
+        executor.close()
+
+    assert_same_tensors(g_ref, fed.global_shared, "global_shared")
+    if h_ref is None:
+        assert fed.dyn_h is None
+    else:
+        assert_same_tensors(h_ref, fed.dyn_h, "FedDyn server state")
+    assert_same_states(states_ref, states)
+    assert len(fed.metrics.records) == 3
+    assert without_time(fed.metrics.records) == without_time(records_ref)
+    for rec in fed.metrics.records:
+        assert {"gfl_gm", "pfl_gm", "pfl_pm", "pfl_gm_new", "pfl_pm_new"} <= set(rec)
+        assert rec["clients_failed"] == 0
+    # The checkpoint the Ray run wrote holds the same weights.
+    ckpt = load_checkpoint(storage)
+    assert ckpt.round_idx == 2
+    assert_same_tensors(g_ref, ckpt.global_shared, "checkpointed global_shared")
+
+
+# --- 2. sizing the actor pool from the cluster ----------------------------------------------------
+
+
+def runtime(*overrides: str):
+    return tiny_config(*overrides).runtime
+
+
+def test_plan_layout_default_one_actor_per_core():
+    layout = plan_layout(runtime(), 100, {"CPU": 2.0})
+    assert layout == Layout(num_actors=2, clients_per_actor=50, max_in_flight=2)
+    assert [len(b) for b in layout.assignment(list(range(100)))] == [50, 50]
+    assert layout.assignment(list(range(100)))[1][0] == 50
+
+
+def test_plan_layout_one_client_per_actor():
+    layout = plan_layout(runtime("runtime.clients_per_actor=1"), 100, {"CPU": 2.0})
+    assert layout == Layout(num_actors=100, clients_per_actor=1, max_in_flight=2)
+
+
+def test_plan_layout_counts_a_cpu_fraction_as_a_whole_core():
+    layout = plan_layout(runtime("runtime.client_resources={num_cpus: 0.25}"), 100, {"CPU": 2.0})
+    assert layout.max_in_flight == 2 and layout.num_actors == 2
+
+
+def test_plan_layout_gpu_share_is_the_unit():
+    rt = runtime("runtime.client_resources={num_cpus: 1, num_gpus: 0.25}")
+    layout = plan_layout(rt, 100, {"CPU": 16.0, "GPU": 1.0})
+    assert layout == Layout(num_actors=4, clients_per_actor=25, max_in_flight=4)
+
+
+def test_plan_layout_custom_resource_limits_slots():
+    rt = runtime("runtime.client_resources={num_cpus: 0.5, client_slot: 1}")
+    layout = plan_layout(rt, 7, {"CPU": 8.0, "client_slot": 3.0})
+    assert layout == Layout(num_actors=3, clients_per_actor=3, max_in_flight=3)
+    assert [len(b) for b in layout.assignment(list(range(7)))] == [3, 3, 1]
+
+
+def test_plan_layout_fewer_clients_than_slots():
+    layout = plan_layout(runtime(), 3, {"CPU": 16.0})
+    assert layout == Layout(num_actors=3, clients_per_actor=1, max_in_flight=3)
+
+
+@pytest.mark.parametrize("resources, cluster", [
+    ("{num_cpus: 4}", {"CPU": 2.0}),
+    ("{num_cpus: 1, num_gpus: 1}", {"CPU": 16.0}),
+    ("{num_cpus: 1, client_slot: 1}", {"CPU": 16.0}),
+])
+def test_plan_layout_rejects_what_the_cluster_cannot_fit(resources, cluster):
+    with pytest.raises(RuntimeError, match="cannot fit one client"):
+        plan_layout(runtime(f"runtime.client_resources={resources}"), 10, cluster)
+
+
+# --- 3. an actor killed in the middle of a round ----------------------------------------------------
+
+
+def wait_for_process_title(pid: int, prefix: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if f.read().startswith(prefix.encode()):
+                return
+        time.sleep(0.002)
+    raise AssertionError(f"process {pid} never ran {prefix} within {timeout} s")
+
+
+def test_actor_killed_mid_round_is_counted_and_restarts_from_checkpoint(ray_session, tmp_path):
+    ray = ray_session
+    cfg = tiny_config("data.new_clients=0", "train.rounds=4", "train.local_epochs=3",
+                      "runtime.min_clients_per_round=1", "runtime.max_failed_fraction=0.9")
+    setup = prepare(cfg)
+    storage = RunStorage(str(tmp_path / "run"))
+    executor = ray_executor(ray, setup, storage)
+    logs: list[str] = []
+    try:
+        assert len(executor.actors) == 2
+        fed = Federation(setup, executor, storage, log=logs.append)
+        fed.run_round(0)
+        assert latest_checkpoint_name(storage) == "round_000000"
+
+        ids = sample_clients(cfg.seed, 1, setup.num_clients, cfg.train.client_fraction)
+        victim = max(range(len(executor.actors)), key=lambda a: sum(executor.home[c] == a for c in ids))
+        victim_clients = {c for c in ids if executor.home[c] == victim}
+        assert len(victim_clients) >= 2
+        pid = ray.get(executor.actors[victim].__ray_call__.remote(lambda self: os.getpid()))
+
+        result: dict = {}
+        th = threading.Thread(target=lambda: result.update(record=fed.run_round(1)), daemon=True)
+        th.start()
+        # Kill it while it runs a client's local update (Ray titles the process by the running method).
+        wait_for_process_title(pid, "ray::ClientActorImpl.train", timeout=60)
+        ray.kill(executor.actors[victim], no_restart=False)
+        th.join(180)
+        assert not th.is_alive(), "round 1 did not finish after the actor was killed"
+        rec = result["record"]
+
+        assert rec["clients"] == 3
+        # Only the client in training is lost: the rest of the actor's queue waits for its restart.
+        assert rec["clients_failed"] == 1
+        assert rec["clients_done"] == 2
+        assert set(rec["failed_ids"]) <= victim_clients
+        for cid in rec["failed_ids"]:
+            assert any(f"client {cid} failed" in line and "actor died" in line for line in logs), logs
+        logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in logged] == [0, 1]
+        assert logged[1]["clients_failed"] == rec["clients_failed"]
+        assert logged[1]["failed_ids"] == rec["failed_ids"]
+        assert all(torch.isfinite(v).all() for v in fed.global_shared.values())
+
+        # The restarted actor took its clients' state from the checkpoint of round 0.
+        info = ray.get(executor.actors[victim].ready.remote())
+        assert info["restored_round"] == 0
+        assert ray.get(executor.actors[victim].__ray_call__.remote(lambda self: os.getpid())) != pid
+        other = 1 - victim
+        assert ray.get(executor.actors[other].ready.remote())["restored_round"] is None
+        before = load_checkpoint(storage, "round_000000").clients
+        after = load_checkpoint(storage, "round_000001").clients
+        assert any(before[c].rounds_trained > 0 for c in executor.home if executor.home[c] == victim)
+        for cid in rec["failed_ids"]:
+            assert after[cid].rounds_trained == before[cid].rounds_trained
+            assert_same_tensors(before[cid].tensors(), after[cid].tensors(), f"client {cid}")
+
+        rec2 = fed.run_round(2)
+        assert rec2["clients_failed"] == 0 and rec2["clients_done"] == rec2["clients"]
+        assert any(executor.home[c] == victim for c in sample_clients(cfg.seed, 2, setup.num_clients, 0.5))
+    finally:
+        executor.close()
+
+
+# --- 4. a client whose training raises ---------------------------------------------------------------
+
+
+def nan_head(setup) -> ClientState:
+    """A stored P-head of the right shape full of NaN: local training stops with a non-finite loss."""
+    shape = setup.build_model().state_dict()["personal_head.weight"].shape
+    return ClientState(personal={"personal_head.weight": torch.full(shape, float("nan"))})
+
+
+def test_raising_client_is_reported_not_fatal(ray_session, tmp_path):
+    ray = ray_session
+    cfg = tiny_config("data.new_clients=0")
+    setup = prepare(cfg)
+    storage = RunStorage(str(tmp_path / "run"))
+    executor = ray_executor(ray, setup, storage)
+    logs: list[str] = []
+    try:
+        ids = sample_clients(cfg.seed, 0, setup.num_clients, cfg.train.client_fraction)
+        cid = ids[1]
+        executor.set_states({cid: nan_head(setup)})
+        fed = Federation(setup, executor, storage, log=logs.append)
+        rec = run_with_timeout(lambda: fed.run_round(0), 120)
+        assert rec["clients_failed"] == 1 and rec["failed_ids"] == [cid]
+        assert rec["clients_done"] == 2
+        assert {"gfl_gm", "pfl_gm", "pfl_pm"} <= set(rec) and rec["pm_eval_failed"] == 0
+        failure_lines = [line for line in logs if "failed" in line]
+        assert len(failure_lines) == 1
+        msg = failure_lines[0]
+        assert f"client {cid} failed: LocalTrainingError" in msg
+        assert "Traceback (most recent call last)" in msg and "local_update" in msg
+        assert all(torch.isfinite(v).all() for v in fed.global_shared.values())
+        # The failed update left the client's state as it was.
+        assert torch.isnan(executor.get_states()[cid].personal["personal_head.weight"]).all()
+
+        # The same failure with no tolerance stops the round and names the client and the limit.
+        strict = dataclasses.replace(setup, cfg=tiny_config("data.new_clients=0", "runtime.max_failed_fraction=0"))
+        strict_storage = RunStorage(str(tmp_path / "strict"))
+        fed2 = Federation(strict, executor, strict_storage, log=lambda s: None)
+        with pytest.raises(RoundFailedError) as err:
+            run_with_timeout(lambda: fed2.run_round(0), 120)
+        text = str(err.value)
+        assert f"clients {cid}" in text and "runtime.max_failed_fraction=0.0" in text
+        assert "LocalTrainingError" in text
+        assert not strict_storage.exists("metrics.jsonl") and latest_checkpoint_name(strict_storage) is None
+
+        # A stored state of the wrong shape: its training fails, and so does its PM's evaluation (on the
+        # actor), which is reported and left out of P-FL (PM) instead of breaking the round.
+        executor.set_states({cid: ClientState()})
+        ids1 = sample_clients(cfg.seed, 1, setup.num_clients, cfg.train.client_fraction)
+        bad = next(c for c in ids1 if c != cid)
+        executor.set_states({bad: ClientState(personal={"personal_head.weight": torch.zeros(1, 1)})})
+        logs.clear()
+        rec1 = run_with_timeout(lambda: fed.run_round(1), 120)
+        assert rec1["failed_ids"] == [bad] and rec1["clients_done"] == 2
+        assert rec1["pm_eval_failed"] == 1 and 0.0 <= rec1["pfl_pm"] <= 1.0
+        assert any(f"client {bad} failed: ValueError: personal_head.weight: shape (1, 1)" in line for line in logs)
+        assert any(f"client {bad}: personalized model not evaluated" in line for line in logs), logs
+    finally:
+        executor.close()
+
+
+# --- 5. resume after a real SIGKILL equals the uninterrupted run ---------------------------------------
+
+CLI = [sys.executable, "-m", "fedrod_ray.cli", "train"]
+RESUME_SETS = ["--set", "train.rounds=4", "--set", "train.local_epochs=2", "--set", "runtime.torch_threads=1"]
+
+
+def train_cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [*CLI, "--config", "configs/synthetic_tiny.yaml", "--run-dir", str(run_dir), *RESUME_SETS, *extra]
+
+
+def run_cli(cmd: list[str], env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("resume") / "A"
+    run_cli(train_cmd(run_dir))
+    return run_dir
+
+
+def kill_after_two_rounds(cmd: list[str], run_dir: Path, env: dict | None = None) -> None:
+    """Start a training run and SIGKILL it as soon as its round-2 checkpoint is published."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if latest.is_file() and latest.read_text().strip() >= "round_000001":
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.communicate()[0]}"
+        assert time.monotonic() < deadline, "no round-2 checkpoint within 180 s"
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (run_dir / "final").exists()
+    assert latest.read_text().strip() in ("round_000001", "round_000002")
+
+
+def reap_after_killed_driver(env) -> None:
+    """After its driver's SIGKILL, the private Ray's core processes must go (Ray's reaper kills them).
+
+    Its dashboard and runtime-env agents then linger up to ~60 s (they report the raylet's death to the
+    dead GCS with a fixed 60 s timeout) before exiting on their own; we end those by pid rather than wait.
+    """
+    deadline = time.monotonic() + 30
+    while True:
+        left = env.processes()
+        core = [cmd for _, cmd in left if not cmd.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent"))]
+        if not core:
+            break
+        assert time.monotonic() < deadline, f"the killed driver's Ray is still running: {core}"
+        time.sleep(0.5)
+    for pid, _ in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    wa, wb = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
+    assert_same_tensors(wa, wb, "final model")
+    ra = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
+    rb = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rb] == [0, 1, 2, 3]
+    assert without_time(ra) == without_time(rb)
+    assert json.loads((a / "final" / "meta.json").read_text()) == json.loads((b / "final" / "meta.json").read_text())
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_equals_uninterrupted_run(uninterrupted_run, tmp_path):
+    b = tmp_path / "B"
+    kill_after_two_rounds(train_cmd(b), b)
+    proc = run_cli([*CLI, "--resume", str(b), "--set", "runtime.torch_threads=1"])
+    assert f"resuming {b} after round" in proc.stdout
+    assert_same_run(uninterrupted_run, b)
+
+
+@pytest.mark.slow
+def test_ray_resume_after_sigkill_equals_uninterrupted_run(uninterrupted_run, tmp_path, private_ray_env):
+    """The same on Ray (its own local instance), compared with the in-process run: same bits."""
+    b = tmp_path / "B"
+    ray_args = ("--mode", "ray", "--set", "runtime.address=local")
+    kill_after_two_rounds(train_cmd(b, *ray_args), b, env=private_ray_env)
+    reap_after_killed_driver(private_ray_env)
+    proc = run_cli([*CLI, "--resume", str(b), "--set", "runtime.torch_threads=1"], env=private_ray_env)
+    assert re.search(r"ray: \d+ client actor\(s\)", proc.stdout), proc.stdout
+    assert_same_run(uninterrupted_run, b)
+
+
+# --- 6. a node lost from a multi-node cluster ------------------------------------------------------
+
+NODE_LOSS_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import ray, torch
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
+    from fedrod_ray.config import config_from_dict
+    from fedrod_ray.coordinator import RayExecutor, plan_layout
+    from fedrod_ray.federation import Federation, prepare
+    from fedrod_ray.storage import RunStorage
+
+    torch.set_num_threads(1)
+    # Spread the actors over the nodes (Ray's default packs a node up to half its CPUs first).
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "_system_config": {"scheduler_spread_threshold": 0.0}})
+    try:
+        workers = [cluster.add_node(num_cpus=1, resources={"client_slot": 2}) for _ in range(2)]
+        ray.init(address=cluster.address, log_to_driver=False)
+        cfg = config_from_dict({
+            "name": "node_loss", "seed": 0,
+            "data": {"dataset": "synthetic", "num_clients": 4, "new_clients": 0,
+                     "synthetic_train_per_class": 40, "synthetic_test_per_class": 20},
+            "train": {"rounds": 3, "client_fraction": 1.0, "local_epochs": 1, "batch_size": 20},
+            "runtime": {"torch_threads": 1, "clients_per_actor": 2,
+                        "client_resources": {"num_cpus": 0.5, "client_slot": 1},
+                        "min_clients_per_round": 1, "max_failed_fraction": 0.9}})
+        setup = prepare(cfg)
+        storage = RunStorage(sys.argv[1])
+        layout = plan_layout(cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
+        executor = RayExecutor(setup, storage, layout)
+        index = {a._actor_id.hex(): i for i, a in enumerate(executor.actors)}
+
+        def placement():
+            return {index[s.actor_id]: [s.node_id, s.state]
+                    for s in list_actors(filters=[("class_name", "=", "ClientActorImpl")], detail=False)
+                    if s.actor_id in index and s.state != "DEAD"}
+
+        before = placement()
+        fed = Federation(setup, executor, storage, log=lambda s: print(s, flush=True))
+        records = [fed.run_round(0)]
+        victim = next(w for w in workers if w.node_id == before[0][0])
+        cluster.remove_node(victim)
+        records += [fed.run_round(1), fed.run_round(2)]
+        after = placement()
+        restored = ray.get(executor.actors[0].ready.remote())["restored_round"]
+        finite = all(bool(torch.isfinite(v).all()) for v in fed.global_shared.values())
+        executor.close()
+        print("RESULT " + json.dumps({
+            "layout": [layout.num_actors, layout.clients_per_actor],
+            "workers": [w.node_id for w in workers], "removed": victim.node_id,
+            "before": before, "after": after, "restored_round": restored, "finite": finite,
+            "records": [{k: r[k] for k in ("round", "clients", "clients_done", "clients_failed")}
+                        for r in records]}), flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+""")
+
+
+@pytest.mark.slow
+def test_node_lost_from_cluster(tmp_path, private_ray_env):
+    script = tmp_path / "node_loss.py"
+    script.write_text(NODE_LOSS_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=False, cwd=REPO,
+                          env=private_ray_env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(line[len("RESULT "):])
+
+    assert res["layout"] == [2, 2]
+    nodes = res["workers"]
+    # One actor on each worker node (never the CPU-less head).
+    assert sorted(node for node, _ in res["before"].values()) == sorted(nodes), res["before"]
+    survivor = next(n for n in nodes if n != res["removed"])
+    # Both actors alive afterwards, the restarted one on the surviving node, restored from round 0.
+    assert res["after"] == {"0": [survivor, "ALIVE"], "1": [survivor, "ALIVE"]}, res["after"]
+    assert res["restored_round"] == 0
+    r0, r1, r2 = res["records"]
+    assert r0["clients_failed"] == 0
+    assert r1["clients_done"] >= 2 and r1["clients_done"] + r1["clients_failed"] == 4
+    assert r2 == {"round": 2, "clients": 4, "clients_done": 4, "clients_failed": 0}
+    assert res["finite"] is True
+    assert math.isfinite(json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["gfl_gm"])
+    assert os.path.isfile(tmp_path / "run" / "checkpoints" / "latest")
