@@ -222,9 +222,6 @@ class CoordinatorImpl:
     def run_round(self, round_idx: int) -> dict:
         return self.federation.run_round(round_idx)
 
-    def global_weights(self) -> StateDict:
-        return self.federation.global_shared
-
     def finish(self) -> dict:
         try:
             return self.federation.finish()
