@@ -29,11 +29,12 @@ RESTART_TIMEOUT_S = 120.0
 
 @dataclass
 class Layout:
-    """How clients map onto actors, and how many trainings may run at once."""
+    """How clients map onto actors, what each actor asks Ray for, and how many trainings run at once."""
 
     num_actors: int
     clients_per_actor: int
     max_in_flight: int
+    actor_resources: dict[str, float]  # Ray resources of one actor: the client's, scaled down to fit
 
     def assignment(self, client_ids: list[int]) -> list[list[int]]:
         """Contiguous blocks of ids, one per actor."""
@@ -41,11 +42,19 @@ class Layout:
         return [client_ids[i:i + per] for i in range(0, len(client_ids), per)]
 
 
+# Default actors per training slot. Clients are pinned to actors, so with one actor per core a round
+# waits for whichever actor drew the most sampled clients; a few actors per core let the scheduler
+# balance the round (bench/round_overhead.py: 1.08x the floor with 1 actor per core, 1.01x with 2).
+ACTORS_PER_SLOT = 2
+
+
 def plan_layout(rt: RuntimeConfig, num_clients: int, cluster: dict[str, float]) -> Layout:
     """Size the actor pool from the cluster's resources.
 
     A CPU-only training occupies a whole core whatever fraction Ray is told, so concurrency is counted
-    in cores there; with a GPU share the share itself is the unit.
+    in cores there; with a GPU share the share itself is the unit. When there are more actors than
+    slots, each actor's request is scaled down so that all of them can be placed; at most ``slots``
+    of them train at once.
     """
     req = rt.client_resources
     gpu = req.get("num_gpus", 0) > 0
@@ -60,14 +69,14 @@ def plan_layout(rt: RuntimeConfig, num_clients: int, cluster: dict[str, float]) 
         slots = max(1, int(cluster.get("CPU", 1)))
     if slots < 1:
         raise RuntimeError(f"the cluster ({cluster}) cannot fit one client with runtime.client_resources={req}")
+    slots = int(slots)
     if rt.clients_per_actor > 0:
         per = rt.clients_per_actor
-        num_actors = math.ceil(num_clients / per)
     else:
-        num_actors = min(num_clients, int(slots))
-        per = math.ceil(num_clients / num_actors)
-        num_actors = math.ceil(num_clients / per)
-    return Layout(num_actors, per, max(1, min(num_actors, int(slots))))
+        per = math.ceil(num_clients / min(num_clients, ACTORS_PER_SLOT * slots))
+    num_actors = math.ceil(num_clients / per)
+    scale = min(1.0, slots / num_actors)
+    return Layout(num_actors, per, min(num_actors, slots), {k: v * scale for k, v in req.items()})
 
 
 class RayExecutor:
@@ -82,10 +91,11 @@ class RayExecutor:
         self._data_refs = (train_x, train_y, test_x, test_y)
         meta = {"num_classes": ds.num_classes, "mean": list(ds.mean), "std": list(ds.std), "augment": setup.augment}
         rt = cfg.runtime
+        res = layout.actor_resources
         options = {
-            "num_cpus": rt.client_resources.get("num_cpus", 1.0),
-            "num_gpus": rt.client_resources.get("num_gpus", 0.0),
-            "resources": {k: v for k, v in rt.client_resources.items() if k not in ("num_cpus", "num_gpus")},
+            "num_cpus": res.get("num_cpus", 1.0),
+            "num_gpus": res.get("num_gpus", 0.0),
+            "resources": {k: v for k, v in res.items() if k not in ("num_cpus", "num_gpus")},
             "max_restarts": rt.max_restarts,
             "max_task_retries": 0,  # a lost call is reported as a failed client, never silently re-run
         }
