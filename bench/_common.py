@@ -1,0 +1,66 @@
+"""Helpers shared by the benchmark scripts in bench/ (imported as ``_common``; not part of the library)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Sequence
+
+from fedrod_ray.config import DataConfig, ExperimentConfig, config_from_dict
+from fedrod_ray.data import DatasetNotFoundError, load_dataset, resolve_data_dir
+
+SYNTHETIC_NOTE = (
+    "note: real MNIST not found under {dir}/mnist; using data.dataset=synthetic "
+    "(same 1x28x28 shape, so the timings are comparable)"
+)
+
+
+def mnist_data_section(data_dir: str | None) -> dict:
+    """The ``data:`` overrides for real MNIST when it is on disk, else for same-sized synthetic data.
+
+    Never downloads: a benchmark should not depend on the network.
+    """
+    root = resolve_data_dir(data_dir)
+    try:
+        load_dataset(DataConfig(dataset="mnist", data_dir=str(root), download=False))
+        return {"dataset": "mnist", "data_dir": str(root), "download": False}
+    except DatasetNotFoundError:
+        print(SYNTHETIC_NOTE.format(dir=root))
+        # 60k training / 10k test images, like MNIST, so partitions give the same client sizes.
+        return {"dataset": "synthetic", "synthetic_train_per_class": 6000, "synthetic_test_per_class": 1000}
+
+
+def make_config(data: dict, **sections) -> ExperimentConfig:
+    """An ExperimentConfig from a ``data`` section plus other sections given as dicts."""
+    return config_from_dict({"data": dict(data), **sections})
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def md_table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], right: Sequence[bool] | None = None
+) -> str:
+    """A Markdown table; ``right[i]`` right-aligns column i (default: every column but the first)."""
+    if right is None:
+        right = [False] + [True] * (len(headers) - 1)
+    lines = [
+        "| " + " | ".join(str(h) for h in headers) + " |",
+        "|" + "|".join("---:" if r else "---" for r in right) + "|",
+    ]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_note() -> str:
+    """One line on the machine and its load, printed above the tables."""
+    import platform
+
+    import torch
+
+    load = os.getloadavg()
+    return (
+        f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, python {platform.python_version()}; "
+        f"load average at start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}"
+    )
