@@ -96,6 +96,8 @@ class RayExecutor:
             "num_cpus": res.get("num_cpus", 1.0),
             "num_gpus": res.get("num_gpus", 0.0),
             "resources": {k: v for k, v in res.items() if k not in ("num_cpus", "num_gpus")},
+            # Spread the pool over the nodes: memory and a lost node's share of the clients both stay small.
+            "scheduling_strategy": "SPREAD",
             "max_restarts": rt.max_restarts,
             "max_task_retries": 0,  # a lost call is reported as a failed client, never silently re-run
         }

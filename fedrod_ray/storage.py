@@ -21,7 +21,6 @@ class RunStorage:
             self.fs, self.root = pafs.LocalFileSystem(), os.path.abspath(uri)
         # An absolute path, so that actors on other processes or nodes resolve the same directory.
         self.uri = uri if "://" in uri else self.root
-        self.fs.create_dir(self.root, recursive=True)
 
     def path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts)

@@ -138,6 +138,7 @@ def test_missing_dataset_names_directory_and_suggests_synthetic(tmp_path):
     assert str(empty / "mnist") in err
     assert "data.dataset=synthetic" in err
     assert "[round" not in out
+    assert not (tmp_path / "r").exists()  # a run that never started leaves no run directory
 
 
 def test_partition_prints_per_client_table():
