@@ -24,7 +24,7 @@ from .data import ImageDataset, load_dataset
 from .data.transforms import normalize
 from .local import LocalResult, round_lr
 from .metrics import TestSet, accuracy, generic_class_correct, pfl_accuracy
-from .models import FedModel, build_model
+from .models import FedModel, build_model, resolve_arch
 from .partition import Partition, make_partition
 from .results import MetricsLog
 from .server import sample_clients, server_update
@@ -69,10 +69,9 @@ class Setup:
                            self.cfg.model.hyper_hidden, self.cfg.seed)
 
     def model_meta(self) -> dict:
-        model = self.build_model()
         ds = self.dataset
         return {
-            "arch": model.arch, "variant": self.variant, "algorithm": self.cfg.train.algorithm,
+            "arch": resolve_arch(self.cfg.model.arch, ds.image_shape), "variant": self.variant, "algorithm": self.cfg.train.algorithm,
             "num_classes": ds.num_classes, "image_shape": list(ds.image_shape), "mean": list(ds.mean),
             "std": list(ds.std), "hyper_hidden": self.cfg.model.hyper_hidden, "dataset": ds.name,
         }

@@ -25,11 +25,6 @@ class RunStorage:
     def path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts)
 
-    @property
-    def local_path(self) -> str | None:
-        """The directory on this machine, when the run directory is local."""
-        return self.root if isinstance(self.fs, pafs.LocalFileSystem) else None
-
     def write_bytes(self, rel: str, data: bytes) -> None:
         final = self.path(rel)
         self.fs.create_dir(posixpath.dirname(final), recursive=True)
