@@ -40,9 +40,12 @@ def median(xs: Sequence[float]) -> float:
 
 
 def md_table(
-    headers: Sequence[str], rows: Sequence[Sequence[object]], right: Sequence[bool] | None = None
+    headers: Sequence[str] | str, rows: Sequence[Sequence[object]], right: Sequence[bool] | None = None
 ) -> str:
-    """A Markdown table; ``right[i]`` right-aligns column i (default: every column but the first)."""
+    """A Markdown table; ``headers`` a list or one string split at "|"; ``right[i]`` right-aligns column i
+    (default: every column but the first)."""
+    if isinstance(headers, str):
+        headers = headers.split("|")
     if right is None:
         right = [False] + [True] * (len(headers) - 1)
     lines = [

@@ -1,16 +1,18 @@
 """Local-training speed: samples/second of ONE client update, and the time of one full in-process round.
 
-Part 1 times ``fedrod_ray.local.local_update`` (what ``ClientHost.train`` runs) for one client of ~600
-examples, 5 local epochs, batch 40, for
+Part 1 times ``fedrod_ray.local.local_update`` (what ``ClientHost.train`` runs; its own wall time,
+``LocalResult.seconds``) for one client of ~600 examples, 5 local epochs, batch 40, for
   * the MNIST-shaped ConvNet (mnist_cnn, 1x28x28; real MNIST, client 0 of an IID split over 100 clients),
   * the CIFAR-shaped ConvNet (cifar_cnn, 3x32x32 random uint8 images, 10 classes, crop/flip augmentation on),
-for torch threads 1 and 2 and for FedAvg, Fed-RoD (linear) and Fed-RoD (hyper). Each configuration gets
-one short warm-up update (1 epoch), then ``--repeats`` timed updates; the table gives the median.
+for torch threads 1 and 2 and for FedAvg (``train.head: none``, ``balanced_loss: ce``), Fed-RoD (linear)
+and Fed-RoD (hyper) (``train.head: linear`` / ``hyper``, balanced softmax), all with the generic rule
+``fedavg``. Each configuration gets one short warm-up update (1 epoch), then ``--repeats`` timed updates;
+the table gives the median.
 Ratios are against FedAvg with the same shape and threads, and 2 threads against 1, all from this run.
 
 Part 2 times whole FMNIST-shaped rounds in-process with 2 torch threads: MNIST, 100 clients IID
-(600 examples each), 20 sampled per round, 5 epochs, batch 40, via ``Federation.run_round`` with
-evaluation and checkpointing off (``eval_every``/``checkpoint_every`` beyond the last round). One
+(600 examples each), 20 sampled per round, 5 epochs, batch 40, via ``Federation.step`` with
+evaluation off (``eval.eval_every`` beyond the last round) and no checkpoint (``step`` writes none). One
 warm-up round, then the median of ``--rounds`` rounds; compared with 20 x the single-update median of part 1.
 
 Run by hand (nothing else heavy should be running; ~4 minutes on 2 cores):
@@ -24,25 +26,25 @@ Without real MNIST (``--data-dir``/``$FEDROD_DATA_DIR``) it prints a note and us
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-import tempfile
 import time
 
 import numpy as np
 import torch
 from _common import machine_note, make_config, md_table, median, mnist_data_section
 
+from fedrod_ray.algorithms import build_rule
 from fedrod_ray.config import TrainConfig
 from fedrod_ray.federation import Federation, InProcessExecutor, make_host, prepare
-from fedrod_ray.local import ClientData, local_update
+from fedrod_ray.local import ClientData, RoundInput, local_update
 from fedrod_ray.models import build_model
 from fedrod_ray.server import sample_clients
-from fedrod_ray.storage import RunStorage
 
-METHODS = {  # name -> (algorithm, variant)
-    "fedavg": ("fedavg", "linear"),
-    "fedrod_linear": ("fedrod", "linear"),
-    "fedrod_hyper": ("fedrod", "hyper"),
+METHODS = {  # name -> train section; FedAvg is the one-head model with plain cross-entropy
+    "fedavg": {"head": "none", "balanced_loss": "ce"},
+    "fedrod_linear": {"head": "linear"},
+    "fedrod_hyper": {"head": "hyper"},
 }
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
@@ -85,34 +87,17 @@ def cifar_shape(n: int, seed: int) -> Shape:
 
 
 def time_update(shape: Shape, method: str, epochs: int, batch: int, repeats: int, seed: int) -> list[float]:
-    algorithm, variant = METHODS[method]
-    model = build_model(
-        shape.arch,
-        10,
-        shape.image_shape,
-        variant if algorithm == "fedrod" else None,
-        shape.hyper_hidden,
-        seed,
-    )
+    cfg = TrainConfig(**METHODS[method], batch_size=batch)
+    rule = build_rule(cfg.generic_rule, cfg.rule_params)
+    model = build_model(shape.arch, 10, shape.image_shape, cfg.variant, shape.hyper_hidden, seed)
     state = model.state_dict()
-    global_shared = {k: state[k].detach().clone() for k in model.shared_keys()}
+    message = RoundInput({k: state[k].detach().clone() for k in model.shared_keys()})
 
     def run(local_epochs: int, round_idx: int) -> float:
-        cfg = TrainConfig(algorithm=algorithm, variant=variant, local_epochs=local_epochs, batch_size=batch)
-        t0 = time.perf_counter()
-        local_update(
-            model,
-            global_shared,
-            shape.data,
-            cfg,
-            round_idx=round_idx,
-            seed=seed,
-            client_id=0,
-            mean=shape.mean,
-            std=shape.std,
-            augment=shape.augment,
-        )
-        return time.perf_counter() - t0
+        train_cfg = dataclasses.replace(cfg, local_epochs=local_epochs)
+        opts = {"seed": seed, "client_id": 0, "mean": shape.mean, "std": shape.std, "augment": shape.augment}
+        result, _, _ = local_update(model, message, shape.data, train_cfg, rule, round_idx=round_idx, **opts)
+        return result.seconds
 
     run(1, 0)  # warm-up: one short update (allocator, kernels, thread pool)
     return [run(epochs, r) for r in range(repeats)]
@@ -173,46 +158,36 @@ def part2(args, data_section: dict, single: dict[str, float]) -> str:
     torch.set_num_threads(args.round_threads)
     rows = []
     for method in args.round_methods:
-        algorithm, variant = METHODS[method]
-        big = 10**6  # eval and checkpoint rounds never reached
+        big = 10**6  # evaluation rounds never reached
         cfg = make_config(
             data_section | {"num_clients": args.clients, "partition": "iid"},
             seed=args.seed,
-            train={
-                "algorithm": algorithm,
-                "variant": variant,
+            train=METHODS[method]
+            | {
                 "rounds": big,
                 "client_fraction": args.fraction,
                 "local_epochs": args.epochs,
                 "batch_size": args.batch_size,
             },
             eval={"eval_every": big},
-            runtime={"checkpoint_every": big, "torch_threads": args.round_threads},
+            runtime={"torch_threads": args.round_threads},
         )
         setup = prepare(cfg)
         sizes = [len(setup.partition.client_indices[c]) for c in range(setup.num_clients)]
         n = sum(sizes) / len(sizes)
-        with tempfile.TemporaryDirectory(prefix="bench-round-") as tmp:
-            fed = Federation(
-                setup,
-                InProcessExecutor(make_host(setup, setup.all_client_ids)),
-                RunStorage(tmp),
-                log=lambda s: None,
-            )
-            walls, trains, samples = [], [], []
-            for r in range(1 + args.rounds):
-                t0 = time.perf_counter()
-                rec = fed.run_round(r)
-                wall = time.perf_counter() - t0
-                print(
-                    f"  round {method}: {'warm-up round' if r == 0 else f'round {r}'} {wall:.1f}s", flush=True
-                )
-                if r == 0:
-                    continue
-                walls.append(wall)
-                trains.append(rec["train_seconds"])
-                ids = fed_round_ids(cfg, setup, r)
-                samples.append(sum(sizes[c] for c in ids) * args.epochs)
+        fed = Federation(setup, InProcessExecutor(make_host(setup, setup.all_client_ids)), log=lambda s: None)
+        walls, trains, samples = [], [], []
+        for r in range(1 + args.rounds):
+            t0 = time.perf_counter()
+            rec = fed.step(r)
+            wall = time.perf_counter() - t0
+            print(f"  round {method}: {'warm-up round' if r == 0 else f'round {r}'} {wall:.1f}s", flush=True)
+            if r == 0:
+                continue
+            walls.append(wall)
+            trains.append(rec["train_seconds"])
+            ids = sample_clients(cfg.seed, r, setup.num_clients, cfg.train.client_fraction)
+            samples.append(sum(sizes[c] for c in ids) * args.epochs)
         wall = median(walls)
         # Part 1's update is of one client of args.examples examples: comparable only at that client size.
         per_update = single.get(method) if abs(n - args.examples) <= 0.01 * args.examples else None
@@ -243,10 +218,6 @@ def part2(args, data_section: dict, single: dict[str, float]) -> str:
         headers[6] = f"{rec['clients']} x single update s"
         headers[7] = f"round / ({rec['clients']} x update)"
     return md_table(headers, rows, [False] + [True] * 7)
-
-
-def fed_round_ids(cfg, setup, r: int) -> list[int]:
-    return sample_clients(cfg.seed, r, setup.num_clients, cfg.train.client_fraction)
 
 
 def main() -> int:
@@ -302,7 +273,7 @@ def main() -> int:
         }
         print(
             f"part 2: whole rounds in-process, {args.round_threads} thread(s), {args.clients} clients IID, "
-            f"fraction {args.fraction}, eval and checkpoints off",
+            f"fraction {args.fraction}, evaluation off, no checkpoint",
             flush=True,
         )
         table2 = part2(args, data_section, single)
@@ -316,7 +287,7 @@ def main() -> int:
         print(
             f"\n### One in-process FMNIST-shaped round ({ds_name} data, {args.clients} clients IID, fraction {args.fraction}, "
             f"{args.epochs} epochs, batch {args.batch_size}; median of {args.rounds} after 1 warm-up round; "
-            f"eval and checkpointing off)\n"
+            f"evaluation off, no checkpoint)\n"
         )
         print(table2)
     return 0

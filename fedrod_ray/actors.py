@@ -13,6 +13,7 @@ from .aggregate import StateDict
 from .checkpoint import latest_checkpoint_name, load_checkpoint
 from .client import ClientHost, ClientState
 from .config import config_from_dict
+from .local import RoundInput
 from .metrics import TestSet
 from .storage import RunStorage
 
@@ -41,9 +42,12 @@ class ClientActorImpl:
         self.restored_round = self._restore(storage_uri)
 
     def _restore(self, storage_uri: str) -> int | None:
-        """After a restart, take this actor's clients' state from the run's latest checkpoint."""
+        """After a restart, take this actor's clients' state from the run's latest checkpoint.
+
+        A first start gets its state from the coordinator (``set_states``) when a run resumes.
+        """
         storage = RunStorage(storage_uri)
-        if latest_checkpoint_name(storage) is None:
+        if not ray.get_runtime_context().was_current_actor_reconstructed or latest_checkpoint_name(storage) is None:
             return None
         ckpt = load_checkpoint(storage)
         self.host.set_states({cid: st for cid, st in ckpt.clients.items() if cid in self.host.states})
@@ -54,8 +58,8 @@ class ClientActorImpl:
                 "device": str(self.host.device), "threads": torch.get_num_threads(), "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
-    def train(self, client_id: int, global_shared: StateDict, round_idx: int):
-        return self.host.train(client_id, global_shared, round_idx)
+    def train(self, client_id: int, message: RoundInput, round_idx: int):
+        return self.host.train(client_id, message, round_idx)
 
     def evaluate(self, client_ids: list[int], global_shared: StateDict):
         return self.host.evaluate(client_ids, global_shared)

@@ -25,32 +25,45 @@ from .client import ClientState
 from .config import ExperimentConfig, config_from_dict
 from .storage import RunStorage
 
-FORMAT_VERSION = 1
+# 1: fedrod-ray 0.1 (FedDyn's state in fixed fields); 2: rule state named by its rule.
+FORMAT_VERSION = 2
 KEEP = 2
 
 
+class CheckpointFormatError(ValueError):
+    """A checkpoint this version cannot read."""
+
+
 @dataclass
-class Checkpoint:
+class Snapshot:
+    """A federation's full state after a round: what ``Federation.snapshot`` gives and ``restore`` takes."""
+
     round_idx: int  # the last completed round
     config: ExperimentConfig
     global_shared: StateDict
-    server_state: StateDict | None  # FedDyn's h, when used
+    server_state: StateDict  # owned by config.train.generic_rule (empty if it keeps none)
     clients: dict[int, ClientState]
+
+    @property
+    def rounds_done(self) -> int:
+        return self.round_idx + 1
 
 
 def _name(round_idx: int) -> str:
     return f"round_{round_idx:06d}"
 
 
-def save_checkpoint(storage: RunStorage, ckpt: Checkpoint) -> str:
+def save_checkpoint(storage: RunStorage, ckpt: Snapshot) -> str:
     name = _name(ckpt.round_idx)
     tmp = f"checkpoints/.{name}.tmp-{uuid.uuid4().hex[:8]}"
     global_tensors = {f"global/{k}": v.contiguous() for k, v in ckpt.global_shared.items()}
-    global_tensors.update({f"server/{k}": v.contiguous() for k, v in (ckpt.server_state or {}).items()})
+    rule = ckpt.config.train.generic_rule
+    global_tensors.update({f"server/{rule}/{k}": v.contiguous() for k, v in ckpt.server_state.items()})
     client_tensors = {f"{cid}/{k}": v.contiguous() for cid, st in ckpt.clients.items() for k, v in st.tensors().items()}
     manifest = {
         "format_version": FORMAT_VERSION,
         "round": ckpt.round_idx,
+        "rule": rule,
         "config": ckpt.config.to_dict(),
         "clients": {str(cid): {"rounds_trained": st.rounds_trained} for cid, st in sorted(ckpt.clients.items())},
     }
@@ -72,16 +85,21 @@ def latest_checkpoint_name(storage: RunStorage) -> str | None:
     return storage.read_bytes("checkpoints/latest").decode().strip()
 
 
-def load_checkpoint(storage: RunStorage, name: str | None = None) -> Checkpoint:
+def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
     name = name or latest_checkpoint_name(storage)
     if name is None:
         raise FileNotFoundError(f"no checkpoint in {storage.uri}/checkpoints")
     manifest = json.loads(storage.read_bytes(f"checkpoints/{name}/manifest.json"))
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {name}: unsupported format version {manifest.get('format_version')}")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointFormatError(
+            f"checkpoint {storage.uri}/checkpoints/{name} has format version {version}; this version of "
+            f"fedrod-ray reads format {FORMAT_VERSION} only (format 1 was written by fedrod-ray 0.1, before "
+            "generic rules became plug-ins): start a new run, or resume it with the version that wrote it")
     tensors = st_load(storage.read_bytes(f"checkpoints/{name}/global.safetensors"))
     global_shared = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("global/")}
-    server = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("server/")}
+    server_prefix = f"server/{manifest['rule']}/"
+    server = {k[len(server_prefix):]: v for k, v in tensors.items() if k.startswith(server_prefix)}
     per_client: dict[int, dict[str, torch.Tensor]] = {}
     for k, v in st_load(storage.read_bytes(f"checkpoints/{name}/clients.safetensors")).items():
         cid, rest = k.split("/", 1)
@@ -90,10 +108,4 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Checkpoint:
         int(cid): ClientState.from_tensors(per_client.get(int(cid), {}), meta["rounds_trained"])
         for cid, meta in manifest["clients"].items()
     }
-    return Checkpoint(manifest["round"], config_from_dict(manifest["config"]), global_shared, server or None, clients)
-
-
-def save_final(storage: RunStorage, global_shared: StateDict, meta: dict) -> None:
-    """The model the HTTP service loads: shared weights plus what is needed to rebuild the network."""
-    storage.write_bytes("final/model.safetensors", st_save({k: v.contiguous() for k, v in global_shared.items()}))
-    storage.write_bytes("final/meta.json", json.dumps(meta, indent=1).encode())
+    return Snapshot(manifest["round"], config_from_dict(manifest["config"]), global_shared, server, clients)

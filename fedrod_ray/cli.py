@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError, config_from_dict, load_config
+from .config import ConfigError, check_resume, config_from_dict, load_config
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -43,7 +43,7 @@ def _overrides(args) -> list[str]:
 
 
 def cmd_train(args) -> int:
-    from .checkpoint import latest_checkpoint_name, load_checkpoint
+    from .checkpoint import CheckpointFormatError, latest_checkpoint_name, load_checkpoint
     from .storage import RunStorage
 
     ckpt = None
@@ -53,8 +53,12 @@ def cmd_train(args) -> int:
         storage = RunStorage(args.resume)
         if latest_checkpoint_name(storage) is None:
             raise ConfigError(f"--resume: no checkpoint found in {args.resume}/checkpoints")
-        ckpt = load_checkpoint(storage)
+        try:
+            ckpt = load_checkpoint(storage)
+        except CheckpointFormatError as e:
+            raise ConfigError(f"--resume: {e}") from None
         cfg = config_from_dict(ckpt.config.to_dict(), _overrides(args))
+        check_resume(ckpt.config, cfg, ckpt.rounds_done)
         print(f"resuming {args.resume} after round {ckpt.round_idx + 1}", flush=True)
     else:
         if not args.config:
@@ -68,9 +72,9 @@ def cmd_train(args) -> int:
     if cfg.runtime.mode == "ray":
         from .ray_runtime import run_ray
 
-        run_ray(cfg, storage, resume=ckpt is not None, log=lambda s: print(s, flush=True))
+        run_ray(cfg, storage, ckpt, log=lambda s: print(s, flush=True))
     else:
-        from .federation import run_local
+        from .runner import run_local
 
         run_local(cfg, storage, ckpt, log=lambda s: print(s, flush=True))
     print(f"done: run directory {storage.uri}", flush=True)

@@ -6,6 +6,7 @@ The in-process runtime uses one host for every client; the Ray runtime wraps the
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from dataclasses import dataclass, field
 
@@ -13,8 +14,9 @@ import numpy as np
 import torch
 
 from .aggregate import StateDict
+from .algorithms import build_rule
 from .config import ExperimentConfig
-from .local import ClientData, LocalResult, local_update
+from .local import ClientData, LocalResult, RoundInput, local_update
 from .metrics import TestSet, personal_class_correct
 from .models import FedModel, build_model
 
@@ -23,23 +25,24 @@ from .models import FedModel, build_model
 class ClientState:
     """What a client keeps between rounds (never sent to the server's average)."""
 
-    personal: StateDict | None = None  # linear variant: phi_m
+    personal: StateDict | None = None  # linear head: phi_m
     local_model: StateDict | None = None  # shared weights after its last local update, for P-FL (PM)
-    dyn_grad: StateDict | None = None  # FedDyn's per-client gradient term
+    rule_state: StateDict = field(default_factory=dict)  # owned by the generic rule (empty: its initial state)
     rounds_trained: int = 0
 
+    _PARTS = ("personal", "local_model", "rule_state")
+
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for part in ("personal", "local_model", "dyn_grad"):
-            for k, v in (getattr(self, part) or {}).items():
-                out[f"{part}/{k}"] = v
-        return out
+        """Every tensor, keyed ``<part>/<name>``."""
+        return {f"{part}/{k}": v for part in self._PARTS for k, v in (getattr(self, part) or {}).items()}
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], rounds_trained: int) -> ClientState:
         parts: dict[str, StateDict] = {}
         for key, v in tensors.items():
             part, name = key.split("/", 1)
+            if part not in cls._PARTS:
+                raise KeyError(f"unknown client state part {part!r} in {key!r}")
             parts.setdefault(part, {})[name] = v
         return cls(rounds_trained=rounds_trained, **parts)
 
@@ -82,28 +85,28 @@ class ClientHost:
         # A trained client's PM only changes when it trains again: its test counts are kept, keyed by
         # rounds_trained, so an evaluation only runs the clients that trained since the last one.
         self._pm_cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
-        variant = cfg.train.variant if cfg.train.algorithm == "fedrod" else None
-        self.model: FedModel = build_model(cfg.model.arch, num_classes, tuple(train_x.shape[1:]), variant,
-                                           cfg.model.hyper_hidden, cfg.seed).to(self.device)
+        self.rule = build_rule(cfg.train.generic_rule, cfg.train.rule_params)
+        self.model: FedModel = build_model(cfg.model.arch, num_classes, tuple(train_x.shape[1:]),
+                                           cfg.train.variant, cfg.hyper_hidden, cfg.seed).to(self.device)
 
     @property
     def client_ids(self) -> list[int]:
         return list(self.data)
 
-    def train(self, client_id: int, global_shared: StateDict, round_idx: int) -> LocalResult | ClientFailure:
+    def train(self, client_id: int, message: RoundInput, round_idx: int) -> LocalResult | ClientFailure:
         """One local update; errors come back as a ClientFailure (with traceback) instead of raising."""
         try:
             state = self.states[client_id]
-            result, personal, dyn_grad = local_update(
-                self.model, global_shared, self.data[client_id], self.cfg.train,
+            result, personal, rule_state = local_update(
+                self.model, message, self.data[client_id], self.cfg.train, self.rule,
                 round_idx=round_idx, seed=self.cfg.seed, client_id=client_id, mean=self.mean, std=self.std,
-                augment=self.augment, personal=state.personal, dyn_grad=state.dyn_grad, device=self.device,
+                augment=self.augment, personal=state.personal, rule_state=state.rule_state, device=self.device,
             )
         except Exception as e:  # noqa: BLE001 - any client error is reported, never fatal to the round
             return ClientFailure(client_id, f"{type(e).__name__}: {e}", traceback.format_exc())
         # The state changes only once the whole update succeeded: a failed update leaves it untouched.
         state.personal = personal
-        state.dyn_grad = dyn_grad
+        state.rule_state = rule_state
         state.local_model = result.shared
         state.rounds_trained += 1
         return result
@@ -144,12 +147,14 @@ class ClientHost:
                                       self.cfg.eval.batch_size, personal)
 
     def get_states(self) -> dict[int, ClientState]:
-        return self.states
+        # Copies: a snapshot must not change when training goes on. Training replaces a state's
+        # dicts and tensors, never writes into them, so a shallow copy suffices.
+        return {cid: dataclasses.replace(st) for cid, st in self.states.items()}
 
     def set_states(self, states: dict[int, ClientState]) -> None:
         unknown = set(states) - set(self.states)
         if unknown:
             raise KeyError(f"clients {sorted(unknown)} are not hosted here")
-        self.states.update(states)
+        self.states.update({cid: dataclasses.replace(st) for cid, st in states.items()})
         for cid in states:
             self._pm_cache.pop(cid, None)

@@ -42,18 +42,16 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     arch: str = "auto"  # auto (from the dataset) | mnist_cnn | cifar_cnn
-    hyper_hidden: int = 16  # the paper: 16, 32 for CIFAR-10
+    hyper_hidden: int | None = None  # train.head=hyper only; None: the paper's (32 for CIFAR-10, else 16)
 
 
 @dataclass
 class TrainConfig:
-    algorithm: str = "fedrod"  # fedrod | fedavg
-    variant: str = "linear"  # fedrod only: linear | hyper
-    balanced_loss: str = "bsm"  # bsm | ce | reweight | ldam | cdt
-    gamma: float = 1.0
-    generic_rule: str = "fedavg"  # fedavg | fedprox | feddyn
-    prox_mu: float = 0.01  # FedProx lambda
-    feddyn_alpha: float = 0.01  # FedDyn lambda
+    head: str = "linear"  # personalized head: none (one-head model) | linear (phi_m) | hyper (H(a_m; nu))
+    balanced_loss: str = "bsm"  # the generic head's loss: bsm | ce | reweight | ldam | cdt
+    gamma: float | None = None  # bsm, ldam, cdt only; None: 1.0
+    generic_rule: str = "fedavg"  # a rule registered in fedrod_ray.algorithms
+    rule_params: dict[str, Any] = field(default_factory=dict)  # the rule's hyperparameters, e.g. {mu: 0.01}
     rounds: int = 100
     client_fraction: float = 0.2
     local_epochs: int = 5
@@ -63,6 +61,11 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-5
     augment: bool | None = None  # None: the dataset's default (on for CIFAR)
+
+    @property
+    def variant(self) -> str | None:
+        """The model's personalized part (``FedModel.variant``): None for the one-head model."""
+        return None if self.head == "none" else self.head
 
 
 @dataclass
@@ -99,15 +102,35 @@ class ExperimentConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def hyper_hidden(self) -> int:
+        """The hypernetwork's hidden width: as set, else the paper's for the dataset."""
+        if self.model.hyper_hidden is not None:
+            return self.model.hyper_hidden
+        return 32 if self.data.dataset == "cifar10" else 16
+
+
+DEFAULT_GAMMA = 1.0
+GAMMA_LOSSES = {"bsm", "ldam", "cdt"}  # the balanced losses that have an exponent or margin gamma
+HEADS = ("none", "linear", "hyper")
+# Keys of earlier versions, with what replaced them.
+_RENAMED = {
+    "train.algorithm": "train.head (fedrod -> linear or hyper; fedavg -> none, with train.balanced_loss=ce "
+                       "for plain FedAvg)",
+    "train.variant": "train.head (linear | hyper)",
+    "train.prox_mu": "train.rule_params.mu (with train.generic_rule=fedprox)",
+    "train.feddyn_alpha": "train.rule_params.alpha (with train.generic_rule=feddyn)",
+}
+# What --resume may change: how and how long to run, never what is learned.
+RESUMABLE = ("name", "run_dir", "data.data_dir", "data.download", "train.rounds", "eval.", "runtime.")
+
 
 _CHOICES = {
     "data.dataset": {"mnist", "fmnist", "emnist", "cifar10", "cifar100", "synthetic"},
     "data.partition": {"dirichlet", "iid"},
     "model.arch": {"auto", "mnist_cnn", "cifar_cnn"},
-    "train.algorithm": {"fedrod", "fedavg"},
-    "train.variant": {"linear", "hyper"},
+    "train.head": set(HEADS),
     "train.balanced_loss": {"bsm", "ce", "reweight", "ldam", "cdt"},
-    "train.generic_rule": {"fedavg", "fedprox", "feddyn"},
     "runtime.mode": {"local", "ray"},
 }
 _POSITIVE = {
@@ -117,7 +140,7 @@ _POSITIVE = {
     "eval.batch_size", "runtime.checkpoint_every", "runtime.min_clients_per_round",
 }
 _NON_NEGATIVE = {
-    "data.new_clients", "data.min_per_client", "train.gamma", "train.prox_mu", "train.feddyn_alpha",
+    "data.new_clients", "data.min_per_client", "train.gamma",
     "train.momentum", "train.weight_decay", "runtime.torch_threads", "runtime.clients_per_actor",
     "runtime.max_restarts", "runtime.max_failed_fraction",
 }
@@ -165,25 +188,30 @@ def _check_type(path: str, value: Any, tp: Any) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{path}: expected a string, got {value!r}")
+    if tp is Any:
+        return value
     raise ConfigError(f"{path}: unsupported type {tp}")
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+def build_dataclass(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """``cls(**data)`` with every value type-checked; errors name the dotted field (``prefix`` + name)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(
-            f"unknown config key {prefix}{unknown[0]!s}; valid keys here: {', '.join(sorted(fields))}"
-        )
+        key = f"{prefix}{unknown[0]!s}"
+        if key in _RENAMED:
+            raise ConfigError(f"{key} was replaced by {_RENAMED[key]}")
+        valid = ", ".join(sorted(fields)) or "none"
+        raise ConfigError(f"unknown config key {key}; valid keys here: {valid}")
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
         path = f"{prefix}{name}"
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value or {}, path + ".")
+            kwargs[name] = build_dataclass(tp, value or {}, path + ".")
         else:
             kwargs[name] = _check_type(path, value, tp)
     return cls(**kwargs)
@@ -207,13 +235,48 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     for key, amount in cfg.runtime.client_resources.items():
         if amount < 0:
             raise ConfigError(f"runtime.client_resources.{key}: must be >= 0, got {amount}")
+    _check_effective(cfg)
+    from .algorithms import build_rule
+
+    # Stored as the rule resolved them: typed, with its defaults, so config.yaml records what ran.
+    cfg.train.rule_params = dataclasses.asdict(build_rule(cfg.train.generic_rule, cfg.train.rule_params).params)
     return cfg
+
+
+def _check_effective(cfg: ExperimentConfig) -> None:
+    """A setting that would change nothing is an error: the user meant something else."""
+    t = cfg.train
+    if t.gamma is not None and t.balanced_loss not in GAMMA_LOSSES:
+        raise ConfigError(f"train.gamma: has no effect with train.balanced_loss={t.balanced_loss} "
+                          f"(gamma is used by {', '.join(sorted(GAMMA_LOSSES))}); remove it")
+    if cfg.model.hyper_hidden is not None and t.head != "hyper":
+        raise ConfigError(f"model.hyper_hidden: has no effect with train.head={t.head} "
+                          "(only the hyper head has a hypernetwork); remove it")
+    rt = cfg.runtime
+    if rt.mode == "local" and rt.address is not None:
+        raise ConfigError("runtime.address: has no effect with runtime.mode=local; set runtime.mode=ray")
+    if rt.mode == "ray" and rt.device != "cpu":
+        raise ConfigError("runtime.device: has no effect with runtime.mode=ray (actors use a GPU when "
+                          "runtime.client_resources asks for num_gpus); remove it")
+
+
+def check_resume(saved: ExperimentConfig, new: ExperimentConfig, rounds_done: int) -> None:
+    """Refuse a resumed config that changes what the checkpoint was trained with, naming the field."""
+    before, after = _flatten(saved.to_dict()), _flatten(new.to_dict())
+    for key in sorted(before.keys() | after.keys()):
+        if key.startswith(RESUMABLE) or before.get(key) == after.get(key):
+            continue
+        raise ConfigError(f"{key}: the checkpoint was trained with {before.get(key)!r}, not {after.get(key)!r}; "
+                          "a resumed run may change only " + ", ".join(RESUMABLE))
+    if new.train.rounds < rounds_done:
+        raise ConfigError(f"train.rounds: the checkpoint has already completed {rounds_done} rounds, "
+                          f"more than {new.train.rounds}")
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
-        if isinstance(v, dict) and k != "client_resources":
+        if isinstance(v, dict) and k not in ("client_resources", "rule_params"):
             out.update(_flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
@@ -246,7 +309,7 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...
     data = _deep_copy(data or {})
     for assignment in overrides:
         apply_override(data, assignment)
-    return validate(_build(ExperimentConfig, data))
+    return validate(build_dataclass(ExperimentConfig, data))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

@@ -18,10 +18,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from .actors import ClientActor
 from .aggregate import StateDict
-from .checkpoint import latest_checkpoint_name, load_checkpoint
+from .checkpoint import Snapshot
 from .client import ClientFailure, ClientState, EvalCounts
-from .config import ExperimentConfig, RuntimeConfig, config_from_dict
-from .federation import Federation, Setup, prepare
+from .config import RuntimeConfig
+from .federation import Federation, Setup
+from .local import RoundInput
+from .runner import export_federation, save_federation
+from .scheduling import LongestQueueFirst
 from .storage import RunStorage
 
 RESTART_TIMEOUT_S = 120.0
@@ -111,27 +114,20 @@ class RayExecutor:
             self.home.update({c: a for c in ids})
         ray.get([actor.ready.remote() for actor in self.actors])
 
-    def train(self, round_idx: int, client_ids: list[int], global_shared: StateDict):
-        global_ref = ray.put(global_shared)
+    def train(self, round_idx: int, client_ids: list[int], message: RoundInput):
+        message_ref = ray.put(message)
         queues: dict[int, list[tuple[int, int]]] = {}
         for slot, cid in enumerate(client_ids):
             if self.home[cid] in self.dead:
                 yield slot, ClientFailure(cid, f"actor {self.home[cid]} is dead", "")
             else:
                 queues.setdefault(self.home[cid], []).append((slot, cid))
+        policy = LongestQueueFirst(queues, self.layout.max_in_flight)
         in_flight: dict[ray.ObjectRef, tuple[int, int, int]] = {}
-        busy: set[int] = set()
 
         def launch() -> None:
-            # Longest queue first: the round ends when the busiest actor does.
-            while len(in_flight) < self.layout.max_in_flight:
-                idle = [a for a in queues if queues[a] and a not in busy]
-                if not idle:
-                    return
-                a = max(idle, key=lambda k: len(queues[k]))
-                slot, cid = queues[a].pop(0)
-                in_flight[self.actors[a].train.remote(cid, global_ref, round_idx)] = (a, slot, cid)
-                busy.add(a)
+            for a, (slot, cid) in policy.take():
+                in_flight[self.actors[a].train.remote(cid, message_ref, round_idx)] = (a, slot, cid)
 
         launch()
         while in_flight:
@@ -145,9 +141,9 @@ class RayExecutor:
                 # Calls sent to a restarting actor fail at once: wait for it, so that only the client
                 # it was training is lost, not the rest of its queue.
                 if isinstance(e, RayActorError) and not self._wait_alive(a):
-                    for q_slot, q_cid in queues.pop(a, []):
+                    for q_slot, q_cid in policy.drop(a):
                         yield q_slot, ClientFailure(q_cid, f"actor {a} is dead", str(e))
-            busy.discard(a)
+            policy.release(a)
             launch()
             yield slot, result
 
@@ -209,36 +205,33 @@ class RayExecutor:
 
 
 class CoordinatorImpl:
-    """Owns the federation: the driver asks it to run rounds one at a time and prints the records."""
+    """Owns the federation on the cluster. It is handed the prepared setup (and, to resume, a
+    snapshot) by the driver, which calls its round step and decides what is saved when."""
 
-    def __init__(self, cfg_dict: dict, storage_uri: str, resume: bool):
-        self.cfg: ExperimentConfig = config_from_dict(cfg_dict)
-        torch.set_num_threads(max(1, self.cfg.runtime.torch_threads or 1))
-        self.storage = RunStorage(storage_uri)
-        self.setup = prepare(self.cfg)
-        cluster = ray.cluster_resources()
-        self.layout = plan_layout(self.cfg.runtime, len(self.setup.all_client_ids), cluster)
-        self.executor = RayExecutor(self.setup, self.storage, self.layout)
-        self.federation = Federation(self.setup, self.executor, self.storage, log=print)
-        if resume:
-            if latest_checkpoint_name(self.storage) is None:
-                raise FileNotFoundError(f"no checkpoint to resume in {storage_uri}")
-            ckpt = load_checkpoint(self.storage)
-            self.federation.restore(ckpt)
-        self.federation.start()
+    def __init__(self, setup: Setup, storage_uri: str, snapshot: Snapshot | None = None):
+        cfg = setup.cfg
+        torch.set_num_threads(max(1, cfg.runtime.torch_threads or 1))
+        self.layout = plan_layout(cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
+        self.executor = RayExecutor(setup, RunStorage(storage_uri), self.layout)
+        self.federation = Federation(setup, self.executor, log=print)
+        if snapshot is not None:
+            self.federation.restore(snapshot)
 
     def info(self) -> dict:
         return {"next_round": self.federation.next_round, "num_actors": self.layout.num_actors,
                 "clients_per_actor": self.layout.clients_per_actor, "max_in_flight": self.layout.max_in_flight}
 
-    def run_round(self, round_idx: int) -> dict:
-        return self.federation.run_round(round_idx)
+    def step(self, round_idx: int) -> dict:
+        return self.federation.step(round_idx)
 
-    def finish(self) -> dict:
-        try:
-            return self.federation.finish()
-        finally:
-            self.executor.close()
+    def save_checkpoint(self, storage_uri: str) -> None:
+        save_federation(self.federation, RunStorage(storage_uri))
+
+    def save_final(self, storage_uri: str, metrics: dict) -> None:
+        export_federation(self.federation, RunStorage(storage_uri), metrics)
+
+    def close(self) -> None:
+        self.executor.close()
 
 
 Coordinator = ray.remote(CoordinatorImpl)

@@ -1,9 +1,9 @@
 """The round loop, shared by every runtime: configure -> local train -> aggregate -> evaluate.
 
-``Federation`` holds the server's state (global weights, FedDyn's h) and drives an *executor* that
-owns the clients: ``InProcessExecutor`` trains them one after another in this process, and the Ray
-runtime's executor sends the same calls to client actors. The math lives in pure modules
-(``local``, ``aggregate``, ``server``, ``metrics``); this file only sequences it.
+``Federation`` holds the server's state (global weights, the generic rule's state) and drives an
+*executor* that owns the clients: ``InProcessExecutor`` trains them one after another in this
+process, and the Ray runtime's executor sends the same calls to client actors. The math lives in
+pure modules (``local``, ``aggregate``, ``algorithms``, ``metrics``); this file only sequences it.
 """
 
 from __future__ import annotations
@@ -17,18 +17,21 @@ import numpy as np
 import torch
 
 from .aggregate import OrderedAverager, StateDict
-from .checkpoint import Checkpoint, save_checkpoint, save_final
+from .algorithms import build_rule
+from .checkpoint import Snapshot
 from .client import ClientFailure, ClientHost, ClientState, EvalCounts
-from .config import ExperimentConfig, dump_config
-from .data import ImageDataset, load_dataset
+from .config import ExperimentConfig
+from .data import ImageDataset, class_names, load_dataset
 from .data.transforms import normalize
-from .local import LocalResult, round_lr
+from .export import ModelMeta
+from .local import LocalResult, RoundInput, round_lr
 from .metrics import TestSet, accuracy, generic_class_correct, pfl_accuracy
 from .models import FedModel, build_model, resolve_arch
 from .partition import Partition, make_partition
-from .results import MetricsLog
-from .server import sample_clients, server_update
-from .storage import RunStorage
+from .server import sample_clients
+
+# The evaluation fields of a round record (what final/meta.json keeps of the last evaluation).
+METRIC_KEYS = ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_gm_new", "pfl_pm_new", "pm_eval_failed")
 
 
 class RoundFailedError(RuntimeError):
@@ -59,22 +62,19 @@ class Setup:
         counts = torch.as_tensor(self.partition.counts, dtype=torch.float64)
         return counts / counts.sum(1, keepdim=True).clamp_min(1)
 
-    @property
-    def variant(self) -> str | None:
-        return self.cfg.train.variant if self.cfg.train.algorithm == "fedrod" else None
-
     def build_model(self) -> FedModel:
         ds = self.dataset
-        return build_model(self.cfg.model.arch, ds.num_classes, ds.image_shape, self.variant,
-                           self.cfg.model.hyper_hidden, self.cfg.seed)
+        return build_model(self.cfg.model.arch, ds.num_classes, ds.image_shape, self.cfg.train.variant,
+                           self.cfg.hyper_hidden, self.cfg.seed)
 
-    def model_meta(self) -> dict:
-        ds = self.dataset
-        return {
-            "arch": resolve_arch(self.cfg.model.arch, ds.image_shape), "variant": self.variant, "algorithm": self.cfg.train.algorithm,
-            "num_classes": ds.num_classes, "image_shape": list(ds.image_shape), "mean": list(ds.mean),
-            "std": list(ds.std), "hyper_hidden": self.cfg.model.hyper_hidden, "dataset": ds.name,
-        }
+    def model_meta(self, rounds_done: int, metrics: dict[str, float]) -> ModelMeta:
+        ds, cfg = self.dataset, self.cfg
+        return ModelMeta(
+            dataset=ds.name, class_names=class_names(ds.name, ds.num_classes), image_shape=list(ds.image_shape),
+            mean=list(ds.mean), std=list(ds.std), arch=resolve_arch(cfg.model.arch, ds.image_shape),
+            head=cfg.train.head, hyper_hidden=cfg.hyper_hidden, rule=cfg.train.generic_rule,
+            balanced_loss=cfg.train.balanced_loss, round=rounds_done, metrics=metrics,
+        )
 
 
 def prepare(cfg: ExperimentConfig) -> Setup:
@@ -96,7 +96,7 @@ def make_host(setup: Setup, client_ids: list[int], device: str = "cpu") -> Clien
 
 class Executor(Protocol):
     def train(self, round_idx: int, client_ids: list[int],
-              global_shared: StateDict) -> Iterator[tuple[int, LocalResult | ClientFailure]]:
+              message: RoundInput) -> Iterator[tuple[int, LocalResult | ClientFailure]]:
         """Yield (position in client_ids, result) as each client finishes, in any order."""
 
     def evaluate(self, client_ids: list[int], global_shared: StateDict) -> EvalCounts: ...
@@ -114,9 +114,9 @@ class InProcessExecutor:
     def __init__(self, host: ClientHost):
         self.host = host
 
-    def train(self, round_idx, client_ids, global_shared):
+    def train(self, round_idx, client_ids, message):
         for slot, cid in enumerate(client_ids):
-            yield slot, self.host.train(cid, global_shared, round_idx)
+            yield slot, self.host.train(cid, message, round_idx)
 
     def evaluate(self, client_ids, global_shared):
         return self.host.evaluate(client_ids, global_shared)
@@ -131,76 +131,76 @@ class InProcessExecutor:
         pass
 
 
-def run_local(cfg: ExperimentConfig, storage: RunStorage, ckpt: Checkpoint | None = None,
-              log: Callable[[str], None] = print) -> dict:
-    """Train in this process, every client sequentially (``runtime.mode: local``)."""
-    if cfg.runtime.torch_threads:
-        torch.set_num_threads(cfg.runtime.torch_threads)
-    setup = prepare(cfg)
-    fed = Federation(setup, InProcessExecutor(make_host(setup, setup.all_client_ids, cfg.runtime.device)),
-                     storage, log)
-    if ckpt is not None:
-        fed.restore(ckpt)
-    return fed.run()
-
-
 class Federation:
-    def __init__(self, setup: Setup, executor: Executor, storage: RunStorage,
-                 log: Callable[[str], None] = print):
+    """The server's side of a federation as a pure round step: no files, no clocks beyond the record.
+
+    ``step(r)`` runs round r (configure -> train -> aggregate -> evaluate) and returns its record;
+    ``snapshot()`` / ``restore()`` give and take the whole state. Writing metrics, checkpoints and
+    ``final/`` is the caller's (``fedrod_ray.runner`` for the CLI).
+    """
+
+    def __init__(self, setup: Setup, executor: Executor, log: Callable[[str], None] = print):
         self.setup = setup
         self.cfg = setup.cfg
         self.executor = executor
-        self.storage = storage
         self.log = log
+        self.rule = build_rule(self.cfg.train.generic_rule, self.cfg.train.rule_params)
         self.model = setup.build_model()
         state = self.model.state_dict()
-        self.global_shared: StateDict = {k: state[k].detach().clone() for k in self.model.shared_keys()}
-        self.dyn_h: StateDict | None = None
+        self.shared_keys = self.model.shared_keys()
+        self.generic_keys = set(self.model.generic_keys())
+        self.global_shared: StateDict = {k: state[k].detach().clone() for k in self.shared_keys}
+        self.server_state: StateDict = self.rule.init_server_state(self._generic(self.global_shared))
         self.next_round = 0
-        self.metrics = MetricsLog(storage)
 
-    def restore(self, ckpt: Checkpoint) -> None:
-        self.global_shared = ckpt.global_shared
-        self.dyn_h = ckpt.server_state
-        self.next_round = ckpt.round_idx + 1
-        self.executor.set_states(ckpt.clients)
-        self.metrics = MetricsLog.resume(self.storage, ckpt.round_idx)
+    def _generic(self, state: StateDict) -> StateDict:
+        return {k: v for k, v in state.items() if k in self.generic_keys}
 
-    def start(self) -> None:
-        self.storage.write_bytes("config.yaml", dump_config(self.cfg).encode())
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.next_round - 1, self.cfg, dict(self.global_shared), dict(self.server_state),
+                        self.executor.get_states())
 
-    def finish(self) -> dict:
-        """Write ``final/`` (the model the HTTP service loads); returns the last metrics record."""
-        save_final(self.storage, self.global_shared, {**self.setup.model_meta(), "rounds": self.cfg.train.rounds})
-        return self.metrics.records[-1] if self.metrics.records else {}
+    def restore(self, snap: Snapshot) -> None:
+        if set(snap.global_shared) != set(self.shared_keys):
+            raise ValueError("the snapshot's global weights do not fit this model: "
+                             f"{sorted(set(snap.global_shared) ^ set(self.shared_keys))}")
+        self.global_shared = dict(snap.global_shared)
+        self.server_state = dict(snap.server_state)
+        self.next_round = snap.rounds_done
+        self.executor.set_states(snap.clients)
 
-    def run(self) -> dict:
-        self.start()
-        for r in range(self.next_round, self.cfg.train.rounds):
-            self.log(format_record(self.run_round(r), self.cfg.train.rounds))
-        return self.finish()
-
-    def run_round(self, r: int) -> dict:
+    def step(self, r: int) -> dict:
+        """Run round ``r`` (which must be the next one) and return its record."""
+        if r != self.next_round:
+            raise ValueError(f"round {r} requested, but the next round is {self.next_round}")
         cfg = self.cfg
         t0 = time.perf_counter()
         ids = sample_clients(cfg.seed, r, self.setup.num_clients, cfg.train.client_fraction)
-        averager = OrderedAverager(len(ids))
+        message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state))
+        # theta, psi under the rule's weights; nu (hyper) by sample count whatever the rule; the rule's
+        # uploads unweighted. Each folds in the order of ``ids``, so the runtimes agree bitwise.
+        generic, rest, uploads = (OrderedAverager(len(ids)) for _ in range(3))
         results: list[LocalResult] = []
         failures: list[ClientFailure] = []
-        for slot, res in self.executor.train(r, ids, self.global_shared):
+        for slot, res in self.executor.train(r, ids, message):
             if isinstance(res, ClientFailure):
-                averager.skip(slot)
+                for averager in (generic, rest, uploads):
+                    averager.skip(slot)
                 failures.append(res)
                 self.log(f"[round {r + 1}] client {res.client_id} failed: {res.error}\n{res.traceback}")
                 self._check_failures(r, len(ids), failures)
             else:
-                averager.add(slot, res.shared, res.num_samples)
+                generic.add(slot, self._generic(res.shared), self.rule.aggregation_weight(res.num_samples))
+                rest.add(slot, {k: v for k, v in res.shared.items() if k not in self.generic_keys}, res.num_samples)
+                uploads.add(slot, res.upload, 1.0)
                 results.append(res)
         self._check_failures(r, len(ids), failures)
-        averaged = averager.result()
-        self.global_shared, self.dyn_h = server_update(
-            cfg.train, self.global_shared, averaged, self.model.generic_keys(), averager.count,
-            self.setup.num_clients, self.dyn_h)
+        new_generic, self.server_state = self.rule.server_update(
+            self._generic(self.global_shared), generic.result(), uploads.result(), generic.count,
+            self.setup.num_clients, self.server_state)
+        averaged = {**rest.result(), **new_generic}
+        self.global_shared = {k: averaged[k] for k in self.shared_keys}
+        self.next_round = r + 1
         train_seconds = time.perf_counter() - t0
 
         weights = np.array([res.num_samples for res in results], dtype=np.float64)
@@ -216,11 +216,18 @@ class Federation:
         if (r + 1) % cfg.eval.eval_every == 0 or r + 1 == cfg.train.rounds:
             record.update(self.evaluate())
         record["seconds"] = round(time.perf_counter() - t0, 4)
-        self.metrics.append(record)
-        if (r + 1) % cfg.runtime.checkpoint_every == 0 or r + 1 == cfg.train.rounds:
-            save_checkpoint(self.storage, Checkpoint(r, cfg, self.global_shared, self.dyn_h,
-                                                     self.executor.get_states()))
         return record
+
+    def final_model(self, metrics: dict) -> tuple[ModelMeta, StateDict, dict[int, torch.Tensor] | None]:
+        """What ``export.save_final`` writes: the metadata, the global weights and (linear) every
+        client's phi_m (zeros for a client that never trained: its PM is the GM)."""
+        heads = None
+        if self.cfg.train.head == "linear":
+            shape = self.model.personal_head.weight.shape
+            heads = {cid: st.personal["personal_head.weight"] if st.personal else torch.zeros(shape)
+                     for cid, st in sorted(self.executor.get_states().items())}
+        meta = self.setup.model_meta(self.next_round, {k: v for k, v in metrics.items() if k in METRIC_KEYS})
+        return meta, dict(self.global_shared), heads
 
     def _check_failures(self, r: int, sampled: int, failures: list[ClientFailure]) -> None:
         rt = self.cfg.runtime
@@ -261,15 +268,3 @@ class Federation:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
-
-
-def format_record(rec: dict, rounds: int) -> str:
-    line = (f"[round {rec['round'] + 1:>3}/{rounds}] {rec['seconds']:6.1f}s  lr {rec['lr']:.4g}  "
-            f"clients {rec['clients_done']}/{rec['clients']} (failed {rec['clients_failed']})  "
-            f"loss {rec['train_loss']:.3f}")
-    if "gfl_gm" in rec:
-        line += (f"  |  G-FL {100 * rec['gfl_gm']:.2f}  P-FL GM {100 * rec['pfl_gm']:.2f}"
-                 f"  PM {100 * rec['pfl_pm']:.2f}")
-        if "pfl_pm_new" in rec:
-            line += f"  new GM {100 * rec['pfl_gm_new']:.2f} PM {100 * rec['pfl_pm_new']:.2f}"
-    return line

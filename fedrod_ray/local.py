@@ -11,16 +11,18 @@ the same wherever it runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .aggregate import StateDict
-from .config import TrainConfig
+from .algorithms import GenericRule
+from .config import DEFAULT_GAMMA, TrainConfig
 from .data.transforms import augment_batch, normalize
-from .losses import cross_entropy, get_loss
+from .losses import get_loss
 from .models import FedModel
 
 
@@ -46,11 +48,21 @@ class ClientData:
 
 @dataclass
 class LocalResult:
-    shared: StateDict  # theta*, psi* (and nu* for the hyper variant): what the server averages
+    shared: StateDict  # theta*, psi* (and nu* for the hyper head): what the server averages
     num_samples: int
     loss: float  # mean balanced (generic) loss over all local steps
-    personal_loss: float | None  # mean personalized loss (Fed-RoD only)
+    personal_loss: float | None  # mean personalized loss (a model with a personalized head only)
     steps: int
+    seconds: float  # wall time of the update, so that callers (benchmarks) need not time it again
+    upload: StateDict = field(default_factory=dict)  # the rule's per-client message to the server
+
+
+@dataclass
+class RoundInput:
+    """What the server sends every client of a round: the global weights and the rule's broadcast."""
+
+    weights: StateDict
+    broadcast: StateDict = field(default_factory=dict)
 
 
 def derived_seed(*parts: int) -> int:
@@ -66,19 +78,33 @@ def round_lr(cfg: TrainConfig, round_idx: int) -> float:
 TRAIN_TAG = 1
 
 
-def local_update(model: FedModel, global_shared: StateDict, data: ClientData, cfg: TrainConfig, *,
-                 round_idx: int, seed: int, client_id: int, mean, std, augment: bool,
-                 personal: StateDict | None = None, dyn_grad: StateDict | None = None,
-                 device: torch.device | str = "cpu") -> tuple[LocalResult, StateDict | None, StateDict | None]:
-    """Train ``model`` from the global weights on one client's data.
+def effective_step_sum(steps: int, momentum: float) -> float:
+    """How many lr-sized steps ``steps`` SGD steps with heavy-ball ``momentum`` (buffer starting at zero,
+    as in torch.optim.SGD) take along a constant gradient: sum_{s<K} (1 - beta^(K-s)) / (1 - beta);
+    K itself without momentum."""
+    if momentum == 0:
+        return float(steps)
+    return sum((1 - momentum ** (steps - s)) / (1 - momentum) for s in range(steps))
 
-    ``personal`` is the client's stored P-head (linear variant; None means freshly initialised) and
-    ``dyn_grad`` its FedDyn state. Returns the result for the server, the new P-head and the new FedDyn
-    state; ``model`` is left holding the client's local model.
+
+def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: TrainConfig, rule: GenericRule, *,
+                 round_idx: int, seed: int, client_id: int, mean, std, augment: bool,
+                 personal: StateDict | None = None, rule_state: StateDict | None = None,
+                 device: torch.device | str = "cpu") -> tuple[LocalResult, StateDict | None, StateDict]:
+    """Train ``model`` from the round's global weights on one client's data.
+
+    ``personal`` is the client's stored P-head (linear head; None means freshly initialised) and
+    ``rule_state`` its state under the generic rule (empty: the rule's initial state). Returns the
+    result for the server, the new P-head and the new rule state; ``model`` is left holding the
+    client's local model.
     """
+    t0 = time.perf_counter()
+    n = len(data)
+    if n == 0:
+        raise LocalTrainingError("the client has no training examples")
     device = torch.device(device)
     model.to(device)
-    model.load_partial(global_shared)
+    model.load_partial(message.weights)
     if model.variant == "linear":
         if personal is None:
             torch.nn.init.zeros_(model.personal_head.weight)
@@ -93,20 +119,16 @@ def local_update(model: FedModel, global_shared: StateDict, data: ClientData, cf
     dist = data.class_dist.to(device)
     # Zero-padding of the raw image, expressed after normalisation.
     black = [-m / s for m, s in zip(mean, std)] if augment else None
-    br_loss = cross_entropy if model.variant is None else get_loss(cfg.balanced_loss)
-    gamma = cfg.gamma
+    br_loss = get_loss(cfg.balanced_loss)
+    gamma = DEFAULT_GAMMA if cfg.gamma is None else cfg.gamma
 
     lr = round_lr(cfg, round_idx)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     params = dict(model.named_parameters())
     generic = [k for k in model.generic_keys() if k in params]
-    anchor = {k: global_shared[k].to(device) for k in generic} if cfg.generic_rule != "fedavg" else {}
-    if cfg.generic_rule == "feddyn" and dyn_grad is None:
-        dyn_grad = {k: torch.zeros_like(params[k]) for k in generic}
-    elif dyn_grad is not None:
-        dyn_grad = {k: v.to(device) for k, v in dyn_grad.items()}
+    anchor = {k: message.weights[k].to(device) for k in generic}
+    correction = rule.start_local(anchor, _to(rule_state or {}, device), _to(message.broadcast, device))
 
-    n = len(data)
     loss_sum = torch.zeros((), device=device)
     ploss_sum = torch.zeros((), device=device)
     steps = 0
@@ -127,7 +149,9 @@ def local_update(model: FedModel, global_shared: StateDict, data: ClientData, cf
                 ploss_sum += loss_p.detach()
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            _apply_generic_rule(cfg, params, generic, anchor, dyn_grad)
+            if correction is not None:
+                with torch.no_grad():
+                    correction.apply(params)
             opt.step()
             loss_sum += loss_g.detach()
             steps += 1
@@ -135,38 +159,26 @@ def local_update(model: FedModel, global_shared: StateDict, data: ClientData, cf
         if not torch.isfinite(loss_sum + ploss_sum):
             raise LocalTrainingError(f"non-finite loss in local epoch {epoch + 1} (lr={lr:g})")
 
-    if cfg.generic_rule == "feddyn":
-        with torch.no_grad():
-            for k in generic:
-                dyn_grad[k] = dyn_grad[k] - cfg.feddyn_alpha * (params[k].detach() - anchor[k])
     state = model.state_dict()
     shared = {k: state[k].detach().to("cpu", copy=True) for k in model.shared_keys()}
     new_personal = ({k: state[k].detach().to("cpu", copy=True) for k in model.personal_keys()}
                     if model.variant == "linear" else None)
-    if dyn_grad is not None:
-        dyn_grad = {k: v.detach().to("cpu") for k, v in dyn_grad.items()}
+    new_rule_state, upload = {}, {}
+    if correction is not None:
+        with torch.no_grad():
+            new_rule_state, upload = correction.finish({k: params[k].detach() for k in generic},
+                                                       lr * effective_step_sum(steps, cfg.momentum))
     result = LocalResult(
         shared=shared,
         num_samples=n,
-        loss=(loss_sum / max(steps, 1)).item(),
-        personal_loss=(ploss_sum / max(steps, 1)).item() if model.variant is not None else None,
+        loss=(loss_sum / steps).item(),
+        personal_loss=(ploss_sum / steps).item() if model.variant is not None else None,
         steps=steps,
+        seconds=time.perf_counter() - t0,
+        upload=_to(upload, "cpu"),
     )
-    return result, new_personal, dyn_grad
+    return result, new_personal, _to(new_rule_state, "cpu")
 
 
-def _apply_generic_rule(cfg: TrainConfig, params, generic, anchor, dyn_grad) -> None:
-    """FedProx / FedDyn act on theta and psi only, as gradient corrections of the local objective."""
-    if cfg.generic_rule == "fedavg":
-        return
-    with torch.no_grad():
-        for k in generic:
-            p = params[k]
-            if p.grad is None:
-                continue
-            if cfg.generic_rule == "fedprox":
-                # d/dw of mu/2 ||w - w_global||^2
-                p.grad.add_(p - anchor[k], alpha=cfg.prox_mu)
-            else:
-                # d/dw of -<g_m, w> + alpha/2 ||w - w_global||^2 (Acar et al., 2021)
-                p.grad.add_(p - anchor[k], alpha=cfg.feddyn_alpha).sub_(dyn_grad[k])
+def _to(state: StateDict, device) -> StateDict:
+    return {k: v.to(device) for k, v in state.items()}

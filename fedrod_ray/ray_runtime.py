@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayError, RayTaskError
 
+from .checkpoint import Snapshot
 from .config import ExperimentConfig
 from .coordinator import Coordinator
-from .federation import RoundFailedError, format_record
+from .federation import RoundFailedError, prepare
+from .runner import drive
 from .storage import RunStorage
 
 
@@ -28,28 +31,36 @@ def connect(cfg: ExperimentConfig) -> bool:
     return True
 
 
-def run_ray(cfg: ExperimentConfig, storage: RunStorage, resume: bool = False,
+def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
             log: Callable[[str], None] = print) -> dict:
+    # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message; the
+    # coordinator is handed the result.
+    setup = prepare(cfg)
     started = connect(cfg)
     coordinator = None
     try:
         t0 = time.perf_counter()
         # The coordinator takes no CPU from the clients: it only averages and evaluates the GM.
-        coordinator = Coordinator.options(num_cpus=0, max_restarts=0).remote(cfg.to_dict(), storage.uri, resume)
+        coordinator = Coordinator.options(num_cpus=0, max_restarts=0).remote(setup, storage.uri, snapshot)
         info = ray.get(coordinator.info.remote())
         log(f"ray: {info['num_actors']} client actor(s) x {info['clients_per_actor']} client(s), "
             f"{info['max_in_flight']} training(s) at once; ready in {time.perf_counter() - t0:.1f}s")
-        for r in range(info["next_round"], cfg.train.rounds):
+
+        def step(r: int) -> dict:
             try:
-                record = ray.get(coordinator.run_round.remote(r))
+                return ray.get(coordinator.step.remote(r))
             except RayTaskError as e:
                 if isinstance(e.cause, RoundFailedError):
                     raise e.cause from None
                 raise
-            log(format_record(record, cfg.train.rounds))
-        return ray.get(coordinator.finish.remote())
+
+        return drive(step, lambda: ray.get(coordinator.save_checkpoint.remote(storage.uri)),
+                     lambda m: ray.get(coordinator.save_final.remote(storage.uri, m)),
+                     cfg, storage, info["next_round"], log)
     finally:
         if coordinator is not None:
+            with contextlib.suppress(RayError):
+                ray.get(coordinator.close.remote())
             ray.kill(coordinator)
         if started:
             ray.shutdown()

@@ -25,6 +25,18 @@ def shared_data_dir() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op thread: fastest for tiny batches, and every reduction then runs in the same order
+    in this process and in single-threaded Ray actors."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # --- Ray: one private local instance per test session -------------------------------------------------
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # before anything imports ray

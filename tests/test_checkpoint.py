@@ -9,7 +9,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fedrod_ray.checkpoint import Checkpoint, latest_checkpoint_name, load_checkpoint, save_checkpoint
+from fedrod_ray.checkpoint import (
+    CheckpointFormatError,
+    Snapshot,
+    latest_checkpoint_name,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.results import MetricsLog
@@ -20,7 +26,7 @@ def _rand(*shape, seed, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def make_checkpoint(round_idx: int = 3) -> Checkpoint:
+def make_checkpoint(round_idx: int = 3) -> Snapshot:
     cfg = config_from_dict({"name": "ckpt_test", "seed": 5}, [
         "train.generic_rule=feddyn", "train.lr=0.03", "runtime.client_resources={num_cpus: 2, num_gpus: 0.5}",
         "data.num_clients=3",
@@ -35,13 +41,13 @@ def make_checkpoint(round_idx: int = 3) -> Checkpoint:
         0: ClientState(
             personal={"personal_head.weight": _rand(10, 4, seed=6)},
             local_model={k: v + 1 for k, v in global_shared.items()},
-            dyn_grad={"body.0.weight": _rand(4, 1, 3, 3, seed=7)},
+            rule_state={"body.0.weight": _rand(4, 1, 3, 3, seed=7)},
             rounds_trained=2,
         ),
         2: ClientState(local_model={"body.0.bias": _rand(4, seed=8)}, rounds_trained=1),
         1: ClientState(),  # never trained
     }
-    return Checkpoint(round_idx, cfg, global_shared, server, clients)
+    return Snapshot(round_idx, cfg, global_shared, server, clients)
 
 
 def _assert_dicts_equal(a, b):
@@ -72,7 +78,7 @@ def test_round_trip_is_bitwise(tmp_path):
         assert got.rounds_trained == st.rounds_trained
         _assert_dicts_equal(got.personal, st.personal)
         _assert_dicts_equal(got.local_model, st.local_model)
-        _assert_dicts_equal(got.dyn_grad, st.dyn_grad)
+        _assert_dicts_equal(got.rule_state, st.rule_state)
     # loading by explicit name gives the same
     assert load_checkpoint(storage, name).round_idx == 3
 
@@ -80,11 +86,11 @@ def test_round_trip_is_bitwise(tmp_path):
 def test_no_server_state_and_no_clients(tmp_path):
     storage = RunStorage(str(tmp_path / "run"))
     ckpt = make_checkpoint()
-    ckpt.server_state = None
+    ckpt.server_state = {}
     ckpt.clients = {}
     save_checkpoint(storage, ckpt)
     loaded = load_checkpoint(storage)
-    assert loaded.server_state is None
+    assert loaded.server_state == {}
     assert loaded.clients == {}
     _assert_dicts_equal(loaded.global_shared, ckpt.global_shared)
 
@@ -132,17 +138,30 @@ def test_files_are_safetensors_and_json_not_pickle(tmp_path):
     with safe_open(str(folder / "global.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         assert torch.equal(f.get_tensor("global/generic_head.weight"), ckpt.global_shared["generic_head.weight"])
-    assert keys == {f"global/{k}" for k in ckpt.global_shared} | {f"server/{k}" for k in ckpt.server_state}
+    assert keys == {f"global/{k}" for k in ckpt.global_shared} | {f"server/feddyn/{k}" for k in ckpt.server_state}
     with safe_open(str(folder / "clients.safetensors"), framework="pt") as f:
         assert "0/personal/personal_head.weight" in set(f.keys())
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["round"] == 3
-    assert manifest["config"]["train"]["generic_rule"] == "feddyn"
+    assert manifest["config"]["train"]["generic_rule"] == "feddyn" and manifest["rule"] == "feddyn"
+    assert manifest["format_version"] == 2
     for path in folder.iterdir():
         head = path.read_bytes()[:2]
         assert head[:1] != b"\x80", path  # pickle protocol 2+ opcode
         assert not head.startswith(b"PK"), path  # torch.save zip archive
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == name
+
+
+def test_a_format_1_checkpoint_is_refused_naming_its_version(tmp_path):
+    """fedrod-ray 0.1 wrote format 1 (FedDyn's state in fixed fields): refused with a clear error."""
+    storage = RunStorage(str(tmp_path / "run"))
+    name = save_checkpoint(storage, make_checkpoint())
+    manifest = tmp_path / "run" / "checkpoints" / name / "manifest.json"
+    old = json.loads(manifest.read_text())
+    old["format_version"] = 1
+    manifest.write_text(json.dumps(old))
+    with pytest.raises(CheckpointFormatError, match=r"format version 1; this version of fedrod-ray reads format 2"):
+        load_checkpoint(storage)
 
 
 def _all_files(root):

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,20 @@ def assert_run_directory(run_dir: Path) -> None:
     weights = load_file(run_dir / "final" / "model.safetensors")
     assert weights and all(k.startswith(("body", "generic_head")) for k in weights)
     meta = json.loads((run_dir / "final" / "meta.json").read_text())
-    assert meta["rounds"] == ROUNDS and meta["dataset"] == "synthetic" and meta["variant"] == "linear"
+    assert meta["round"] == ROUNDS and meta["dataset"] == "synthetic" and meta["head"] == "linear"
+    assert meta["rule"] == "fedavg" and meta["metrics"]["gfl_gm"] == records[-1]["gfl_gm"]
+    # Every client's phi_m, for serving a known client's personalized model.
+    heads = load_file(run_dir / "final" / "personal.safetensors")
+    cfg_clients = cfg.data.num_clients + cfg.data.new_clients
+    assert sorted(heads, key=int) == [str(c) for c in range(cfg_clients)]
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """``--set runtime.torch_threads=1`` sets this process's thread count: put it back after each test."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +117,44 @@ def test_resume_takes_no_config(local_run):
     run_dir, _ = local_run
     rc, _, err = run_main(["train", "--resume", str(run_dir), "--config", CONFIG])
     assert rc == 2 and "drop --config" in err
+
+
+def test_resume_refuses_a_changed_method_and_takes_more_rounds(local_run, tmp_path):
+    run_dir, _ = local_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    before = snapshot(copy)
+    for override, field in (("seed=5", "seed"), ("train.generic_rule=scaffold", "train.generic_rule"),
+                            ("data.alpha=0.9", "data.alpha")):
+        rc, out, err = run_main(["train", "--resume", str(copy), "--set", override])
+        assert rc == 2 and f"{field}: the checkpoint was trained with" in err, err
+        assert "[round" not in out
+    assert snapshot(copy) == before
+    rc, out, err = run_main(["train", "--resume", str(copy), "--set", f"train.rounds={ROUNDS + 1}",
+                             "--set", "runtime.torch_threads=1"])
+    assert rc == 0, err
+    assert [ln.split("]")[0] for ln in out.splitlines() if ln.startswith("[round")] == [
+        f"[round {ROUNDS + 1:>3}/{ROUNDS + 1}"]
+    records = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == list(range(ROUNDS + 1))
+    assert json.loads((copy / "final" / "meta.json").read_text())["round"] == ROUNDS + 1
+
+
+def test_train_with_scaffold(tmp_path):
+    """The method seam from the command line: SCAFFOLD's server and client control variates are checkpointed."""
+    run_dir = tmp_path / "S"
+    rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(run_dir), "--set",
+                             "train.generic_rule=scaffold", "--set", "train.rounds=2",
+                             "--set", "runtime.torch_threads=1"])
+    assert rc == 0, err
+    assert "[round   2/2]" in out
+    manifest = json.loads((run_dir / "checkpoints" / "round_000001" / "manifest.json").read_text())
+    assert manifest["rule"] == "scaffold"
+    server = load_file(run_dir / "checkpoints" / "round_000001" / "global.safetensors")
+    assert any(k.startswith("server/scaffold/body.") for k in server)
+    clients = load_file(run_dir / "checkpoints" / "round_000001" / "clients.safetensors")
+    assert any("/rule_state/body." in k for k in clients)
+    assert json.loads((run_dir / "final" / "meta.json").read_text())["rule"] == "scaffold"
 
 
 def test_resume_needs_a_checkpoint(tmp_path):

@@ -7,13 +7,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedrod_ray.config import ConfigError, ExperimentConfig, config_from_dict, dump_config, load_config
+from fedrod_ray.config import (
+    ConfigError,
+    ExperimentConfig,
+    check_resume,
+    config_from_dict,
+    dump_config,
+    load_config,
+)
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
 
-def test_there_are_config_files():
-    assert len(CONFIGS) >= 1
+def test_the_shipped_config_files_are_all_found():
+    assert {p.name for p in CONFIGS} >= {"quickstart.yaml", "synthetic_tiny.yaml", "mnist_paper.yaml",
+                                         "fmnist_paper.yaml", "cifar10_paper.yaml", "cifar100_paper.yaml"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -43,14 +51,14 @@ def test_defaults():
 def test_overrides():
     cfg = config_from_dict({"train": {"lr": 0.5}}, [
         "train.lr=0.1",
-        "train.variant=hyper",
+        "train.head=hyper",
         "data.dataset=cifar10",
         "seed=7",
         "train.augment=true",
         "runtime.client_resources={num_cpus: 2, num_gpus: 0.5}",
     ])
     assert cfg.train.lr == 0.1
-    assert cfg.train.variant == "hyper"
+    assert cfg.train.head == "hyper" and cfg.train.variant == "hyper"
     assert cfg.data.dataset == "cifar10"
     assert cfg.seed == 7
     assert cfg.train.augment is True
@@ -123,8 +131,7 @@ def test_wrong_type_names_the_field(override, field):
 
 
 @pytest.mark.parametrize(("override", "field"), [
-    ("train.algorithm=fedsgd", "train.algorithm"),
-    ("train.variant=deep", "train.variant"),
+    ("train.head=deep", "train.head"),
     ("train.balanced_loss=focal", "train.balanced_loss"),
     ("data.dataset=imagenet", "data.dataset"),
     ("train.generic_rule=scaffold_v2", "train.generic_rule"),
@@ -148,6 +155,67 @@ def test_bad_choice_names_the_field(override, field):
 def test_out_of_range_names_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         config_from_dict({}, [override])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.balanced_loss=ce", "train.gamma=1"], r"train\.gamma: has no effect with train\.balanced_loss=ce"),
+    (["train.balanced_loss=reweight", "train.gamma=0.5"], r"train\.gamma: has no effect"),
+    (["train.head=linear", "model.hyper_hidden=32"], r"model\.hyper_hidden: has no effect with train\.head=linear"),
+    (["train.head=none", "model.hyper_hidden=16"], r"model\.hyper_hidden: has no effect"),
+    (["train.generic_rule=fedavg", "train.rule_params.mu=0.1"], r"unknown config key train\.rule_params\.mu"),
+    (["train.generic_rule=scaffold", "train.rule_params.alpha=0.1"], r"train\.rule_params\.alpha.*scaffold"),
+    (["train.generic_rule=fedprox", "train.rule_params.alpha=0.1"], r"train\.rule_params\.alpha.*valid keys here: mu"),
+    (["runtime.address=auto"], r"runtime\.address: has no effect with runtime\.mode=local"),
+    (["runtime.mode=ray", "runtime.device=cuda"], r"runtime\.device: has no effect with runtime\.mode=ray"),
+])
+def test_a_setting_without_effect_is_an_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({}, overrides)
+
+
+@pytest.mark.parametrize(("key", "replacement"), [
+    ("train.algorithm=fedavg", "train.head"),
+    ("train.variant=hyper", "train.head"),
+    ("train.prox_mu=0.1", "train.rule_params.mu"),
+    ("train.feddyn_alpha=0.1", "train.rule_params.alpha"),
+])
+def test_keys_of_earlier_versions_name_their_replacement(key, replacement):
+    with pytest.raises(ConfigError, match=rf"{key.split('=')[0]} was replaced by {replacement}"):
+        config_from_dict({}, [key])
+
+
+def test_rule_params_are_typed_and_checked_by_the_rule():
+    cfg = config_from_dict({}, ["train.generic_rule=fedprox", "train.rule_params.mu=1e-3"])
+    assert cfg.train.rule_params == {"mu": 1e-3}
+    assert config_from_dict({}, ["train.generic_rule=feddyn"]).train.rule_params == {"alpha": 0.01}  # the default
+    for bad, msg in (("abc", "expected a number"), ("-1", "must be >= 0")):
+        with pytest.raises(ConfigError, match=rf"train\.rule_params\.mu: {msg}"):
+            config_from_dict({}, ["train.generic_rule=fedprox", f"train.rule_params.mu={bad}"])
+    with pytest.raises(ConfigError, match=r"train\.rule_params\.alpha: must be > 0"):
+        config_from_dict({}, ["train.generic_rule=feddyn", "train.rule_params.alpha=0"])
+
+
+def test_losses_that_use_gamma_accept_it_and_hyper_hidden_defaults_to_the_paper():
+    for loss in ("bsm", "ldam", "cdt"):
+        assert config_from_dict({}, [f"train.balanced_loss={loss}", "train.gamma=0.5"]).train.gamma == 0.5
+    assert config_from_dict({}, ["train.head=hyper"]).hyper_hidden == 16
+    assert config_from_dict({}, ["train.head=hyper", "data.dataset=cifar10"]).hyper_hidden == 32
+    assert config_from_dict({}, ["train.head=hyper", "model.hyper_hidden=8"]).hyper_hidden == 8
+
+
+def test_resume_may_change_how_long_and_how_to_run_but_not_what_is_learned():
+    saved = config_from_dict({}, ["train.rounds=10"])
+    ok = config_from_dict({}, ["train.rounds=20", "eval.eval_every=5", "runtime.mode=ray", "name=other",
+                               "data.data_dir=/elsewhere"])
+    check_resume(saved, ok, rounds_done=10)
+    for override, field in (("seed=1", "seed"), ("data.dataset=cifar10", "data.dataset"),
+                            ("data.alpha=0.5", "data.alpha"), ("data.num_clients=50", "data.num_clients"),
+                            ("train.generic_rule=scaffold", "train.generic_rule"), ("train.head=hyper", "train.head"),
+                            ("train.lr=0.1", "train.lr")):
+        with pytest.raises(ConfigError, match=rf"^{field.replace('.', '[.]')}: the checkpoint was trained with"):
+            check_resume(saved, config_from_dict({}, ["train.rounds=10", override]), rounds_done=3)
+    with pytest.raises(ConfigError, match=r"train\.rounds: the checkpoint has already completed 10 rounds"):
+        check_resume(saved, config_from_dict({}, ["train.rounds=5"]), rounds_done=10)
 
 
 def test_zero_allowed_where_non_negative():

@@ -10,9 +10,14 @@ import torch
 from fedrod_ray.aggregate import weighted_average
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import config_from_dict
+from fedrod_ray.export import load_final
 from fedrod_ray.federation import Federation, InProcessExecutor, RoundFailedError, make_host, prepare
+from fedrod_ray.local import RoundInput
+from fedrod_ray.runner import run_local
 from fedrod_ray.server import sample_clients
 from fedrod_ray.storage import RunStorage
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BASE = {
     "seed": 3,
@@ -22,32 +27,24 @@ BASE = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def make_federation(tmp_path, *overrides, log=None):
+def make_federation(*overrides, log=None):
     cfg = config_from_dict(BASE, list(overrides))
     setup = prepare(cfg)
     executor = InProcessExecutor(make_host(setup, setup.all_client_ids))
-    return Federation(setup, executor, RunStorage(str(tmp_path)), log=log or (lambda s: None))
+    return Federation(setup, executor, log=log or (lambda s: None))
 
 
 def test_round_is_the_weighted_average_of_the_sampled_clients(tmp_path):
-    fed = make_federation(tmp_path)
+    fed = make_federation()
     start = {k: v.clone() for k, v in fed.global_shared.items()}
     ids = sample_clients(3, 0, fed.setup.num_clients, 0.5)
 
     # The same client updates, done by hand on a second host, then averaged by sample count.
-    ref = make_federation(tmp_path / "ref")
-    results = [ref.executor.host.train(cid, start, 0) for cid in ids]
+    ref = make_federation()
+    results = [ref.executor.host.train(cid, RoundInput(start), 0) for cid in ids]
     expected = weighted_average([r.shared for r in results], [r.num_samples for r in results])
 
-    record = fed.run_round(0)
+    record = fed.step(0)
     assert record["clients"] == len(ids) == record["clients_done"]
     assert record["clients_failed"] == 0
     for k, v in expected.items():
@@ -57,8 +54,8 @@ def test_round_is_the_weighted_average_of_the_sampled_clients(tmp_path):
 
 
 def test_evaluation_reports_train_and_new_clients(tmp_path):
-    fed = make_federation(tmp_path)
-    fed.run_round(0)
+    fed = make_federation()
+    fed.step(0)
     metrics = fed.evaluate()
     for key in ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_gm_new", "pfl_pm_new"):
         assert 0.0 <= metrics[key] <= 1.0, key
@@ -67,15 +64,15 @@ def test_evaluation_reports_train_and_new_clients(tmp_path):
 
 
 def test_pm_cache_matches_a_fresh_evaluation(tmp_path):
-    fed = make_federation(tmp_path, "train.variant=hyper")
-    fed.run_round(0)
+    fed = make_federation("train.head=hyper")
+    fed.step(0)
     host = fed.executor.host
     ids = fed.setup.all_client_ids
     host.evaluate(ids, fed.global_shared)
-    fed.run_round(1)
+    fed.step(1)
     cached = host.evaluate(ids, fed.global_shared)
 
-    fresh_fed = make_federation(tmp_path / "fresh", "train.variant=hyper")
+    fresh_fed = make_federation("train.head=hyper")
     fresh_fed.executor.set_states(host.get_states())  # no cache entries
     fresh = fresh_fed.executor.host.evaluate(ids, fed.global_shared)
     for cid in ids:
@@ -88,38 +85,81 @@ def test_pm_cache_matches_a_fresh_evaluation(tmp_path):
     assert all(host._pm_cache[c][0] == host.get_states()[c].rounds_trained for c in trained)
 
 
-def test_failed_client_is_reported_and_skipped(tmp_path):
+def test_failed_client_is_reported_and_skipped():
     logs: list[str] = []
-    fed = make_federation(tmp_path, "runtime.max_failed_fraction=0.5", log=logs.append)
+    fed = make_federation("runtime.max_failed_fraction=0.5", log=logs.append)
     bad = sample_clients(3, 0, fed.setup.num_clients, 0.5)[0]
     fed.executor.set_states({bad: ClientState(personal={"personal_head.weight": torch.zeros(1, 1)})})
-    record = fed.run_round(0)
+    record = fed.step(0)
     assert record["clients_failed"] == 1 and record["failed_ids"] == [bad]
     assert record["clients_done"] == record["clients"] - 1
     assert any(f"client {bad} failed" in line and "Traceback" in line for line in logs)
     # Its broken state cannot be evaluated either: reported and left out, the others still count.
     assert record["pm_eval_failed"] == 1 and 0 <= record["pfl_pm"] <= 1
     assert any(f"client {bad}: personalized model not evaluated" in line for line in logs)
-    saved = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-    assert saved["failed_ids"] == [bad]
 
 
-def test_too_many_failures_stop_the_run_with_a_clear_message(tmp_path):
-    fed = make_federation(tmp_path, "runtime.max_failed_fraction=0.0")
+def test_too_many_failures_stop_the_run_with_a_clear_message():
+    fed = make_federation("runtime.max_failed_fraction=0.0")
+    before = {k: v.clone() for k, v in fed.global_shared.items()}
     bad = sample_clients(3, 0, fed.setup.num_clients, 0.5)[0]
     fed.executor.set_states({bad: ClientState(personal={"personal_head.weight": torch.zeros(1, 1)})})
     with pytest.raises(RoundFailedError, match=rf"clients {bad}\b.*max_failed_fraction=0.0"):
-        fed.run_round(0)
-    # Nothing was checkpointed for the failed round.
-    assert not (tmp_path / "checkpoints").exists()
+        fed.step(0)
+    # The server did not take the failed round.
+    assert fed.next_round == 0
+    assert all(torch.equal(before[k], v) for k, v in fed.global_shared.items())
 
 
-def test_run_writes_every_result_file(tmp_path):
-    fed = make_federation(tmp_path, "train.algorithm=fedavg")
-    last = fed.run()
+def test_step_takes_only_the_next_round():
+    fed = make_federation()
+    with pytest.raises(ValueError, match="next round is 0"):
+        fed.step(1)
+    fed.step(0)
+    with pytest.raises(ValueError, match="next round is 1"):
+        fed.step(0)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("train.generic_rule=feddyn", "train.rule_params={alpha: 0.1}"),
+    ("train.generic_rule=scaffold", "train.head=hyper"),
+], ids=["feddyn-linear", "scaffold-hyper"])
+def test_snapshot_restore_continues_bitwise(overrides):
+    """A federation restored from a snapshot continues exactly as the original: global weights, the
+    rule's server state and every client's state (including the rule's per-client state)."""
+    a = make_federation(*overrides, "train.rounds=4")
+    a.step(0)
+    a.step(1)
+    snap = a.snapshot()
+    assert snap.round_idx == 1 and snap.rounds_done == 2
+    assert snap.server_state and any(st.rule_state for st in snap.clients.values())
+    b = make_federation(*overrides, "train.rounds=4")
+    b.restore(snap)
+    assert b.next_round == 2
+    for r in (2, 3):
+        ra, rb = a.step(r), b.step(r)
+        assert {k: v for k, v in ra.items() if "seconds" not in k} == {k: v for k, v in rb.items() if "seconds" not in k}
+    assert _same(a.global_shared, b.global_shared)
+    assert _same(a.server_state, b.server_state)
+    sa, sb = a.executor.get_states(), b.executor.get_states()
+    for cid in sa:
+        assert sa[cid].rounds_trained == sb[cid].rounds_trained
+        assert _same(sa[cid].tensors(), sb[cid].tensors()), cid
+
+
+def test_run_local_writes_every_result_file(tmp_path):
+    cfg = config_from_dict(BASE, ["train.head=none", "train.balanced_loss=ce"])
+    last = run_local(cfg, RunStorage(str(tmp_path)), log=lambda s: None)
     assert last["round"] == 1 and "gfl_gm" in last
     for name in ("config.yaml", "metrics.jsonl", "metrics.csv", "curves.png", "checkpoints/latest",
                  "final/model.safetensors", "final/meta.json"):
         assert (tmp_path / name).is_file(), name
-    meta = json.loads((tmp_path / "final/meta.json").read_text())
-    assert meta["variant"] is None and meta["algorithm"] == "fedavg" and meta["num_classes"] == 10
+    assert [json.loads(line)["round"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    served = load_final(str(tmp_path))
+    assert served.meta.head == "none" and served.meta.rule == "fedavg" and served.meta.num_classes == 10
+    assert served.meta.round == 2 and served.meta.metrics["gfl_gm"] == last["gfl_gm"]
+    assert served.personal_heads == {}

@@ -5,34 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import MEAN, SHAPE, STD, N, make_data, model_and_global
 
+from fedrod_ray.algorithms import build_rule
 from fedrod_ray.config import TrainConfig
 from fedrod_ray.data.transforms import normalize
-from fedrod_ray.local import TRAIN_TAG, ClientData, LocalTrainingError, derived_seed, local_update
+from fedrod_ray.local import TRAIN_TAG, ClientData, LocalTrainingError, RoundInput, derived_seed, local_update
 from fedrod_ray.losses import balanced_softmax
 from fedrod_ray.models import build_model
 
-SHAPE = (1, 28, 28)
-MEAN, STD = (0.5,), (0.5,)
-N = 24
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny batches: one intra-op thread is fastest and avoids oversubscribing a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def make_data(seed: int = 0, n: int = N) -> ClientData:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, 256, (n, *SHAPE), generator=g, dtype=torch.uint8)
-    # a skewed label distribution, with some classes absent
-    y = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3, 5, 5, 5, 5, 5, 7, 9])[:n]
-    y = y[torch.randperm(n, generator=g)]
-    return ClientData(x=x, y=y, counts=torch.bincount(y, minlength=10))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def cfg(**kw) -> TrainConfig:
@@ -42,25 +24,15 @@ def cfg(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def model_and_global(variant, seed=0):
-    model = build_model("mnist_cnn", 10, SHAPE, variant, seed=seed)
-    if variant == "hyper":
-        # a non-zero hypernet output layer, so that the generated head (and its gradients) is non-zero
-        with torch.no_grad():
-            model.hypernet.net[2].weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
-    state = model.state_dict()
-    shared = {k: state[k].clone() for k in model.shared_keys()}
-    return model, shared
-
-
 def random_personal(seed=4):
     g = torch.Generator().manual_seed(seed)
     return {"personal_head.weight": torch.randn(10, 50, generator=g) * 0.3}
 
 
-def run(model, shared, data, c, round_idx=0, client_id=5, personal=None, dyn_grad=None, std=STD):
-    return local_update(model, shared, data, c, round_idx=round_idx, seed=11, client_id=client_id, mean=MEAN,
-                        std=std, augment=False, personal=personal, dyn_grad=dyn_grad)
+def run(model, shared, data, c, round_idx=0, client_id=5, personal=None, rule_state=None, std=STD, augment=False):
+    return local_update(model, RoundInput(shared), data, c, build_rule(c.generic_rule, c.rule_params),
+                        round_idx=round_idx, seed=11, client_id=client_id, mean=MEAN, std=std, augment=augment,
+                        personal=personal, rule_state=rule_state)
 
 
 def reference_step(variant, shared, personal, data, lr, client_id=5, round_idx=0, leaky=False):
@@ -192,7 +164,7 @@ def test_global_weights_are_not_modified():
     data = make_data()
     model, shared = model_and_global("hyper")
     before = {k: v.clone() for k, v in shared.items()}
-    run(model, shared, data, cfg(local_epochs=2, batch_size=8, generic_rule="fedprox", prox_mu=0.1))
+    run(model, shared, data, cfg(local_epochs=2, batch_size=8, generic_rule="fedprox", rule_params={"mu": 0.1}))
     assert all(torch.equal(before[k], shared[k]) for k in before)
 
 
@@ -207,7 +179,7 @@ def test_linear_variant_returns_personal_head_not_in_shared():
     assert torch.count_nonzero(personal["personal_head.weight"]) > 0
     assert result.num_samples == N
     assert result.personal_loss is not None and result.personal_loss > 0
-    assert dyn is None
+    assert dyn == {}
     # the stored head is carried into the next round: a different head gives a different result
     r2, p2, _ = run(model, shared, data, cfg(local_epochs=2, batch_size=8), personal=random_personal())
     assert not torch.equal(p2["personal_head.weight"], personal["personal_head.weight"])
@@ -225,11 +197,11 @@ def test_hyper_variant_returns_hypernet_in_shared_and_no_personal():
     assert not torch.equal(result.shared["hypernet.net.2.weight"], shared["hypernet.net.2.weight"])
 
 
-def test_fedavg_variant_none_has_no_personal_head():
+def test_head_none_has_no_personal_head():
     data = make_data()
     model, shared = model_and_global(None)
-    result, personal, dyn = run(model, shared, data, cfg(local_epochs=1, batch_size=8))
-    assert personal is None and dyn is None
+    result, personal, dyn = run(model, shared, data, cfg(local_epochs=1, batch_size=8, head="none"))
+    assert personal is None and dyn == {}
     assert result.personal_loss is None
     assert set(result.shared) == set(model.generic_keys())
 
@@ -245,7 +217,35 @@ def test_divergent_lr_raises_local_training_error():
     data = make_data()
     model, shared = model_and_global(None)
     with pytest.raises(LocalTrainingError):
-        run(model, shared, data, cfg(lr=1e30, local_epochs=3, batch_size=8))
+        run(model, shared, data, cfg(lr=1e30, local_epochs=3, batch_size=8, head="none"))
+
+
+def test_empty_shard_raises_local_training_error():
+    data = make_data()
+    empty = ClientData(x=data.x[:0], y=data.y[:0], counts=torch.zeros(10, dtype=torch.long))
+    model, shared = model_and_global("linear")
+    with pytest.raises(LocalTrainingError, match="no training examples"):
+        run(model, shared, empty, cfg())
+
+
+def test_one_head_model_trains_with_the_configured_balanced_loss():
+    """FedAvg with BRM: the one-head model's update follows train.balanced_loss (it used to be CE
+    whatever was configured). One full-batch SGD step from the same weights: the generic head moves by
+    -lr * grad of that loss."""
+    data = make_data()
+    model, shared = model_and_global(None)
+    z = model.features(normalize(data.x, MEAN, STD)).detach()  # before run() leaves its local model in `model`
+    grads = {}
+    for loss_name, fn in (("bsm", lambda g: balanced_softmax(g, data.y, data.counts, 1.0)),
+                          ("ce", lambda g: F.cross_entropy(g, data.y))):
+        head = shared["generic_head.weight"].clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(fn(F.linear(z, head)), [head])
+        grads[loss_name] = grad
+        result, _, _ = run(model, shared, data, cfg(head="none", balanced_loss=loss_name, lr=0.5))
+        expected = shared["generic_head.weight"] - 0.5 * grad
+        assert torch.allclose(result.shared["generic_head.weight"], expected, atol=1e-6), loss_name
+        assert result.seconds > 0
+    assert (grads["bsm"] - grads["ce"]).abs().max() > 1e-3  # the two losses really differ here
 
 
 def _distance(a, b, keys):
@@ -258,7 +258,7 @@ def test_fedprox_stays_closer_to_global_than_fedavg():
     keys = model.generic_keys()
     base = {"local_epochs": 3, "batch_size": 8, "lr": 0.05}
     avg, _, _ = run(model, shared, data, cfg(**base))
-    prox, _, _ = run(model, shared, data, cfg(generic_rule="fedprox", prox_mu=5.0, **base))
+    prox, _, _ = run(model, shared, data, cfg(generic_rule="fedprox", rule_params={"mu": 5.0}, **base))
     d_avg = _distance(avg.shared, shared, keys)
     d_prox = _distance(prox.shared, shared, keys)
     assert 0 < d_prox < 0.95 * d_avg
@@ -269,16 +269,16 @@ def test_fedprox_with_zero_mu_equals_fedavg():
     model, shared = model_and_global("linear")
     base = {"local_epochs": 2, "batch_size": 8, "lr": 0.05}
     avg, _, _ = run(model, shared, data, cfg(**base))
-    prox, _, _ = run(model, shared, data, cfg(generic_rule="fedprox", prox_mu=0.0, **base))
+    prox, _, _ = run(model, shared, data, cfg(generic_rule="fedprox", rule_params={"mu": 0.0}, **base))
     for k in avg.shared:
-        assert torch.allclose(avg.shared[k], prox.shared[k], atol=1e-7), k
+        assert torch.equal(avg.shared[k], prox.shared[k]), k
 
 
 def test_feddyn_returns_dyn_grad_state():
     data = make_data()
     model, shared = model_and_global("hyper")
     alpha = 0.1
-    c = cfg(generic_rule="feddyn", feddyn_alpha=alpha, local_epochs=2, batch_size=8, lr=0.05)
+    c = cfg(generic_rule="feddyn", rule_params={"alpha": alpha}, local_epochs=2, batch_size=8, lr=0.05)
     result, personal, dyn = run(model, shared, data, c)
     assert personal is None
     assert dyn is not None
@@ -289,7 +289,7 @@ def test_feddyn_returns_dyn_grad_state():
         assert torch.allclose(dyn[k], expected, atol=1e-9), k
     assert any(torch.count_nonzero(v) > 0 for v in dyn.values())
     # the state is used in the next round: a non-zero one changes the update
-    r2, _, dyn2 = run(model, shared, data, c, dyn_grad=dyn)
+    r2, _, dyn2 = run(model, shared, data, c, rule_state=dyn)
     assert any(not torch.equal(result.shared[k], r2.shared[k]) for k in dyn)
     for k in dyn2:
         assert torch.allclose(dyn2[k], dyn[k] - alpha * (r2.shared[k] - shared[k]), atol=1e-9), k
@@ -308,9 +308,7 @@ def test_augmentation_pads_with_black():
     data.x.zero_()
     model, shared = model_and_global("linear")
     c = cfg(lr=0.5)
-    plain, _, _ = local_update(model, shared, data, c, round_idx=0, seed=11, client_id=5, mean=MEAN, std=STD,
-                               augment=False)
-    augmented, _, _ = local_update(model, shared, data, c, round_idx=0, seed=11, client_id=5, mean=MEAN,
-                                   std=STD, augment=True)
+    plain, _, _ = run(model, shared, data, c)
+    augmented, _, _ = run(model, shared, data, c, augment=True)
     for k in plain.shared:
         assert torch.equal(plain.shared[k], augmented.shared[k]), k

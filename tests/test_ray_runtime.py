@@ -31,6 +31,7 @@ from fedrod_ray.client import ClientState
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.coordinator import Layout, RayExecutor, plan_layout
 from fedrod_ray.federation import Federation, InProcessExecutor, RoundFailedError, make_host, prepare
+from fedrod_ray.runner import save_federation
 from fedrod_ray.server import sample_clients
 from fedrod_ray.storage import RunStorage
 
@@ -55,6 +56,22 @@ def tiny_config(*overrides: str):
 def ray_executor(ray, setup, storage: RunStorage) -> RayExecutor:
     layout = plan_layout(setup.cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
     return RayExecutor(setup, storage, layout)
+
+
+def run_rounds(fed: Federation, storage: RunStorage | None = None) -> list[dict]:
+    """The remaining rounds, with a checkpoint after each when ``storage`` is given."""
+    records = []
+    for r in range(fed.next_round, fed.cfg.train.rounds):
+        records.append(fed.step(r))
+        if storage is not None:
+            save_federation(fed, storage)
+    return records
+
+
+def step_and_save(fed: Federation, storage: RunStorage, r: int) -> dict:
+    record = fed.step(r)
+    save_federation(fed, storage)
+    return record
 
 
 def without_time(records: list[dict]) -> list[dict]:
@@ -93,21 +110,13 @@ def run_with_timeout(fn, seconds: float):
     return out["value"]
 
 
-@pytest.fixture
-def one_torch_thread():
-    """Both runtimes on one intra-op thread, so that every reduction runs in the same order."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # --- 1. the Ray runtime trains exactly what the in-process runtime trains -----------------------------
 
 VARIANTS = {
     "linear": (),
-    "hyper": ("train.variant=hyper",),
-    "fedavg_feddyn": ("train.algorithm=fedavg", "train.generic_rule=feddyn"),
+    "hyper": ("train.head=hyper",),
+    "fedavg_feddyn": ("train.head=none", "train.balanced_loss=ce", "train.generic_rule=feddyn"),
+    "hyper_scaffold": ("train.head=hyper", "train.generic_rule=scaffold"),
     # One actor per client: fewer clients, since every actor is a process of its own.
     "linear_small": ("data.num_clients=3",),
 }
@@ -119,9 +128,9 @@ def in_process_baseline(variant: str, tmp_root: Path):
     if variant not in _baselines:
         setup = prepare(tiny_config(*VARIANTS[variant]))
         executor = InProcessExecutor(make_host(setup, setup.all_client_ids))
-        fed = Federation(setup, executor, RunStorage(str(tmp_root / f"in_process_{variant}")), log=lambda s: None)
-        fed.run()
-        _baselines[variant] = (fed.global_shared, fed.dyn_h, fed.metrics.records, executor.get_states())
+        fed = Federation(setup, executor, log=lambda s: None)
+        records = run_rounds(fed)
+        _baselines[variant] = (fed.global_shared, fed.server_state, records, executor.get_states())
     return _baselines[variant]
 
 
@@ -130,8 +139,9 @@ ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources
 
 @pytest.mark.parametrize(
     "variant, layout_overrides",
-    [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ())],
-    ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn"],
+    [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ()),
+     ("hyper_scaffold", ())],
+    ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold"],
 )
 def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
                                                      variant, layout_overrides):
@@ -151,27 +161,27 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
             # Several clients per actor and more than one actor: completion order differs from the
             # in-process order, which the ordered average must not see.
             assert len(executor.actors) > 2 and executor.layout.max_in_flight == 2
-        fed = Federation(setup, executor, storage, log=lambda s: None)
-        fed.run()
+        fed = Federation(setup, executor, log=lambda s: None)
+        records = run_rounds(fed, storage)
         states = executor.get_states()
     finally:
         executor.close()
 
     assert_same_tensors(g_ref, fed.global_shared, "global_shared")
-    if h_ref is None:
-        assert fed.dyn_h is None
-    else:
-        assert_same_tensors(h_ref, fed.dyn_h, "FedDyn server state")
+    assert_same_tensors(h_ref, fed.server_state, "the rule's server state")
+    assert bool(h_ref) == (variant in ("fedavg_feddyn", "hyper_scaffold"))
     assert_same_states(states_ref, states)
-    assert len(fed.metrics.records) == 3
-    assert without_time(fed.metrics.records) == without_time(records_ref)
-    for rec in fed.metrics.records:
+    assert len(records) == 3
+    assert without_time(records) == without_time(records_ref)
+    for rec in records:
         assert {"gfl_gm", "pfl_gm", "pfl_pm", "pfl_gm_new", "pfl_pm_new"} <= set(rec)
         assert rec["clients_failed"] == 0
-    # The checkpoint the Ray run wrote holds the same weights.
+    # The checkpoint of the Ray run's snapshot holds the same weights and states.
     ckpt = load_checkpoint(storage)
     assert ckpt.round_idx == 2
     assert_same_tensors(g_ref, ckpt.global_shared, "checkpointed global_shared")
+    assert_same_tensors(h_ref, ckpt.server_state, "checkpointed server state")
+    assert_same_states(states_ref, ckpt.clients)
 
 
 # --- 2. sizing the actor pool from the cluster ----------------------------------------------------
@@ -254,8 +264,8 @@ def test_actor_killed_mid_round_is_counted_and_restarts_from_checkpoint(ray_sess
     logs: list[str] = []
     try:
         assert len(executor.actors) >= 2
-        fed = Federation(setup, executor, storage, log=logs.append)
-        fed.run_round(0)
+        fed = Federation(setup, executor, log=logs.append)
+        step_and_save(fed, storage, 0)
         assert latest_checkpoint_name(storage) == "round_000000"
 
         ids = sample_clients(cfg.seed, 1, setup.num_clients, cfg.train.client_fraction)
@@ -265,7 +275,7 @@ def test_actor_killed_mid_round_is_counted_and_restarts_from_checkpoint(ray_sess
         pid = ray.get(executor.actors[victim].__ray_call__.remote(lambda self: os.getpid()))
 
         result: dict = {}
-        th = threading.Thread(target=lambda: result.update(record=fed.run_round(1)), daemon=True)
+        th = threading.Thread(target=lambda: result.update(record=step_and_save(fed, storage, 1)), daemon=True)
         th.start()
         # Kill it while it runs a client's local update (Ray titles the process by the running method).
         wait_for_process_title(pid, "ray::ClientActorImpl.train", timeout=60)
@@ -281,10 +291,6 @@ def test_actor_killed_mid_round_is_counted_and_restarts_from_checkpoint(ray_sess
         assert set(rec["failed_ids"]) <= victim_clients
         for cid in rec["failed_ids"]:
             assert any(f"client {cid} failed" in line and "actor died" in line for line in logs), logs
-        logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-        assert [r["round"] for r in logged] == [0, 1]
-        assert logged[1]["clients_failed"] == rec["clients_failed"]
-        assert logged[1]["failed_ids"] == rec["failed_ids"]
         assert all(torch.isfinite(v).all() for v in fed.global_shared.values())
 
         # The restarted actor took its clients' state from the checkpoint of round 0.
@@ -300,7 +306,7 @@ def test_actor_killed_mid_round_is_counted_and_restarts_from_checkpoint(ray_sess
             assert after[cid].rounds_trained == before[cid].rounds_trained
             assert_same_tensors(before[cid].tensors(), after[cid].tensors(), f"client {cid}")
 
-        rec2 = fed.run_round(2)
+        rec2 = fed.step(2)
         assert rec2["clients_failed"] == 0 and rec2["clients_done"] == rec2["clients"]
         assert any(executor.home[c] == victim for c in sample_clients(cfg.seed, 2, setup.num_clients, 0.5))
     finally:
@@ -327,8 +333,8 @@ def test_raising_client_is_reported_not_fatal(ray_session, tmp_path):
         ids = sample_clients(cfg.seed, 0, setup.num_clients, cfg.train.client_fraction)
         cid = ids[1]
         executor.set_states({cid: nan_head(setup)})
-        fed = Federation(setup, executor, storage, log=logs.append)
-        rec = run_with_timeout(lambda: fed.run_round(0), 120)
+        fed = Federation(setup, executor, log=logs.append)
+        rec = run_with_timeout(lambda: fed.step(0), 120)
         assert rec["clients_failed"] == 1 and rec["failed_ids"] == [cid]
         assert rec["clients_done"] == 2
         assert {"gfl_gm", "pfl_gm", "pfl_pm"} <= set(rec) and rec["pm_eval_failed"] == 0
@@ -343,14 +349,13 @@ def test_raising_client_is_reported_not_fatal(ray_session, tmp_path):
 
         # The same failure with no tolerance stops the round and names the client and the limit.
         strict = dataclasses.replace(setup, cfg=tiny_config("data.new_clients=0", "runtime.max_failed_fraction=0"))
-        strict_storage = RunStorage(str(tmp_path / "strict"))
-        fed2 = Federation(strict, executor, strict_storage, log=lambda s: None)
+        fed2 = Federation(strict, executor, log=lambda s: None)
         with pytest.raises(RoundFailedError) as err:
-            run_with_timeout(lambda: fed2.run_round(0), 120)
+            run_with_timeout(lambda: fed2.step(0), 120)
         text = str(err.value)
         assert f"clients {cid}" in text and "runtime.max_failed_fraction=0.0" in text
         assert "LocalTrainingError" in text
-        assert not strict_storage.exists("metrics.jsonl") and latest_checkpoint_name(strict_storage) is None
+        assert fed2.next_round == 0
 
         # A stored state of the wrong shape: its training fails, and so does its PM's evaluation (on the
         # actor), which is reported and left out of P-FL (PM) instead of breaking the round.
@@ -359,7 +364,7 @@ def test_raising_client_is_reported_not_fatal(ray_session, tmp_path):
         bad = next(c for c in ids1 if c != cid)
         executor.set_states({bad: ClientState(personal={"personal_head.weight": torch.zeros(1, 1)})})
         logs.clear()
-        rec1 = run_with_timeout(lambda: fed.run_round(1), 120)
+        rec1 = run_with_timeout(lambda: fed.step(1), 120)
         assert rec1["failed_ids"] == [bad] and rec1["clients_done"] == 2
         assert rec1["pm_eval_failed"] == 1 and 0.0 <= rec1["pfl_pm"] <= 1.0
         assert any(f"client {bad} failed: ValueError: personal_head.weight: shape (1, 1)" in line for line in logs)
@@ -475,6 +480,7 @@ NODE_LOSS_SCRIPT = textwrap.dedent("""
     from fedrod_ray.config import config_from_dict
     from fedrod_ray.coordinator import RayExecutor, plan_layout
     from fedrod_ray.federation import Federation, prepare
+    from fedrod_ray.runner import save_federation
     from fedrod_ray.storage import RunStorage
 
     torch.set_num_threads(1)
@@ -504,11 +510,12 @@ NODE_LOSS_SCRIPT = textwrap.dedent("""
                     if s.actor_id in index and s.state != "DEAD"}
 
         before = placement()
-        fed = Federation(setup, executor, storage, log=lambda s: print(s, flush=True))
-        records = [fed.run_round(0)]
+        fed = Federation(setup, executor, log=lambda s: print(s, flush=True))
+        records = [fed.step(0)]
+        save_federation(fed, storage)
         victim = next(w for w in workers if w.node_id == before[0][0])
         cluster.remove_node(victim)
-        records += [fed.run_round(1), fed.run_round(2)]
+        records += [fed.step(1), fed.step(2)]
         after = placement()
         restored = ray.get(executor.actors[0].ready.remote())["restored_round"]
         finite = all(bool(torch.isfinite(v).all()) for v in fed.global_shared.values())
@@ -518,7 +525,7 @@ NODE_LOSS_SCRIPT = textwrap.dedent("""
             "workers": [w.node_id for w in workers], "removed": victim.node_id,
             "before": before, "after": after, "restored_round": restored, "finite": finite,
             "records": [{k: r[k] for k in ("round", "clients", "clients_done", "clients_failed")}
-                        for r in records]}), flush=True)
+                        for r in records], "gfl_gm": records[-1]["gfl_gm"]}), flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -549,5 +556,5 @@ def test_node_lost_from_cluster(tmp_path, private_ray_env):
     assert r1["clients_done"] >= 2 and r1["clients_done"] + r1["clients_failed"] == 4
     assert r2 == {"round": 2, "clients": 4, "clients_done": 4, "clients_failed": 0}
     assert res["finite"] is True
-    assert math.isfinite(json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["gfl_gm"])
+    assert math.isfinite(res["gfl_gm"])
     assert os.path.isfile(tmp_path / "run" / "checkpoints" / "latest")

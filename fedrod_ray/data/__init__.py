@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from . import cifar, files, idx
+from .classes import class_names
 from .files import DatasetFormatError, DatasetNotFoundError, resolve_data_dir
 from .synthetic import make_synthetic
 from .transforms import augment_batch, normalize
@@ -22,6 +23,7 @@ __all__ = [
     "DatasetNotFoundError",
     "ImageDataset",
     "augment_batch",
+    "class_names",
     "load_dataset",
     "normalize",
     "resolve_data_dir",

@@ -1,0 +1,90 @@
+"""The seam for generic-FL rules: how theta and psi are optimised on a client and combined by the server.
+
+A rule (FEDROD.md, the rules under "One round") changes step 2's optimisation of w = (theta, psi)
+under the balanced loss and step 4's aggregation, and may keep state on the clients and on the
+server. The personalized part (phi_m, or nu for the hyper head) is never the rule's business: it is
+trained by its own loss and, for nu, averaged by sample count whatever the rule.
+
+A round, as the server's round loop drives it (Flower's configure -> train -> aggregate):
+
+1. ``broadcast(server_state)``: what every client receives besides the global weights;
+2. on each client, ``start_local(anchor, client_state, broadcast)`` returns a ``LocalCorrection``
+   (or None for plain SGD): its ``apply`` adds the rule's term to the gradients of w after every
+   backward pass, and its ``finish`` gives the client's new state and what it uploads to the server;
+3. the server averages the clients' w with ``aggregation_weight(num_samples)`` and their uploads
+   unweighted, both folded in the round's client order, then ``server_update`` gives the new global
+   w and server state.
+
+Rule state is a flat ``StateDict`` whose keys the rule chooses; an empty dict means "all zeros",
+so a client that never trained costs nothing. Every tensor a rule sees is already on the training
+device, and everything it returns is moved back to the CPU by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..aggregate import StateDict
+
+
+@dataclass
+class NoParams:
+    """A rule without hyperparameters."""
+
+
+class LocalCorrection:
+    """One client update's use of a rule: a gradient term per step, and the state it leaves behind."""
+
+    def apply(self, params: dict[str, torch.Tensor]) -> None:
+        """Add the rule's term to ``p.grad`` for each generic parameter ``p`` (in place, under no_grad)."""
+
+    def finish(self, local: StateDict, step_sum: float) -> tuple[StateDict, StateDict]:
+        """(the client's new rule state, its upload) from its trained w.
+
+        ``step_sum`` is how far the local optimiser moved w per unit of a constant gradient: K * lr
+        for K steps of plain SGD, more with momentum (``local.effective_step_sum``).
+        """
+        return {}, {}
+
+
+class GenericRule:
+    """Base class: plain FedAvg behaviour for every hook. Subclasses override what they change."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type] = NoParams
+
+    def __init__(self, params=None):
+        self.params = params if params is not None else self.Params()
+
+    # --- server ---------------------------------------------------------------------------------
+
+    def init_server_state(self, generic: StateDict) -> StateDict:
+        return {}
+
+    def broadcast(self, server_state: StateDict) -> StateDict:
+        return {}
+
+    def aggregation_weight(self, num_samples: int) -> float:
+        return float(num_samples)
+
+    def server_update(self, previous: StateDict, averaged: StateDict, uploads: StateDict,
+                      num_participants: int, num_clients: int,
+                      server_state: StateDict) -> tuple[StateDict, StateDict]:
+        """(new global w, new server state) from the previous global w, the participants' averaged w
+        and their averaged uploads; ``num_clients`` is M, every training client."""
+        return averaged, server_state
+
+    # --- client ---------------------------------------------------------------------------------
+
+    def start_local(self, anchor: StateDict, client_state: StateDict,
+                    broadcast: StateDict) -> LocalCorrection | None:
+        """``anchor`` is the global w this round (not to be modified); None means plain SGD."""
+        return None
+
+
+def zeros_like_missing(state: StateDict, like: StateDict) -> StateDict:
+    """``state`` with a zero tensor for every key of ``like`` it lacks (rule state starts at zero)."""
+    return {k: state[k] if k in state else torch.zeros_like(v) for k, v in like.items()}

@@ -1,0 +1,39 @@
+"""FedProx (Li et al., 2020): local objective l_BR(w) + (mu/2)||w - w_bar||^2; FedAvg on the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..aggregate import StateDict
+from . import register
+from .base import GenericRule, LocalCorrection
+
+
+@dataclass
+class FedProxParams:
+    mu: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.mu < 0:
+            raise ValueError(f"mu: must be >= 0, got {self.mu}")
+
+
+class _Proximal(LocalCorrection):
+    def __init__(self, mu: float, anchor: StateDict):
+        self.mu, self.anchor = mu, anchor
+
+    def apply(self, params: dict[str, torch.Tensor]) -> None:
+        for k, w_bar in self.anchor.items():
+            p = params[k]
+            p.grad.add_(p - w_bar, alpha=self.mu)  # d/dw of mu/2 ||w - w_bar||^2
+
+
+@register
+class FedProx(GenericRule):
+    name = "fedprox"
+    Params = FedProxParams
+
+    def start_local(self, anchor, client_state, broadcast):
+        return _Proximal(self.params.mu, anchor)

@@ -1,0 +1,82 @@
+"""The CLI's driver: it calls a federation's round step and owns the run directory's files.
+
+``Federation.step`` only computes; what is written, and when, is decided here: ``config.yaml`` at the
+start, the metrics files after every round, a checkpoint every ``runtime.checkpoint_every`` rounds
+and after the last, and ``final/`` at the end. The same loop drives the in-process runtime and the
+coordinator actor (``fedrod_ray.ray_runtime``); a Tune trainable calls ``step`` and ``snapshot`` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .checkpoint import Snapshot, save_checkpoint
+from .config import ExperimentConfig, dump_config
+from .export import save_final
+from .federation import Federation, InProcessExecutor, make_host, prepare
+from .results import MetricsLog
+from .storage import RunStorage
+
+
+def checkpoint_due(cfg: ExperimentConfig, round_idx: int) -> bool:
+    return (round_idx + 1) % cfg.runtime.checkpoint_every == 0 or round_idx + 1 == cfg.train.rounds
+
+
+def last_evaluation(records: list[dict]) -> dict:
+    evaluated = [r for r in records if "gfl_gm" in r]
+    return evaluated[-1] if evaluated else {}
+
+
+def drive(step: Callable[[int], dict], checkpoint: Callable[[], None], finish: Callable[[dict], None],
+          cfg: ExperimentConfig, storage: RunStorage, start_round: int,
+          log: Callable[[str], None] = print) -> dict:
+    """Run rounds ``start_round`` .. ``train.rounds - 1``; returns the last round's record.
+
+    ``checkpoint()`` saves the federation's snapshot and ``finish(metrics)`` its ``final/``, with the
+    last evaluation's metrics.
+    """
+    storage.write_bytes("config.yaml", dump_config(cfg).encode())
+    metrics = MetricsLog.resume(storage, start_round - 1)
+    for r in range(start_round, cfg.train.rounds):
+        record = step(r)
+        metrics.append(record)
+        log(format_record(record, cfg.train.rounds))
+        if checkpoint_due(cfg, r):
+            checkpoint()
+    finish(last_evaluation(metrics.records))
+    return metrics.records[-1] if metrics.records else {}
+
+
+def save_federation(fed: Federation, storage: RunStorage) -> None:
+    save_checkpoint(storage, fed.snapshot())
+
+
+def export_federation(fed: Federation, storage: RunStorage, metrics: dict) -> None:
+    save_final(storage, *fed.final_model(metrics))
+
+
+def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
+              log: Callable[[str], None] = print) -> dict:
+    """Train in this process, every client sequentially (``runtime.mode: local``)."""
+    if cfg.runtime.torch_threads:
+        torch.set_num_threads(cfg.runtime.torch_threads)
+    setup = prepare(cfg)
+    fed = Federation(setup, InProcessExecutor(make_host(setup, setup.all_client_ids, cfg.runtime.device)), log)
+    if snapshot is not None:
+        fed.restore(snapshot)
+    return drive(fed.step, lambda: save_federation(fed, storage), lambda m: export_federation(fed, storage, m),
+                 cfg, storage, fed.next_round, log)
+
+
+def format_record(rec: dict, rounds: int) -> str:
+    line = (f"[round {rec['round'] + 1:>3}/{rounds}] {rec['seconds']:6.1f}s  lr {rec['lr']:.4g}  "
+            f"clients {rec['clients_done']}/{rec['clients']} (failed {rec['clients_failed']})  "
+            f"loss {rec['train_loss']:.3f}")
+    if "gfl_gm" in rec:
+        line += (f"  |  G-FL {100 * rec['gfl_gm']:.2f}  P-FL GM {100 * rec['pfl_gm']:.2f}"
+                 f"  PM {100 * rec['pfl_pm']:.2f}")
+        if "pfl_pm_new" in rec:
+            line += f"  new GM {100 * rec['pfl_gm_new']:.2f} PM {100 * rec['pfl_pm_new']:.2f}"
+    return line
