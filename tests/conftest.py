@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,6 +43,39 @@ def one_torch_thread():
 # --- Ray: one private local instance per test session -------------------------------------------------
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # before anything imports ray
+# Every Ray the suite starts is private and local: no token auth. Left to Ray's default, the first local
+# cluster writes ~/.ray/auth_token, which then switches token auth on for the user's own
+# `ray start --head` and breaks their `ray job submit` (deploy/README.md). Subprocesses inherit this.
+os.environ["RAY_AUTH_MODE"] = "disabled"
+# Matplotlib's font cache would otherwise land in ~/.cache/matplotlib.
+os.environ["MPLCONFIGDIR"] = tempfile.mkdtemp(prefix="frt-mpl-")
+
+# What the suite must leave exactly as it found it in the user's home.
+HOME_PATHS = (".ray", ".cache/fedrod-ray", ".cache/matplotlib", ".config/matplotlib")
+
+
+def _home_state() -> dict[str, tuple[int, int, str]]:
+    """(size, mtime_ns, sha256) of every file under HOME_PATHS."""
+    state = {}
+    home = Path.home()
+    for rel in HOME_PATHS:
+        for p in sorted((home / rel).rglob("*")) if (home / rel).is_dir() else []:
+            if p.is_file():
+                st = p.stat()
+                state[str(p)] = (st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+    return state
+
+
+@pytest.fixture(scope="session", autouse=True)
+def user_home_is_left_untouched():
+    """Fails the session (an error in its last test's teardown) if a test wrote under the user's
+    ~/.ray, ~/.cache/fedrod-ray or matplotlib's dirs."""
+    before = _home_state()
+    yield
+    after = _home_state()
+    shutil.rmtree(os.environ["MPLCONFIGDIR"], ignore_errors=True)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"the test suite changed files in the user's home: {changed}"
 
 
 @pytest.fixture(scope="session")
@@ -49,9 +85,6 @@ def ray_session():
     Its temp dir is short because Ray's unix socket paths must fit in 107 bytes. Tests that need a Ray of
     their own (a multi-node cluster, the CLI's ``--mode ray``) start it in a subprocess instead.
     """
-    import shutil
-    import tempfile
-
     import ray
 
     if ray.is_initialized():
@@ -108,9 +141,7 @@ def private_ray_env():
     gcs_server, raylet, workers, agents) must be gone within 30 s; stragglers are killed by pid and fail
     the test.
     """
-    import shutil
     import signal
-    import tempfile
     import time
 
     env = PrivateRayEnv(tempfile.mkdtemp(prefix="frt-", dir="/tmp"))
