@@ -1,10 +1,12 @@
-"""``fedrod-ray``: train a federation, or inspect a partition."""
+"""``fedrod-ray``: train a federation, inspect a partition, or list what can be configured."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
+from . import __version__
 from .config import ConfigError, check_resume, config_from_dict, load_config
 
 
@@ -17,6 +19,7 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedrod-ray", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run federated training")
@@ -28,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     part = sub.add_parser("partition", help="print the clients' class counts for a config")
     _add_config_args(part)
+
+    sub.add_parser("list", help="list the datasets, heads, generic rules and balanced losses")
     return parser
 
 
@@ -69,15 +74,23 @@ def cmd_train(args) -> int:
         if latest_checkpoint_name(storage) is not None:
             raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
                               "or choose another --run-dir")
+    from .runner import format_summary
+
     if cfg.runtime.mode == "ray":
-        from .ray_runtime import run_ray
-
-        run_ray(cfg, storage, ckpt, log=lambda s: print(s, flush=True))
+        from .ray_runtime import run_ray as run
     else:
-        from .runner import run_local
-
-        run_local(cfg, storage, ckpt, log=lambda s: print(s, flush=True))
-    print(f"done: run directory {storage.uri}", flush=True)
+        from .runner import run_local as run
+    t0 = time.perf_counter()
+    try:
+        records = run(cfg, storage, ckpt, log=lambda s: print(s, flush=True))
+    except KeyboardInterrupt:
+        if latest_checkpoint_name(storage) is None:
+            hint = "no round was checkpointed yet: start it again with the same command"
+        else:
+            hint = f"continue it with: fedrod-ray train --resume {storage.uri}"
+        print(f"fedrod-ray: interrupted; {hint}", file=sys.stderr, flush=True)
+        return 130
+    print(format_summary(records, time.perf_counter() - t0, storage.uri), flush=True)
     return 0
 
 
@@ -91,13 +104,31 @@ def cmd_partition(args) -> int:
     return 0
 
 
+def cmd_list(args) -> int:
+    from .algorithms import RULES
+    from .config import GAMMA_LOSSES, HEADS
+    from .data import DATASETS
+    from .losses import BALANCED_LOSSES
+
+    def params(rule) -> str:
+        defaults = [f"{f}={v}" for f, v in vars(rule.Params()).items()]
+        return f" (train.rule_params: {', '.join(defaults)})" if defaults else ""
+
+    print("datasets (data.dataset): " + ", ".join(DATASETS))
+    print("heads (train.head): " + ", ".join(HEADS))
+    print("generic rules (train.generic_rule): " + ", ".join(n + params(r) for n, r in sorted(RULES.items())))
+    print("balanced losses (train.balanced_loss): " + ", ".join(
+        n + (" (train.gamma)" if n in GAMMA_LOSSES else "") for n in sorted(BALANCED_LOSSES)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .data import DatasetNotFoundError
     from .federation import RoundFailedError
 
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "partition": cmd_partition}[args.command](args)
+        return {"train": cmd_train, "partition": cmd_partition, "list": cmd_list}[args.command](args)
     except (ConfigError, DatasetNotFoundError) as e:
         print(f"fedrod-ray: error: {e}", file=sys.stderr)
         return 2

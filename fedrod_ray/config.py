@@ -8,6 +8,7 @@ the default.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import types
 import typing
@@ -205,7 +206,8 @@ def build_dataclass(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if key in _RENAMED:
             raise ConfigError(f"{key} was replaced by {_RENAMED[key]}")
         valid = ", ".join(sorted(fields)) or "none"
-        raise ConfigError(f"unknown config key {key}; valid keys here: {valid}")
+        raise ConfigError(f"unknown config key {key}{_did_you_mean(unknown[0], fields, prefix)}; "
+                          f"valid keys here: {valid}")
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
@@ -221,7 +223,8 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     flat = _flatten(cfg.to_dict())
     for path, allowed in _CHOICES.items():
         if flat[path] not in allowed:
-            raise ConfigError(f"{path}: {flat[path]!r} is not one of {sorted(allowed)}")
+            hint = _did_you_mean(str(flat[path]), allowed)
+            raise ConfigError(f"{path}: {flat[path]!r} is not one of {sorted(allowed)}{hint}")
     for path in _POSITIVE:
         if flat[path] is not None and not flat[path] > 0:
             raise ConfigError(f"{path}: must be > 0, got {flat[path]!r}")
@@ -241,6 +244,11 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     # Stored as the rule resolved them: typed, with its defaults, so config.yaml records what ran.
     cfg.train.rule_params = dataclasses.asdict(build_rule(cfg.train.generic_rule, cfg.train.rule_params).params)
     return cfg
+
+
+def _did_you_mean(given: str, options, prefix: str = "") -> str:
+    close = difflib.get_close_matches(given, sorted(options), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def _check_effective(cfg: ExperimentConfig) -> None:

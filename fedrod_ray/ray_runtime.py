@@ -32,7 +32,7 @@ def connect(cfg: ExperimentConfig) -> bool:
 
 
 def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
-            log: Callable[[str], None] = print) -> dict:
+            log: Callable[[str], None] = print) -> list[dict]:
     # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message; the
     # coordinator is handed the result.
     setup = prepare(cfg)

@@ -31,8 +31,9 @@ def last_evaluation(records: list[dict]) -> dict:
 
 def drive(step: Callable[[int], dict], checkpoint: Callable[[], None], finish: Callable[[dict], None],
           cfg: ExperimentConfig, storage: RunStorage, start_round: int,
-          log: Callable[[str], None] = print) -> dict:
-    """Run rounds ``start_round`` .. ``train.rounds - 1``; returns the last round's record.
+          log: Callable[[str], None] = print) -> list[dict]:
+    """Run rounds ``start_round`` .. ``train.rounds - 1``; returns every round's record (earlier runs'
+    too, when resumed).
 
     ``checkpoint()`` saves the federation's snapshot and ``finish(metrics)`` its ``final/``, with the
     last evaluation's metrics.
@@ -46,7 +47,7 @@ def drive(step: Callable[[int], dict], checkpoint: Callable[[], None], finish: C
         if checkpoint_due(cfg, r):
             checkpoint()
     finish(last_evaluation(metrics.records))
-    return metrics.records[-1] if metrics.records else {}
+    return metrics.records
 
 
 def save_federation(fed: Federation, storage: RunStorage) -> None:
@@ -58,7 +59,7 @@ def export_federation(fed: Federation, storage: RunStorage, metrics: dict) -> No
 
 
 def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
-              log: Callable[[str], None] = print) -> dict:
+              log: Callable[[str], None] = print) -> list[dict]:
     """Train in this process, every client sequentially (``runtime.mode: local``)."""
     if cfg.runtime.torch_threads:
         torch.set_num_threads(cfg.runtime.torch_threads)
@@ -68,6 +69,24 @@ def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | N
         fed.restore(snapshot)
     return drive(fed.step, lambda: save_federation(fed, storage), lambda m: export_federation(fed, storage, m),
                  cfg, storage, fed.next_round, log)
+
+
+SUMMARY_METRICS = (("gfl_gm", "G-FL"), ("pfl_gm", "P-FL GM"), ("pfl_pm", "P-FL PM"))
+
+
+def format_summary(records: list[dict], seconds: float, run_dir: str) -> str:
+    """What a finished run prints: the final and best accuracies and where the files are."""
+    evaluated = [r for r in records if "gfl_gm" in r]
+    lines = [f"done: {len(records)} rounds ({seconds:.1f} s in this invocation)"]
+    if evaluated:
+        last = evaluated[-1]
+        lines.append(f"  final (round {last['round'] + 1}): " + "  ".join(
+            f"{label} {100 * last[k]:.2f}" for k, label in SUMMARY_METRICS))
+        best = [(label, max(evaluated, key=lambda r, k=k: r[k]), k) for k, label in SUMMARY_METRICS]
+        lines.append("  best: " + "  ".join(f"{label} {100 * r[k]:.2f} (round {r['round'] + 1})"
+                                            for label, r, k in best))
+    lines.append(f"  run directory {run_dir}: metrics.jsonl, metrics.csv, curves.png, checkpoints/, final/")
+    return "\n".join(lines)
 
 
 def format_record(rec: dict, rounds: int) -> str:

@@ -8,14 +8,17 @@ import io
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import fedrod_ray
 from fedrod_ray.cli import main
 from fedrod_ray.config import load_config
 
@@ -42,6 +45,19 @@ def assert_round_lines(stdout: str) -> None:
     for i, line in enumerate(lines, 1):
         assert line.startswith(f"[round {i:>3}/{ROUNDS}]"), line
         assert "G-FL" in line and "P-FL" in line, line
+
+
+def assert_summary(stdout: str, run_dir: Path) -> None:
+    """The end-of-run summary agrees with metrics.jsonl: final and best accuracies, and where the files are."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    i = stdout.index(f"done: {ROUNDS} rounds (")
+    final, best, where = stdout[i:].splitlines()[1:4]
+    last = records[-1]
+    assert final == (f"  final (round {ROUNDS}): G-FL {100 * last['gfl_gm']:.2f}  P-FL GM {100 * last['pfl_gm']:.2f}"
+                     f"  P-FL PM {100 * last['pfl_pm']:.2f}")
+    top = max(records, key=lambda r: r["gfl_gm"])
+    assert best.startswith(f"  best: G-FL {100 * top['gfl_gm']:.2f} (round {top['round'] + 1})")
+    assert where.startswith(f"  run directory {run_dir}: metrics.jsonl")
 
 
 def assert_run_directory(run_dir: Path) -> None:
@@ -98,7 +114,7 @@ def local_run(tmp_path_factory) -> tuple[Path, str]:
 def test_train_prints_rounds_and_writes_run_directory(local_run):
     run_dir, out = local_run
     assert_round_lines(out)
-    assert f"done: run directory {run_dir}" in out
+    assert_summary(out, run_dir)
     assert_run_directory(run_dir)
 
 
@@ -155,6 +171,58 @@ def test_train_with_scaffold(tmp_path):
     clients = load_file(run_dir / "checkpoints" / "round_000001" / "clients.safetensors")
     assert any("/rule_state/body." in k for k in clients)
     assert json.loads((run_dir / "final" / "meta.json").read_text())["rule"] == "scaffold"
+
+
+def test_version_and_list():
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stdout(io.StringIO()) as out:
+        main(["--version"])
+    assert e.value.code == 0 and out.getvalue().strip() == f"fedrod-ray {fedrod_ray.__version__}"
+    rc, out, _ = run_main(["list"])
+    assert rc == 0
+    lines = dict(line.split(": ", 1) for line in out.splitlines())
+    assert lines["datasets (data.dataset)"] == "mnist, fmnist, emnist, cifar10, cifar100, synthetic"
+    assert lines["heads (train.head)"] == "none, linear, hyper"
+    assert lines["generic rules (train.generic_rule)"] == (
+        "fedavg, feddyn (train.rule_params: alpha=0.01), fedprox (train.rule_params: mu=0.01), scaffold")
+    assert lines["balanced losses (train.balanced_loss)"] == (
+        "bsm (train.gamma), cdt (train.gamma), ce, ldam (train.gamma), reweight")
+
+
+def test_a_near_miss_key_gets_a_suggestion(tmp_path):
+    rc, _, err = run_main(["train", "--config", CONFIG, "--run-dir", str(tmp_path / "r"), "--set", "train.gama=0.5"])
+    assert rc == 2 and "unknown config key train.gama (did you mean train.gamma?)" in err
+    rc, _, err = run_main(["train", "--config", CONFIG, "--run-dir", str(tmp_path / "r"),
+                           "--set", "train.generic_rule=scafold"])
+    assert rc == 2 and "(did you mean scaffold?)" in err
+
+
+def test_ctrl_c_stops_with_one_line_naming_resume(tmp_path):
+    """SIGINT after the first round: exit 130, one line on stderr that names the resume command (no
+    traceback), and that command finishes the run."""
+    run_dir = tmp_path / "I"
+    cmd = [sys.executable, "-m", "fedrod_ray.cli", "train", "--config", CONFIG, "--run-dir", str(run_dir),
+           "--set", "train.rounds=50", "--set", "runtime.torch_threads=1"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("[round   1/50]"), first
+        deadline = time.monotonic() + 60
+        while not (run_dir / "checkpoints" / "latest").is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130
+    assert err.splitlines() == [f"fedrod-ray: interrupted; continue it with: fedrod-ray train --resume {run_dir}"]
+    done = int((run_dir / "checkpoints" / "latest").read_text().strip()[len("round_"):]) + 1
+    assert 1 <= done < 50
+    rc, out, err = run_main(["train", "--resume", str(run_dir), "--set", f"train.rounds={done + 1}",
+                             "--set", "runtime.torch_threads=1"])
+    assert rc == 0, err
+    assert f"done: {done + 1} rounds" in out
 
 
 def test_resume_needs_a_checkpoint(tmp_path):
@@ -221,6 +289,6 @@ def test_train_on_ray_subprocess(tmp_path, private_ray_env):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"^ray: \d+ client actor\(s\) x \d+ client\(s\)", proc.stdout, re.MULTILINE), proc.stdout
     assert_round_lines(proc.stdout)
-    assert f"done: run directory {run_dir}" in proc.stdout
+    assert_summary(proc.stdout, run_dir)
     assert_run_directory(run_dir)
     assert load_config(run_dir / "config.yaml").runtime.mode == "ray"

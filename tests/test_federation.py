@@ -153,7 +153,8 @@ def test_snapshot_restore_continues_bitwise(overrides):
 
 def test_run_local_writes_every_result_file(tmp_path):
     cfg = config_from_dict(BASE, ["train.head=none", "train.balanced_loss=ce"])
-    last = run_local(cfg, RunStorage(str(tmp_path)), log=lambda s: None)
+    records = run_local(cfg, RunStorage(str(tmp_path)), log=lambda s: None)
+    last = records[-1]
     assert last["round"] == 1 and "gfl_gm" in last
     for name in ("config.yaml", "metrics.jsonl", "metrics.csv", "curves.png", "checkpoints/latest",
                  "final/model.safetensors", "final/meta.json"):

@@ -7,6 +7,7 @@ hyperparameters are a dataclass (``Params``) filled from ``train.rule_params``.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from .base import GenericRule, LocalCorrection, NoParams
@@ -25,7 +26,9 @@ def get_rule_class(name: str) -> type[GenericRule]:
     try:
         return RULES[name]
     except KeyError:
-        raise ValueError(f"unknown generic rule {name!r}; expected one of {sorted(RULES)}") from None
+        close = difflib.get_close_matches(name, sorted(RULES), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(f"unknown generic rule {name!r}; expected one of {sorted(RULES)}{hint}") from None
 
 
 def build_rule(name: str, params: dict[str, Any] | None = None) -> GenericRule:
