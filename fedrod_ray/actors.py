@@ -47,7 +47,11 @@ class ClientActorImpl:
         A first start gets its state from the coordinator (``set_states``) when a run resumes.
         """
         storage = RunStorage(storage_uri)
-        if not ray.get_runtime_context().was_current_actor_reconstructed or latest_checkpoint_name(storage) is None:
+        with warnings.catch_warnings():
+            # Ray 2.60's own implementation of this property calls a deprecated API of its own.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if not restarted or latest_checkpoint_name(storage) is None:
             return None
         ckpt = load_checkpoint(storage)
         self.host.set_states({cid: st for cid, st in ckpt.clients.items() if cid in self.host.states})

@@ -59,7 +59,8 @@ class Setup:
 
     @property
     def class_dists(self) -> torch.Tensor:
-        counts = torch.as_tensor(self.partition.counts, dtype=torch.float64)
+        # A copy: after a trip through Ray's object store the partition's arrays are read-only.
+        counts = torch.tensor(self.partition.counts, dtype=torch.float64)
         return counts / counts.sum(1, keepdim=True).clamp_min(1)
 
     def build_model(self) -> FedModel:
