@@ -76,6 +76,12 @@ def cmd_train(args) -> int:
                               "or choose another --run-dir")
     from .runner import format_summary
 
+    # config.yaml records where the data and the run really were, so a resume finds them again.
+    cfg.run_dir = storage.uri
+    if cfg.data.data_dir is None and cfg.data.dataset != "synthetic":
+        from .data import resolve_data_dir
+
+        cfg.data.data_dir = str(resolve_data_dir(None).resolve())
     if cfg.runtime.mode == "ray":
         from .ray_runtime import run_ray as run
     else:

@@ -70,6 +70,7 @@ def plot_curves(records: list[dict]) -> bytes | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for key, label in CURVES:
@@ -78,6 +79,7 @@ def plot_curves(records: list[dict]) -> bytes | None:
             xs, ys = zip(*points)
             ax.plot(xs, [100 * y for y in ys], marker="o" if len(xs) < 30 else None, markersize=3, label=label)
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no half-round ticks
     ax.set_ylabel("accuracy (%)")
     ax.set_title(evaluated[-1].get("name", "") or "accuracy")
     ax.grid(alpha=0.3)

@@ -63,6 +63,7 @@ def assert_summary(stdout: str, run_dir: Path) -> None:
 def assert_run_directory(run_dir: Path) -> None:
     cfg = load_config(run_dir / "config.yaml")
     assert cfg.name == "synthetic_tiny" and cfg.data.dataset == "synthetic"
+    assert cfg.run_dir == str(run_dir)  # what was used, not null
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == list(range(ROUNDS))
@@ -171,6 +172,23 @@ def test_train_with_scaffold(tmp_path):
     clients = load_file(run_dir / "checkpoints" / "round_000001" / "clients.safetensors")
     assert any("/rule_state/body." in k for k in clients)
     assert json.loads((run_dir / "final" / "meta.json").read_text())["rule"] == "scaffold"
+
+
+def test_config_yaml_records_the_data_directory_used(tmp_path, shared_data_dir, monkeypatch):
+    """Found through $FEDROD_DATA_DIR once, the data directory is written into the run's config, so the
+    run resumes without the variable."""
+    monkeypatch.setenv("FEDROD_DATA_DIR", str(shared_data_dir))
+    run_dir = tmp_path / "M"
+    rc, _, err = run_main(["train", "--config", CONFIG, "--run-dir", str(run_dir), "--set", "data.dataset=mnist",
+                           "--set", "train.rounds=1", "--set", "data.download=false",
+                           "--set", "runtime.torch_threads=1"])
+    assert rc == 0, err
+    assert load_config(run_dir / "config.yaml").data.data_dir == str(shared_data_dir.resolve())
+    monkeypatch.delenv("FEDROD_DATA_DIR")
+    rc, out, err = run_main(["train", "--resume", str(run_dir), "--set", "train.rounds=2",
+                             "--set", "runtime.torch_threads=1"])
+    assert rc == 0, err
+    assert "done: 2 rounds" in out
 
 
 def test_version_and_list():

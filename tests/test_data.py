@@ -378,6 +378,8 @@ def test_unreachable_source_raises_not_found(tmp_path, monkeypatch, fast_timeout
     msg = str(e.value)
     assert str(tmp_path / "fmnist") in msg and all(n in msg for n in IDX_NAMES)
     assert "Download failed" in msg and "data.dataset=synthetic" in msg and "FEDROD_DATA_DIR" in msg
+    # Downloads were on and failed: no advice to turn them on.
+    assert "data.download=true" not in msg and "fetch them yourself from http://127.0.0.1:" in msg
     assert not [p for p in (tmp_path / "fmnist").iterdir()]
 
 

@@ -69,12 +69,14 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path:
 def not_found(
     dataset: str, folder: Path, missing: Sequence[str], note: str = "", reasons: Sequence[str] = ()
 ) -> DatasetNotFoundError:
+    source = ", ".join(MIRRORS.get(dataset, [])) or "the official source"
+    # Once a download was tried (and failed), suggesting to turn downloads on would be wrong.
+    fetch = f"fetch them yourself from {source}" if reasons else f"set data.download=true to fetch them from {source}"
     lines = [
         f"dataset {dataset!r} not found: {folder} is missing {', '.join(missing)}.",
         (
-            f"Put the files in {folder} (the data directory is data.data_dir, else $FEDROD_DATA_DIR, "
-            f"else ~/.cache/fedrod-ray/data; each dataset in its own sub-folder), or set data.download=true "
-            f"to fetch them from {', '.join(MIRRORS.get(dataset, [])) or 'the official source'}."
+            f"Put the files in {folder} (the data directory is --data-dir / data.data_dir, else "
+            f"$FEDROD_DATA_DIR, else ~/.cache/fedrod-ray/data; each dataset in its own sub-folder), or {fetch}."
         ),
     ]
     if note:
