@@ -64,7 +64,7 @@ def report(out: Path, methods: dict[str, list[str]]) -> str:
             continue
         last, tail = evaluated[-1], evaluated[-3:]
         per_round = sum(r["train_seconds"] for r in recs) / len(recs)
-        rows.append([name, last["round"] + 1, *(f"{100 * last[k]:.2f}" for k in KEYS),
+        rows.append([name, last["round"], *(f"{100 * last[k]:.2f}" for k in KEYS),
                      " / ".join(f"{100 * sum(r[k] for r in tail) / len(tail):.2f}" for k in KEYS),
                      f"{per_round:.1f}"])
     return md_table(["method", "rounds", "G-FL (GM)", "P-FL (GM)", "P-FL (PM)",

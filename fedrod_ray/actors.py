@@ -55,7 +55,7 @@ class ClientActorImpl:
             return None
         ckpt = load_checkpoint(storage)
         self.host.set_states({cid: st for cid, st in ckpt.clients.items() if cid in self.host.states})
-        return ckpt.round_idx
+        return ckpt.rounds_done
 
     def ready(self) -> dict:
         return {"clients": self.host.client_ids, "restored_round": self.restored_round,

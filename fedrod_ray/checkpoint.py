@@ -1,6 +1,6 @@
 """Checkpoints that hold everything needed to resume a run exactly.
 
-Layout under ``<run_dir>/checkpoints/``: one folder per saved round (``round_000007/`` with
+Layout under ``<run_dir>/checkpoints/``: one folder per saved round (``round_000007/`` after round 7, with
 ``global.safetensors``, ``clients.safetensors`` and ``manifest.json``) and a ``latest`` file naming the
 newest complete one. A folder is written under a temporary name and renamed when complete, and
 ``latest`` is replaced atomically after that, so an interrupted save never hides the previous
@@ -38,23 +38,19 @@ class CheckpointFormatError(ValueError):
 class Snapshot:
     """A federation's full state after a round: what ``Federation.snapshot`` gives and ``restore`` takes."""
 
-    round_idx: int  # the last completed round
+    rounds_done: int  # rounds completed: the next round's 0-based index, "round N" for users
     config: ExperimentConfig
     global_shared: StateDict
     server_state: StateDict  # owned by config.train.generic_rule (empty if it keeps none)
     clients: dict[int, ClientState]
 
-    @property
-    def rounds_done(self) -> int:
-        return self.round_idx + 1
 
-
-def _name(round_idx: int) -> str:
-    return f"round_{round_idx:06d}"
+def _name(rounds_done: int) -> str:
+    return f"round_{rounds_done:06d}"
 
 
 def save_checkpoint(storage: RunStorage, ckpt: Snapshot) -> str:
-    name = _name(ckpt.round_idx)
+    name = _name(ckpt.rounds_done)
     tmp = f"checkpoints/.{name}.tmp-{uuid.uuid4().hex[:8]}"
     global_tensors = {f"global/{k}": v.contiguous() for k, v in ckpt.global_shared.items()}
     rule = ckpt.config.train.generic_rule
@@ -62,7 +58,7 @@ def save_checkpoint(storage: RunStorage, ckpt: Snapshot) -> str:
     client_tensors = {f"{cid}/{k}": v.contiguous() for cid, st in ckpt.clients.items() for k, v in st.tensors().items()}
     manifest = {
         "format_version": FORMAT_VERSION,
-        "round": ckpt.round_idx,
+        "round": ckpt.rounds_done,
         "rule": rule,
         "config": ckpt.config.to_dict(),
         "clients": {str(cid): {"rounds_trained": st.rounds_trained} for cid, st in sorted(ckpt.clients.items())},

@@ -64,7 +64,7 @@ def cmd_train(args) -> int:
             raise ConfigError(f"--resume: {e}") from None
         cfg = config_from_dict(ckpt.config.to_dict(), _overrides(args))
         check_resume(ckpt.config, cfg, ckpt.rounds_done)
-        print(f"resuming {args.resume} after round {ckpt.round_idx + 1}", flush=True)
+        print(f"resuming {args.resume} after round {ckpt.rounds_done}", flush=True)
     else:
         if not args.config:
             raise ConfigError("train needs --config FILE (or --resume RUN_DIR)")

@@ -158,7 +158,7 @@ class Federation:
         return {k: v for k, v in state.items() if k in self.generic_keys}
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(self.next_round - 1, self.cfg, dict(self.global_shared), dict(self.server_state),
+        return Snapshot(self.next_round, self.cfg, dict(self.global_shared), dict(self.server_state),
                         self.executor.get_states())
 
     def restore(self, snap: Snapshot) -> None:
@@ -206,7 +206,8 @@ class Federation:
 
         weights = np.array([res.num_samples for res in results], dtype=np.float64)
         record = {
-            "round": r, "name": cfg.name, "lr": round_lr(cfg.train, r),
+            # 1-based, as everywhere users see a round: "round 3" is the third, after which 3 are done.
+            "round": r + 1, "name": cfg.name, "lr": round_lr(cfg.train, r),
             "clients": len(ids), "clients_done": len(results), "clients_failed": len(failures),
             "failed_ids": [f.client_id for f in failures],
             "train_loss": float(np.average([res.loss for res in results], weights=weights)),

@@ -27,13 +27,13 @@ class MetricsLog:
         self.records: list[dict] = list(records or [])
 
     @classmethod
-    def resume(cls, storage: RunStorage, up_to_round: int) -> MetricsLog:
+    def resume(cls, storage: RunStorage, rounds_done: int) -> MetricsLog:
         records = []
         if storage.exists("metrics.jsonl"):
             for line in storage.read_bytes("metrics.jsonl").decode().splitlines():
                 if line.strip():
                     rec = json.loads(line)
-                    if rec["round"] <= up_to_round:
+                    if rec["round"] <= rounds_done:
                         records.append(rec)
         return cls(storage, records)
 
@@ -74,7 +74,7 @@ def plot_curves(records: list[dict]) -> bytes | None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for key, label in CURVES:
-        points = [(r["round"] + 1, r[key]) for r in evaluated if _is_number(r.get(key))]
+        points = [(r["round"], r[key]) for r in evaluated if _is_number(r.get(key))]
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, [100 * y for y in ys], marker="o" if len(xs) < 30 else None, markersize=3, label=label)

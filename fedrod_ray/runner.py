@@ -39,7 +39,7 @@ def drive(step: Callable[[int], dict], checkpoint: Callable[[], None], finish: C
     last evaluation's metrics.
     """
     storage.write_bytes("config.yaml", dump_config(cfg).encode())
-    metrics = MetricsLog.resume(storage, start_round - 1)
+    metrics = MetricsLog.resume(storage, start_round)
     for r in range(start_round, cfg.train.rounds):
         record = step(r)
         metrics.append(record)
@@ -80,17 +80,17 @@ def format_summary(records: list[dict], seconds: float, run_dir: str) -> str:
     lines = [f"done: {len(records)} rounds ({seconds:.1f} s in this invocation)"]
     if evaluated:
         last = evaluated[-1]
-        lines.append(f"  final (round {last['round'] + 1}): " + "  ".join(
+        lines.append(f"  final (round {last['round']}): " + "  ".join(
             f"{label} {100 * last[k]:.2f}" for k, label in SUMMARY_METRICS))
         best = [(label, max(evaluated, key=lambda r, k=k: r[k]), k) for k, label in SUMMARY_METRICS]
-        lines.append("  best: " + "  ".join(f"{label} {100 * r[k]:.2f} (round {r['round'] + 1})"
+        lines.append("  best: " + "  ".join(f"{label} {100 * r[k]:.2f} (round {r['round']})"
                                             for label, r, k in best))
     lines.append(f"  run directory {run_dir}: metrics.jsonl, metrics.csv, curves.png, checkpoints/, final/")
     return "\n".join(lines)
 
 
 def format_record(rec: dict, rounds: int) -> str:
-    line = (f"[round {rec['round'] + 1:>3}/{rounds}] {rec['seconds']:6.1f}s  lr {rec['lr']:.4g}  "
+    line = (f"[round {rec['round']:>3}/{rounds}] {rec['seconds']:6.1f}s  lr {rec['lr']:.4g}  "
             f"clients {rec['clients_done']}/{rec['clients']} (failed {rec['clients_failed']})  "
             f"loss {rec['train_loss']:.3f}")
     if "gfl_gm" in rec:

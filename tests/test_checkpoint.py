@@ -67,7 +67,7 @@ def test_round_trip_is_bitwise(tmp_path):
     name = save_checkpoint(storage, ckpt)
     assert name == "round_000003"
     loaded = load_checkpoint(storage)
-    assert loaded.round_idx == 3
+    assert loaded.rounds_done == 3
     assert loaded.config == ckpt.config
     assert loaded.config.runtime.client_resources == {"num_cpus": 2.0, "num_gpus": 0.5}
     _assert_dicts_equal(loaded.global_shared, ckpt.global_shared)
@@ -80,7 +80,7 @@ def test_round_trip_is_bitwise(tmp_path):
         _assert_dicts_equal(got.local_model, st.local_model)
         _assert_dicts_equal(got.rule_state, st.rule_state)
     # loading by explicit name gives the same
-    assert load_checkpoint(storage, name).round_idx == 3
+    assert load_checkpoint(storage, name).rounds_done == 3
 
 
 def test_no_server_state_and_no_clients(tmp_path):
@@ -103,11 +103,11 @@ def test_latest_and_retention(tmp_path):
     for r in (0, 1, 2, 9, 10):
         save_checkpoint(storage, make_checkpoint(r))
         assert latest_checkpoint_name(storage) == f"round_{r:06d}"
-        assert load_checkpoint(storage).round_idx == r
+        assert load_checkpoint(storage).rounds_done == r
     assert storage.list_dirs("checkpoints") == ["round_000009", "round_000010"]
     loaded = load_checkpoint(storage)
     _assert_dicts_equal(loaded.global_shared, make_checkpoint(10).global_shared)
-    assert load_checkpoint(storage, "round_000009").round_idx == 9
+    assert load_checkpoint(storage, "round_000009").rounds_done == 9
 
 
 def test_leftover_temporary_folder_is_ignored(tmp_path):
@@ -120,11 +120,11 @@ def test_leftover_temporary_folder_is_ignored(tmp_path):
     (junk / "global.safetensors").write_bytes(b"\x00junk")
     (junk / "manifest.json").write_text("{not json")
     loaded = load_checkpoint(storage)
-    assert loaded.round_idx == 8
+    assert loaded.rounds_done == 8
     _assert_dicts_equal(loaded.global_shared, make_checkpoint(8).global_shared)
     # a later save still works and the junk does not count towards the kept folders
     save_checkpoint(storage, make_checkpoint(9))
-    assert load_checkpoint(storage).round_idx == 9
+    assert load_checkpoint(storage).rounds_done == 9
     assert [d for d in storage.list_dirs("checkpoints") if d.startswith("round_")] == [
         "round_000008", "round_000009"]
 
@@ -219,7 +219,7 @@ def test_metrics_log_files(tmp_path):
     log.append({"round": 2, "loss": 1.0, "gfl_gm": 0.6, "pfl_gm": 0.45, "pfl_pm": 0.75, "extra": 3})
 
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["round"] for line in lines] == [0, 1, 2]
+    assert [json.loads(line)["round"] for line in lines] == [0, 1, 2]  # MetricsLog keeps what it is given
     assert json.loads(lines[1])["pfl_pm"] == 0.7
     csv_lines = (run / "metrics.csv").read_text().splitlines()
     assert csv_lines[0].split(",") == ["round", "loss", "gfl_gm", "pfl_gm", "pfl_pm", "name", "extra"]
@@ -232,12 +232,13 @@ def test_metrics_log_files(tmp_path):
 def test_metrics_log_resume_keeps_records_up_to_round(tmp_path):
     storage = RunStorage(str(tmp_path / "run"))
     log = MetricsLog(storage)
-    for r in range(5):
+    for r in range(1, 6):
         log.append({"round": r, "gfl_gm": 0.1 * r})
-    resumed = MetricsLog.resume(storage, up_to_round=2)
-    assert [rec["round"] for rec in resumed.records] == [0, 1, 2]
+    # Resuming from the checkpoint after round 2 keeps rounds 1 and 2 and drops what came later.
+    resumed = MetricsLog.resume(storage, rounds_done=2)
+    assert [rec["round"] for rec in resumed.records] == [1, 2]
     resumed.append({"round": 3, "gfl_gm": 0.99})
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["round"] for line in lines] == [0, 1, 2, 3]
+    assert [json.loads(line)["round"] for line in lines] == [1, 2, 3]
     assert json.loads(lines[-1])["gfl_gm"] == 0.99
     assert MetricsLog.resume(RunStorage(str(tmp_path / "empty")), 5).records == []

@@ -56,7 +56,7 @@ def assert_summary(stdout: str, run_dir: Path) -> None:
     assert final == (f"  final (round {ROUNDS}): G-FL {100 * last['gfl_gm']:.2f}  P-FL GM {100 * last['pfl_gm']:.2f}"
                      f"  P-FL PM {100 * last['pfl_pm']:.2f}")
     top = max(records, key=lambda r: r["gfl_gm"])
-    assert best.startswith(f"  best: G-FL {100 * top['gfl_gm']:.2f} (round {top['round'] + 1})")
+    assert best.startswith(f"  best: G-FL {100 * top['gfl_gm']:.2f} (round {top['round']})")
     assert where.startswith(f"  run directory {run_dir}: metrics.jsonl")
 
 
@@ -66,7 +66,7 @@ def assert_run_directory(run_dir: Path) -> None:
     assert cfg.run_dir == str(run_dir)  # what was used, not null
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in records] == list(range(ROUNDS))
+    assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))
     for r in records:
         assert {"round", "gfl_gm", "pfl_gm", "pfl_pm"} <= set(r)
         assert all(0.0 <= r[k] <= 1.0 for k in ("gfl_gm", "pfl_gm", "pfl_pm"))
@@ -75,10 +75,11 @@ def assert_run_directory(run_dir: Path) -> None:
     assert len(csv_lines) == ROUNDS + 1
     header = csv_lines[0].split(",")
     assert {"round", "gfl_gm", "pfl_gm", "pfl_pm"} <= set(header)
-    assert [line.split(",")[header.index("round")] for line in csv_lines[1:]] == [str(i) for i in range(ROUNDS)]
+    assert [line.split(",")[header.index("round")] for line in csv_lines[1:]] == [str(i) for i in range(1, ROUNDS + 1)]
 
     assert (run_dir / "curves.png").read_bytes().startswith(PNG_MAGIC)
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"round_{ROUNDS - 1:06d}"
+    # The checkpoint after round N is round_00000N, as the console counts.
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"round_{ROUNDS:06d}"
     weights = load_file(run_dir / "final" / "model.safetensors")
     assert weights and all(k.startswith(("body", "generic_head")) for k in weights)
     meta = json.loads((run_dir / "final" / "meta.json").read_text())
@@ -153,7 +154,7 @@ def test_resume_refuses_a_changed_method_and_takes_more_rounds(local_run, tmp_pa
     assert [ln.split("]")[0] for ln in out.splitlines() if ln.startswith("[round")] == [
         f"[round {ROUNDS + 1:>3}/{ROUNDS + 1}"]
     records = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in records] == list(range(ROUNDS + 1))
+    assert [r["round"] for r in records] == list(range(1, ROUNDS + 2))
     assert json.loads((copy / "final" / "meta.json").read_text())["round"] == ROUNDS + 1
 
 
@@ -165,11 +166,11 @@ def test_train_with_scaffold(tmp_path):
                              "--set", "runtime.torch_threads=1"])
     assert rc == 0, err
     assert "[round   2/2]" in out
-    manifest = json.loads((run_dir / "checkpoints" / "round_000001" / "manifest.json").read_text())
+    manifest = json.loads((run_dir / "checkpoints" / "round_000002" / "manifest.json").read_text())
     assert manifest["rule"] == "scaffold"
-    server = load_file(run_dir / "checkpoints" / "round_000001" / "global.safetensors")
+    server = load_file(run_dir / "checkpoints" / "round_000002" / "global.safetensors")
     assert any(k.startswith("server/scaffold/body.") for k in server)
-    clients = load_file(run_dir / "checkpoints" / "round_000001" / "clients.safetensors")
+    clients = load_file(run_dir / "checkpoints" / "round_000002" / "clients.safetensors")
     assert any("/rule_state/body." in k for k in clients)
     assert json.loads((run_dir / "final" / "meta.json").read_text())["rule"] == "scaffold"
 
@@ -235,7 +236,7 @@ def test_ctrl_c_stops_with_one_line_naming_resume(tmp_path):
             proc.communicate()
     assert proc.returncode == 130
     assert err.splitlines() == [f"fedrod-ray: interrupted; continue it with: fedrod-ray train --resume {run_dir}"]
-    done = int((run_dir / "checkpoints" / "latest").read_text().strip()[len("round_"):]) + 1
+    done = int((run_dir / "checkpoints" / "latest").read_text().strip()[len("round_"):])
     assert 1 <= done < 50
     rc, out, err = run_main(["train", "--resume", str(run_dir), "--set", f"train.rounds={done + 1}",
                              "--set", "runtime.torch_threads=1"])

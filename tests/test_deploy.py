@@ -441,7 +441,7 @@ def test_ray_job_submit_to_a_local_head(tmp_path):
         assert status.returncode == 0 and f"Job '{sid}' succeeded" in status.stdout + status.stderr
 
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [rec["round"] for rec in records] == [0, 1]
+        assert [rec["round"] for rec in records] == [1, 2]
         latest = (run_dir / "checkpoints" / "latest").read_text().strip()
         assert (run_dir / "checkpoints" / latest / "global.safetensors").is_file()
         assert load_file(run_dir / "final" / "model.safetensors")

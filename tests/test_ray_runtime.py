@@ -178,7 +178,7 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
         assert rec["clients_failed"] == 0
     # The checkpoint of the Ray run's snapshot holds the same weights and states.
     ckpt = load_checkpoint(storage)
-    assert ckpt.round_idx == 2
+    assert ckpt.rounds_done == 3
     assert_same_tensors(g_ref, ckpt.global_shared, "checkpointed global_shared")
     assert_same_tensors(h_ref, ckpt.server_state, "checkpointed server state")
     assert_same_states(states_ref, ckpt.clients)
@@ -266,7 +266,7 @@ def test_actor_killed_mid_round_is_counted_and_restarts_from_checkpoint(ray_sess
         assert len(executor.actors) >= 2
         fed = Federation(setup, executor, log=logs.append)
         step_and_save(fed, storage, 0)
-        assert latest_checkpoint_name(storage) == "round_000000"
+        assert latest_checkpoint_name(storage) == "round_000001"
 
         ids = sample_clients(cfg.seed, 1, setup.num_clients, cfg.train.client_fraction)
         victim = max(range(len(executor.actors)), key=lambda a: sum(executor.home[c] == a for c in ids))
@@ -295,12 +295,12 @@ def test_actor_killed_mid_round_is_counted_and_restarts_from_checkpoint(ray_sess
 
         # The restarted actor took its clients' state from the checkpoint of round 0.
         info = ray.get(executor.actors[victim].ready.remote())
-        assert info["restored_round"] == 0
+        assert info["restored_round"] == 1  # the checkpoint after round 1
         assert ray.get(executor.actors[victim].__ray_call__.remote(lambda self: os.getpid())) != pid
         other = next(a for a in range(len(executor.actors)) if a != victim)
         assert ray.get(executor.actors[other].ready.remote())["restored_round"] is None
-        before = load_checkpoint(storage, "round_000000").clients
-        after = load_checkpoint(storage, "round_000001").clients
+        before = load_checkpoint(storage, "round_000001").clients
+        after = load_checkpoint(storage, "round_000002").clients
         assert any(before[c].rounds_trained > 0 for c in executor.home if executor.home[c] == victim)
         for cid in rec["failed_ids"]:
             assert after[cid].rounds_trained == before[cid].rounds_trained
@@ -404,7 +404,7 @@ def kill_after_two_rounds(cmd: list[str], run_dir: Path, env: dict | None = None
     deadline = time.monotonic() + 180
     try:
         while time.monotonic() < deadline and proc.poll() is None:
-            if latest.is_file() and latest.read_text().strip() >= "round_000001":
+            if latest.is_file() and latest.read_text().strip() >= "round_000002":
                 break
             time.sleep(0.02)
         assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.communicate()[0]}"
@@ -417,7 +417,7 @@ def kill_after_two_rounds(cmd: list[str], run_dir: Path, env: dict | None = None
             proc.communicate()
     assert proc.returncode == -signal.SIGKILL
     assert not (run_dir / "final").exists()
-    assert latest.read_text().strip() in ("round_000001", "round_000002")
+    assert latest.read_text().strip() in ("round_000002", "round_000003")
 
 
 def reap_after_killed_driver(env) -> None:
@@ -444,7 +444,7 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert_same_tensors(wa, wb, "final model")
     ra = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
     rb = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rb] == [0, 1, 2, 3]
+    assert [r["round"] for r in rb] == [1, 2, 3, 4]
     assert without_time(ra) == without_time(rb)
     assert json.loads((a / "final" / "meta.json").read_text()) == json.loads((b / "final" / "meta.json").read_text())
 
@@ -550,11 +550,11 @@ def test_node_lost_from_cluster(tmp_path, private_ray_env):
     survivor = next(n for n in nodes if n != res["removed"])
     # Both actors alive afterwards, the restarted one on the surviving node, restored from round 0.
     assert res["after"] == {"0": [survivor, "ALIVE"], "1": [survivor, "ALIVE"]}, res["after"]
-    assert res["restored_round"] == 0
+    assert res["restored_round"] == 1
     r0, r1, r2 = res["records"]
     assert r0["clients_failed"] == 0
     assert r1["clients_done"] >= 2 and r1["clients_done"] + r1["clients_failed"] == 4
-    assert r2 == {"round": 2, "clients": 4, "clients_done": 4, "clients_failed": 0}
+    assert r2 == {"round": 3, "clients": 4, "clients_done": 4, "clients_failed": 0}
     assert res["finite"] is True
     assert math.isfinite(res["gfl_gm"])
     assert os.path.isfile(tmp_path / "run" / "checkpoints" / "latest")
