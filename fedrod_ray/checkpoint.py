@@ -51,6 +51,10 @@ def _name(rounds_done: int) -> str:
 
 def save_checkpoint(storage: RunStorage, ckpt: Snapshot) -> str:
     name = _name(ckpt.rounds_done)
+    # What an interrupted save left behind: never loaded (``latest`` never named it), removed here.
+    for leftover in storage.list_dirs("checkpoints"):
+        if leftover.startswith(".") and ".tmp-" in leftover:
+            storage.delete_dir(f"checkpoints/{leftover}")
     tmp = f"checkpoints/.{name}.tmp-{uuid.uuid4().hex[:8]}"
     global_tensors = {f"global/{k}": v.contiguous() for k, v in ckpt.global_shared.items()}
     rule = ckpt.config.train.generic_rule

@@ -122,11 +122,54 @@ def test_leftover_temporary_folder_is_ignored(tmp_path):
     loaded = load_checkpoint(storage)
     assert loaded.rounds_done == 8
     _assert_dicts_equal(loaded.global_shared, make_checkpoint(8).global_shared)
-    # a later save still works and the junk does not count towards the kept folders
+    # a later save still works, removes the junk, which never counted towards the kept folders
     save_checkpoint(storage, make_checkpoint(9))
     assert load_checkpoint(storage).rounds_done == 9
+    assert not junk.exists()
     assert [d for d in storage.list_dirs("checkpoints") if d.startswith("round_")] == [
         "round_000008", "round_000009"]
+
+
+class _CrashAt(RunStorage):
+    """Run storage that dies at one step of a checkpoint save, as a killed process would."""
+
+    def __init__(self, uri: str, step: str):
+        super().__init__(uri)
+        self.step = step
+
+    def move_dir(self, src_rel: str, dst_rel: str) -> None:
+        if self.step == "move":
+            raise OSError("killed after the temporary folder was written")
+        super().move_dir(src_rel, dst_rel)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        if self.step == "latest" and rel == "checkpoints/latest":
+            raise OSError("killed after the folder was moved, before `latest` was")
+        super().write_bytes(rel, data)
+
+
+@pytest.mark.parametrize("step", ["move", "latest"])
+def test_a_save_interrupted_between_its_steps_keeps_the_previous_checkpoint(tmp_path, step):
+    """Killed with the new folder written under its temporary name, or moved into place but not yet
+    named by ``latest``: the previous checkpoint is what loads, and the next save removes the leftovers."""
+    root = tmp_path / "run"
+    save_checkpoint(RunStorage(str(root)), make_checkpoint(8))
+    with pytest.raises(OSError, match="killed"):
+        save_checkpoint(_CrashAt(str(root), step), make_checkpoint(9))
+    leftovers = [d.name for d in (root / "checkpoints").iterdir() if ".tmp-" in d.name]
+    assert len(leftovers) == (1 if step == "move" else 0)
+    storage = RunStorage(str(root))
+    assert latest_checkpoint_name(storage) == "round_000008"
+    loaded = load_checkpoint(storage)
+    assert loaded.rounds_done == 8
+    _assert_dicts_equal(loaded.global_shared, make_checkpoint(8).global_shared)
+
+    save_checkpoint(storage, make_checkpoint(10))
+    assert load_checkpoint(storage).rounds_done == 10
+    names = sorted(d.name for d in (root / "checkpoints").iterdir())
+    assert not [n for n in names if ".tmp-" in n], names
+    # Killed after the move, round 9's folder was complete: it is kept as the older of the two.
+    assert names == ["latest", "round_000008" if step == "move" else "round_000009", "round_000010"]
 
 
 def test_files_are_safetensors_and_json_not_pickle(tmp_path):

@@ -192,6 +192,33 @@ def test_config_yaml_records_the_data_directory_used(tmp_path, shared_data_dir, 
     assert "done: 2 rounds" in out
 
 
+def test_checkpoint_every_and_eval_every(tmp_path):
+    """checkpoint_every=2, eval_every=2 over 5 rounds: evaluations after rounds 2, 4 and the last;
+    checkpoints after 2, 4 and 5, of which the newest two are kept."""
+    run_dir = tmp_path / "E"
+    rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(run_dir), "--set", "train.rounds=5",
+                             "--set", "runtime.checkpoint_every=2", "--set", "eval.eval_every=2",
+                             "--set", "runtime.torch_threads=1"])
+    assert rc == 0, err
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records if "gfl_gm" in r] == [2, 4, 5]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "round_000004", "round_000005"]
+    assert sum("G-FL" in line for line in out.splitlines() if line.startswith("[round")) == 3
+
+
+def test_a_round_with_too_many_failures_stops_with_exit_code_1(tmp_path):
+    """Every client diverges (lr 1e30): the round fails past runtime.max_failed_fraction, and the CLI
+    says so in one message, exit code 1, with nothing checkpointed."""
+    run_dir = tmp_path / "F"
+    rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(run_dir), "--set", "train.lr=1e30",
+                             "--set", "runtime.torch_threads=1"])
+    assert rc == 1
+    # It stops as soon as the limit is passed: at the third failure of four (max_failed_fraction 0.5).
+    assert err.startswith("fedrod-ray: training stopped: round 1: 3 of 4 clients failed")
+    assert "LocalTrainingError: non-finite loss" in err and "Traceback" not in err
+    assert not (run_dir / "checkpoints").exists()
+
+
 def test_version_and_list():
     with pytest.raises(SystemExit) as e, contextlib.redirect_stdout(io.StringIO()) as out:
         main(["--version"])

@@ -376,7 +376,9 @@ def test_raising_client_is_reported_not_fatal(ray_session, tmp_path):
 # --- 5. resume after a real SIGKILL equals the uninterrupted run ---------------------------------------
 
 CLI = [sys.executable, "-m", "fedrod_ray.cli", "train"]
-RESUME_SETS = ["--set", "train.rounds=4", "--set", "train.local_epochs=2", "--set", "runtime.torch_threads=1"]
+# SCAFFOLD: server and per-client rule state, besides phi_m and the local models, must all resume exactly.
+RESUME_SETS = ["--set", "train.rounds=4", "--set", "train.local_epochs=2", "--set", "runtime.torch_threads=1",
+               "--set", "train.generic_rule=scaffold"]
 
 
 def train_cmd(run_dir: Path, *extra: str) -> list[str]:
@@ -440,8 +442,12 @@ def reap_after_killed_driver(env) -> None:
 
 
 def assert_same_run(a: Path, b: Path) -> None:
-    wa, wb = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
-    assert_same_tensors(wa, wb, "final model")
+    """Same final model, every client's persisted state, the rule's server state and the metrics."""
+    for rel in ("final/model.safetensors", "final/personal.safetensors", "checkpoints/round_000004/global.safetensors",
+                "checkpoints/round_000004/clients.safetensors"):
+        assert_same_tensors(load_file(a / rel), load_file(b / rel), rel)
+    clients = load_file(b / "checkpoints/round_000004/clients.safetensors")
+    assert any("/rule_state/" in k for k in clients) and any("/personal/" in k for k in clients)
     ra = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
     rb = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rb] == [1, 2, 3, 4]
