@@ -212,7 +212,8 @@ def test_a_round_with_too_many_failures_stops_with_exit_code_1(tmp_path):
     run_dir = tmp_path / "F"
     rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(run_dir), "--set", "train.lr=1e30",
                              "--set", "runtime.torch_threads=1"])
-    assert rc == 1 and "[round" not in out
+    assert rc == 1 and "[round   1/" not in out  # no round line: only the failed clients' reports
+    assert "[round 1] client 1 failed: LocalTrainingError" in out
     # It stops as soon as the limit is passed: at the third failure of four (max_failed_fraction 0.5).
     assert err.startswith("fedrod-ray: training stopped: round 1: 3 of 4 clients failed")
     assert "LocalTrainingError: non-finite loss" in err and "Traceback" not in err
