@@ -74,7 +74,7 @@ def cmd_train(args) -> int:
         if latest_checkpoint_name(storage) is not None:
             raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
                               "or choose another --run-dir")
-    from .runner import format_summary
+    from .runner import RoundProgress, format_summary
 
     # config.yaml records where the data and the run really were, so a resume finds them again.
     cfg.run_dir = storage.uri
@@ -86,9 +86,11 @@ def cmd_train(args) -> int:
         from .ray_runtime import run_ray as run
     else:
         from .runner import run_local as run
+    progress = RoundProgress(cfg.train.rounds, cfg.runtime.progress_seconds)
+    log = progress.log(lambda s: print(s, flush=True))
     t0 = time.perf_counter()
     try:
-        records = run(cfg, storage, ckpt, log=lambda s: print(s, flush=True))
+        records = run(cfg, storage, ckpt, log=log, progress=progress.update)
     except KeyboardInterrupt:
         if latest_checkpoint_name(storage) is None:
             hint = "no round was checkpointed yet: start it again with the same command"

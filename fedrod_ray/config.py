@@ -87,6 +87,7 @@ class RuntimeConfig:
     min_clients_per_round: int = 1
     max_failed_fraction: float = 0.5
     checkpoint_every: int = 1
+    progress_seconds: float = 30.0  # not on a terminal: a progress line inside a round at most this often
 
 
 @dataclass
@@ -142,7 +143,7 @@ _POSITIVE = {
 }
 _NON_NEGATIVE = {
     "data.new_clients", "data.min_per_client", "train.gamma",
-    "train.momentum", "train.weight_decay", "runtime.torch_threads", "runtime.clients_per_actor",
+    "train.momentum", "train.weight_decay", "runtime.progress_seconds", "runtime.torch_threads", "runtime.clients_per_actor",
     "runtime.max_restarts", "runtime.max_failed_fraction",
 }
 

@@ -224,6 +224,10 @@ class CoordinatorImpl:
     def step(self, round_idx: int) -> dict:
         return self.federation.step(round_idx)
 
+    def progress(self) -> tuple[int, int, int]:
+        """(round, clients finished, clients sampled) of the round in hand; called from a second thread."""
+        return self.federation.round_progress
+
     def save_checkpoint(self, storage_uri: str) -> None:
         save_federation(self.federation, RunStorage(storage_uri))
 

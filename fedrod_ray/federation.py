@@ -140,8 +140,12 @@ class Federation:
     ``final/`` is the caller's (``fedrod_ray.runner`` for the CLI).
     """
 
-    def __init__(self, setup: Setup, executor: Executor, log: Callable[[str], None] = print):
+    def __init__(self, setup: Setup, executor: Executor, log: Callable[[str], None] = print,
+                 progress: Callable[[int, int, int], None] | None = None):
+        """``progress(round, clients finished, clients sampled)`` is called as each client finishes."""
         self.setup = setup
+        self.progress = progress
+        self.round_progress = (0, 0, 0)  # (round, finished, sampled) of the round in hand
         self.cfg = setup.cfg
         self.executor = executor
         self.log = log
@@ -183,6 +187,7 @@ class Federation:
         generic, rest, uploads = (OrderedAverager(len(ids)) for _ in range(3))
         results: list[LocalResult] = []
         failures: list[ClientFailure] = []
+        self._report(r + 1, 0, len(ids))
         for slot, res in self.executor.train(r, ids, message):
             if isinstance(res, ClientFailure):
                 for averager in (generic, rest, uploads):
@@ -195,6 +200,7 @@ class Federation:
                 rest.add(slot, {k: v for k, v in res.shared.items() if k not in self.generic_keys}, res.num_samples)
                 uploads.add(slot, res.upload, 1.0)
                 results.append(res)
+            self._report(r + 1, len(results) + len(failures), len(ids))
         self._check_failures(r, len(ids), failures)
         new_generic, self.server_state = self.rule.server_update(
             self._generic(self.global_shared), generic.result(), uploads.result(), generic.count,
@@ -219,6 +225,11 @@ class Federation:
             record.update(self.evaluate())
         record["seconds"] = round(time.perf_counter() - t0, 4)
         return record
+
+    def _report(self, round_number: int, finished: int, sampled: int) -> None:
+        self.round_progress = (round_number, finished, sampled)
+        if self.progress is not None:
+            self.progress(round_number, finished, sampled)
 
     def final_model(self, metrics: dict) -> tuple[ModelMeta, StateDict, dict[int, torch.Tensor] | None]:
         """What ``export.save_final`` writes: the metadata, the global weights and (linear) every

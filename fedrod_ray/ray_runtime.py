@@ -17,6 +17,8 @@ from .federation import RoundFailedError, prepare
 from .runner import drive
 from .storage import RunStorage
 
+PROGRESS_POLL_S = 1.0
+
 
 def connect(cfg: ExperimentConfig) -> bool:
     """Join ``runtime.address`` (``auto``: the running cluster), or start a local Ray; True if we started it.
@@ -32,7 +34,8 @@ def connect(cfg: ExperimentConfig) -> bool:
 
 
 def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
-            log: Callable[[str], None] = print) -> list[dict]:
+            log: Callable[[str], None] = print,
+            progress: Callable[[int, int, int], None] | None = None) -> list[dict]:
     # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message; the
     # coordinator is handed the result.
     setup = prepare(cfg)
@@ -40,15 +43,22 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
     coordinator = None
     try:
         t0 = time.perf_counter()
-        # The coordinator takes no CPU from the clients: it only averages and evaluates the GM.
-        coordinator = Coordinator.options(num_cpus=0, max_restarts=0).remote(setup, storage.uri, snapshot)
+        # The coordinator takes no CPU from the clients: it only averages and evaluates the GM. A second
+        # thread answers progress() while step() runs.
+        coordinator = Coordinator.options(num_cpus=0, max_restarts=0, max_concurrency=2).remote(
+            setup, storage.uri, snapshot)
         info = ray.get(coordinator.info.remote())
         log(f"ray: {info['num_actors']} client actor(s) x {info['clients_per_actor']} client(s), "
             f"{info['max_in_flight']} training(s) at once; ready in {time.perf_counter() - t0:.1f}s")
 
         def step(r: int) -> dict:
+            ref = coordinator.step.remote(r)
+            while progress is not None and not ray.wait([ref], timeout=PROGRESS_POLL_S)[0]:
+                current = ray.get(coordinator.progress.remote())
+                if current[0] == r + 1:  # not the previous round's last figures
+                    progress(*current)
             try:
-                return ray.get(coordinator.step.remote(r))
+                return ray.get(ref)
             except RayTaskError as e:
                 if isinstance(e.cause, RoundFailedError):
                     raise e.cause from None

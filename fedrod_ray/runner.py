@@ -8,7 +8,10 @@ coordinator actor (``fedrod_ray.ray_runtime``); a Tune trainable calls ``step`` 
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
+from typing import TextIO
 
 import torch
 
@@ -58,13 +61,54 @@ def export_federation(fed: Federation, storage: RunStorage, metrics: dict) -> No
     save_final(storage, *fed.final_model(metrics))
 
 
+class RoundProgress:
+    """Progress inside a round. On a terminal, one line rewritten in place as clients finish; elsewhere
+    (a log file, a Ray job's output) a plain line at most every ``every`` seconds, so that short rounds
+    print none. ``log`` wraps a printer so that its lines never land on a half-written progress line."""
+
+    def __init__(self, rounds: int, every: float, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.rounds, self.every, self.clock = rounds, every, clock
+        self.shown = False
+        self.last: tuple[int, int] | None = None
+        self.round_start = self.last_line = clock()
+
+    def update(self, round_number: int, finished: int, sampled: int) -> None:
+        if (round_number, finished) == self.last:
+            return
+        if self.last is None or self.last[0] != round_number:
+            self.round_start = self.last_line = self.clock()
+        self.last = (round_number, finished)
+        text = f"[round {round_number:>3}/{self.rounds}] clients {finished}/{sampled}"
+        if self.tty:
+            self.stream.write("\r\x1b[K" + text)
+            self.shown = True
+        elif finished and self.clock() - self.last_line >= self.every:
+            self.stream.write(f"{text} done ({self.clock() - self.round_start:.0f} s)\n")
+            self.last_line = self.clock()
+        self.stream.flush()
+
+    def log(self, printer: Callable[[str], None]) -> Callable[[str], None]:
+        def write(line: str) -> None:
+            if self.shown:
+                self.stream.write("\r\x1b[K")
+                self.shown = False
+            printer(line)
+
+        return write
+
+
 def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
-              log: Callable[[str], None] = print) -> list[dict]:
+              log: Callable[[str], None] = print,
+              progress: Callable[[int, int, int], None] | None = None) -> list[dict]:
     """Train in this process, every client sequentially (``runtime.mode: local``)."""
     if cfg.runtime.torch_threads:
         torch.set_num_threads(cfg.runtime.torch_threads)
     setup = prepare(cfg)
-    fed = Federation(setup, InProcessExecutor(make_host(setup, setup.all_client_ids, cfg.runtime.device)), log)
+    fed = Federation(setup, InProcessExecutor(make_host(setup, setup.all_client_ids, cfg.runtime.device)), log,
+                     progress)
     if snapshot is not None:
         fed.restore(snapshot)
     return drive(fed.step, lambda: save_federation(fed, storage), lambda m: export_federation(fed, storage, m),

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 import fedrod_ray
 from fedrod_ray.cli import main
 from fedrod_ray.config import load_config
+from fedrod_ray.runner import RoundProgress
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "synthetic_tiny.yaml")
@@ -218,6 +219,49 @@ def test_a_round_with_too_many_failures_stops_with_exit_code_1(tmp_path):
     assert err.startswith("fedrod-ray: training stopped: round 1: 3 of 4 clients failed")
     assert "LocalTrainingError: non-finite loss" in err and "Traceback" not in err
     assert not (run_dir / "checkpoints").exists()
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_round_progress_rewrites_one_line_on_a_terminal():
+    stream = _Stream(tty=True)
+    progress = RoundProgress(10, every=30.0, stream=stream)
+    log = progress.log(lambda line: stream.write(line + "\n"))
+    for done in (0, 1, 1, 2):
+        progress.update(3, done, 2)
+    log("[round   3/10] the round's line")
+    assert stream.getvalue() == ("\r\x1b[K[round   3/10] clients 0/2\r\x1b[K[round   3/10] clients 1/2"
+                                 "\r\x1b[K[round   3/10] clients 2/2\r\x1b[K[round   3/10] the round's line\n")
+
+
+def test_round_progress_prints_plain_lines_at_most_every_interval_elsewhere():
+    now = [0.0]
+    stream = _Stream(tty=False)
+    progress = RoundProgress(10, every=30.0, stream=stream, clock=lambda: now[0])
+    for t, done in ((0, 0), (10, 1), (31, 2), (40, 3), (65, 4)):
+        now[0] = t
+        progress.update(1, done, 4)
+    assert stream.getvalue() == ("[round   1/10] clients 2/4 done (31 s)\n"
+                                 "[round   1/10] clients 4/4 done (65 s)\n")
+    log = progress.log(stream.write)
+    log("x")  # nothing to wipe off a plain stream
+    assert stream.getvalue().endswith("(65 s)\nx")
+
+
+def test_train_shows_progress_inside_rounds(tmp_path):
+    rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(tmp_path / "P"), "--set", "train.rounds=1",
+                             "--set", "runtime.progress_seconds=0", "--set", "runtime.torch_threads=1"])
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert [ln.split(" done")[0] for ln in lines[:4]] == [f"[round   1/1] clients {k}/4" for k in range(1, 5)]
+    assert lines[4].startswith("[round   1/1]") and "G-FL" in lines[4]
 
 
 def test_version_and_list():
