@@ -143,7 +143,8 @@ _POSITIVE = {
 }
 _NON_NEGATIVE = {
     "data.new_clients", "data.min_per_client", "train.gamma",
-    "train.momentum", "train.weight_decay", "runtime.progress_seconds", "runtime.torch_threads", "runtime.clients_per_actor",
+    "train.momentum", "train.weight_decay", "runtime.progress_seconds", "runtime.torch_threads",
+    "runtime.clients_per_actor",
     "runtime.max_restarts", "runtime.max_failed_fraction",
 }
 
