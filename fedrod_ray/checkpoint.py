@@ -1,10 +1,19 @@
-"""Checkpoints that hold everything needed to resume a run exactly.
+"""Checkpoints that hold everything needed to resume a run exactly, written incrementally.
 
-Layout under ``<run_dir>/checkpoints/``: one folder per saved round (``round_000007/`` after round 7, with
-``global.safetensors``, ``clients.safetensors`` and ``manifest.json``) and a ``latest`` file naming the
-newest complete one. A folder is written under a temporary name and renamed when complete, and
-``latest`` is replaced atomically after that, so an interrupted save never hides the previous
-checkpoint. Tensors are stored as safetensors and the rest as JSON: loading never unpickles code.
+Layout under ``<run_dir>/checkpoints/``:
+
+    round_000007/global.safetensors   global weights and the generic rule's server state
+    round_000007/manifest.json        config, round, rule, and for every client the file holding its state
+    clients/<save>.safetensors        the states of the clients that changed since the save before
+    latest                            the name of the newest complete round folder
+
+A client's state changes only when it trains, so a save writes the round's clients, not all of them,
+and the manifest points every other client at the file an earlier save wrote. When the files still
+referenced hold more than ``COMPACT_RATIO`` times the live states (old versions of clients that trained
+again), the next save writes every client afresh and the old files go. Files are written under
+temporary names and moved into place; the round folder is renamed when complete and ``latest``
+replaced after that, so an interrupted save never hides the previous checkpoint. Tensors are
+safetensors and the rest JSON: loading never unpickles code.
 
 The run's randomness is a pure function of (seed, round, client id) (client sampling, shuffling,
 augmentation, initialisation), so the seed in the saved config *is* the RNG state to restore.
@@ -25,9 +34,13 @@ from .client import ClientState
 from .config import ExperimentConfig, config_from_dict
 from .storage import RunStorage
 
-# 1: fedrod-ray 0.1 (FedDyn's state in fixed fields); 2: rule state named by its rule.
-FORMAT_VERSION = 2
+# 1: fedrod-ray 0.1 (FedDyn's state in fixed fields); 2: rule state named by its rule; 3: client states
+# in files shared between saves (format 2 is still read).
+FORMAT_VERSION = 3
+READABLE = (2, 3)
 KEEP = 2
+COMPACT_RATIO = 3
+CLIENTS_DIR = "checkpoints/clients"
 
 
 class CheckpointFormatError(ValueError):
@@ -49,34 +62,90 @@ def _name(rounds_done: int) -> str:
     return f"round_{rounds_done:06d}"
 
 
-def save_checkpoint(storage: RunStorage, ckpt: Snapshot) -> str:
-    name = _name(ckpt.rounds_done)
-    # What an interrupted save left behind: never loaded (``latest`` never named it), removed here.
-    for leftover in storage.list_dirs("checkpoints"):
-        if leftover.startswith(".") and ".tmp-" in leftover:
-            storage.delete_dir(f"checkpoints/{leftover}")
-    tmp = f"checkpoints/.{name}.tmp-{uuid.uuid4().hex[:8]}"
-    global_tensors = {f"global/{k}": v.contiguous() for k, v in ckpt.global_shared.items()}
-    rule = ckpt.config.train.generic_rule
-    global_tensors.update({f"server/{rule}/{k}": v.contiguous() for k, v in ckpt.server_state.items()})
-    client_tensors = {f"{cid}/{k}": v.contiguous() for cid, st in ckpt.clients.items() for k, v in st.tensors().items()}
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "round": ckpt.rounds_done,
-        "rule": rule,
-        "config": ckpt.config.to_dict(),
-        "clients": {str(cid): {"rounds_trained": st.rounds_trained} for cid, st in sorted(ckpt.clients.items())},
-    }
-    storage.write_bytes(f"{tmp}/global.safetensors", st_save(global_tensors))
-    storage.write_bytes(f"{tmp}/clients.safetensors", st_save(client_tensors) if client_tensors else st_save({}))
-    storage.write_bytes(f"{tmp}/manifest.json", json.dumps(manifest, indent=1).encode())
-    storage.delete_dir(f"checkpoints/{name}")
-    storage.move_dir(tmp, f"checkpoints/{name}")
-    storage.write_bytes("checkpoints/latest", name.encode())
-    saved = [d for d in storage.list_dirs("checkpoints") if d.startswith("round_")]
-    for old in saved[:-KEEP]:
-        storage.delete_dir(f"checkpoints/{old}")
-    return name
+class CheckpointWriter:
+    """Saves a federation's snapshots into one run directory, each writing only what changed.
+
+    Change is detected by identity: the federation replaces a client's ``ClientState`` whenever it
+    trains and never writes into one, so a state object this writer has saved is unchanged. A new
+    writer (a resumed run) starts with a full save.
+    """
+
+    def __init__(self, storage: RunStorage):
+        self.storage = storage
+        self.saved: dict[int, tuple[ClientState, str | None]] = {}  # client -> (state saved, its file)
+        self.file_sizes: dict[str, int] = {}  # client-state file -> how many states it holds
+
+    def save(self, snap: Snapshot) -> str:
+        storage = self.storage
+        name = _name(snap.rounds_done)
+        self._remove_leftovers()
+        entries = {cid: self.saved.get(cid) for cid in snap.clients}
+        changed = {cid for cid, st in snap.clients.items() if entries[cid] is None or entries[cid][0] is not st}
+        referenced = {e[1] for cid, e in entries.items() if cid not in changed and e[1] is not None}
+        live = sum(bool(st.tensors()) for st in snap.clients.values())
+        if sum(self.file_sizes[f] for f in referenced) + len(changed) > COMPACT_RATIO * max(live, 1):
+            changed = set(snap.clients)
+        written = {cid: snap.clients[cid] for cid in sorted(changed) if snap.clients[cid].tensors()}
+        file = None
+        if written:
+            file = f"{name}-{uuid.uuid4().hex[:8]}.safetensors"
+            storage.write_bytes(f"{CLIENTS_DIR}/{file}", st_save(
+                {f"{cid}/{k}": v.contiguous() for cid, st in written.items() for k, v in st.tensors().items()}))
+            self.file_sizes[file] = len(written)
+        for cid, st in snap.clients.items():
+            if cid in changed:
+                self.saved[cid] = (st, file if cid in written else None)
+        for cid in set(self.saved) - set(snap.clients):
+            del self.saved[cid]
+
+        tmp = f"checkpoints/.{name}.tmp-{uuid.uuid4().hex[:8]}"
+        rule = snap.config.train.generic_rule
+        global_tensors = {f"global/{k}": v.contiguous() for k, v in snap.global_shared.items()}
+        global_tensors.update({f"server/{rule}/{k}": v.contiguous() for k, v in snap.server_state.items()})
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "round": snap.rounds_done,
+            "rule": rule,
+            "config": snap.config.to_dict(),
+            "clients": {str(cid): {"rounds_trained": st.rounds_trained, "file": self.saved[cid][1]}
+                        for cid, st in sorted(snap.clients.items())},
+        }
+        storage.write_bytes(f"{tmp}/global.safetensors", st_save(global_tensors))
+        storage.write_bytes(f"{tmp}/manifest.json", json.dumps(manifest, indent=0).encode())
+        storage.delete_dir(f"checkpoints/{name}")
+        storage.move_dir(tmp, f"checkpoints/{name}")
+        storage.write_bytes("checkpoints/latest", name.encode())
+        self._retain()
+        return name
+
+    def _remove_leftovers(self) -> None:
+        """What an interrupted save left behind: never loaded (``latest`` never named it)."""
+        for leftover in self.storage.list_dirs("checkpoints"):
+            if leftover.startswith(".") and ".tmp-" in leftover:
+                self.storage.delete_dir(f"checkpoints/{leftover}")
+
+    def _retain(self) -> None:
+        """Keep the newest KEEP round folders and the client files their manifests name."""
+        rounds = [d for d in self.storage.list_dirs("checkpoints") if d.startswith("round_")]
+        for old in rounds[:-KEEP]:
+            self.storage.delete_dir(f"checkpoints/{old}")
+        needed = set()
+        for kept in rounds[-KEEP:]:
+            manifest = _read_manifest(self.storage, kept)
+            needed |= {c.get("file") for c in manifest.get("clients", {}).values()}
+        for file in self.storage.list_files(CLIENTS_DIR):
+            if file not in needed and ".tmp-" not in file:
+                self.storage.delete_file(f"{CLIENTS_DIR}/{file}")
+                self.file_sizes.pop(file, None)
+
+
+def save_checkpoint(storage: RunStorage, snap: Snapshot) -> str:
+    """A full save (every client's state) of ``snap``; runs save through a ``CheckpointWriter``."""
+    return CheckpointWriter(storage).save(snap)
+
+
+def _read_manifest(storage: RunStorage, name: str) -> dict:
+    return json.loads(storage.read_bytes(f"checkpoints/{name}/manifest.json"))
 
 
 def latest_checkpoint_name(storage: RunStorage) -> str | None:
@@ -89,21 +158,29 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
     name = name or latest_checkpoint_name(storage)
     if name is None:
         raise FileNotFoundError(f"no checkpoint in {storage.uri}/checkpoints")
-    manifest = json.loads(storage.read_bytes(f"checkpoints/{name}/manifest.json"))
+    manifest = _read_manifest(storage, name)
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE:
         raise CheckpointFormatError(
             f"checkpoint {storage.uri}/checkpoints/{name} has format version {version}; this version of "
-            f"fedrod-ray reads format {FORMAT_VERSION} only (format 1 was written by fedrod-ray 0.1, before "
+            f"fedrod-ray reads formats {READABLE} (format 1 was written by fedrod-ray 0.1, before "
             "generic rules became plug-ins): start a new run, or resume it with the version that wrote it")
     tensors = st_load(storage.read_bytes(f"checkpoints/{name}/global.safetensors"))
     global_shared = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("global/")}
     server_prefix = f"server/{manifest['rule']}/"
     server = {k[len(server_prefix):]: v for k, v in tensors.items() if k.startswith(server_prefix)}
+    # Format 2 kept every client's state in the round folder; format 3 names a shared file per client.
+    if version == 2:
+        source = {cid: f"checkpoints/{name}/clients.safetensors" for cid in manifest["clients"]}
+    else:
+        source = {cid: f"{CLIENTS_DIR}/{m['file']}" for cid, m in manifest["clients"].items() if m["file"]}
     per_client: dict[int, dict[str, torch.Tensor]] = {}
-    for k, v in st_load(storage.read_bytes(f"checkpoints/{name}/clients.safetensors")).items():
-        cid, rest = k.split("/", 1)
-        per_client.setdefault(int(cid), {})[rest] = v
+    for file in sorted(set(source.values())):
+        for k, v in st_load(storage.read_bytes(file)).items():
+            cid, rest = k.split("/", 1)
+            # A shared file also holds older versions of clients that a later save wrote again.
+            if source.get(cid) == file:
+                per_client.setdefault(int(cid), {})[rest] = v
     clients = {
         int(cid): ClientState.from_tensors(per_client.get(int(cid), {}), meta["rounds_trained"])
         for cid, meta in manifest["clients"].items()

@@ -1,5 +1,9 @@
-"""ClientHost: the data shards and persistent personalized state of one or more clients.
+"""ClientHost: trains and evaluates clients whose state is handed to it with each call.
 
+A host holds the training arrays (all of them, or views of the object store's copy on a Ray node), the
+clients' sample indices and a model, but no client's state: the committed state of every client is the
+federation's (``Federation.clients``), sent with each call, and the new state comes back with the
+result. So any host can train any client, and a host that dies loses nothing but the call in hand.
 The in-process runtime uses one host for every client; the Ray runtime wraps the same class in an actor
 (``fedrod_ray.actors``), so both run exactly the same training and evaluation code.
 """
@@ -16,7 +20,7 @@ import torch
 from .aggregate import StateDict
 from .algorithms import build_rule
 from .config import ExperimentConfig
-from .local import ClientData, LocalResult, RoundInput, local_update
+from .local import ClientData, LocalResult, RoundInput, class_distribution, local_update
 from .metrics import TestSet, personal_class_correct
 from .models import FedModel, build_model
 
@@ -46,6 +50,14 @@ class ClientState:
             parts.setdefault(part, {})[name] = v
         return cls(rounds_trained=rounds_trained, **parts)
 
+    def for_training(self) -> ClientState:
+        """What a local update reads: the last local model only matters to evaluation, so it stays home."""
+        return dataclasses.replace(self, local_model=None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
 
 @dataclass
 class ClientFailure:
@@ -60,101 +72,77 @@ class EvalCounts:
     total: dict[int, torch.Tensor] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)  # client id -> error, for broken client state
 
+    def merge(self, other: EvalCounts) -> None:
+        self.correct.update(other.correct)
+        self.total.update(other.total)
+        self.failed.update(other.failed)
+
 
 class ClientHost:
-    """Holds clients' shards and states; trains and evaluates them one at a time."""
+    """Trains and evaluates clients one at a time; their state comes with each call."""
 
-    def __init__(self, cfg: ExperimentConfig, client_ids: list[int], train_x: torch.Tensor, train_y: torch.Tensor,
-                 indices: dict[int, np.ndarray], counts: dict[int, np.ndarray], test: TestSet,
+    def __init__(self, cfg: ExperimentConfig, train_x: torch.Tensor, train_y: torch.Tensor,
+                 indices: dict[int, np.ndarray] | list[np.ndarray], counts: np.ndarray, test: TestSet,
                  mean: tuple[float, ...], std: tuple[float, ...], augment: bool, num_classes: int,
                  device: str = "cpu"):
+        """``indices[c]`` are client c's rows of ``train_x`` and ``counts[c]`` its class counts; a host
+        given a dict of indices serves only those clients."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.mean, self.std, self.augment = mean, std, augment
         self.test = test
-        # Each host copies only its own clients' examples out of the (possibly shared) full arrays.
-        self.data = {
-            cid: ClientData(
-                x=train_x[torch.as_tensor(indices[cid], dtype=torch.long)].contiguous(),
-                y=train_y[torch.as_tensor(indices[cid], dtype=torch.long)].contiguous(),
-                counts=torch.as_tensor(counts[cid], dtype=torch.long),
-            )
-            for cid in client_ids
-        }
-        self.states = {cid: ClientState() for cid in client_ids}
-        # A trained client's PM only changes when it trains again: its test counts are kept, keyed by
-        # rounds_trained, so an evaluation only runs the clients that trained since the last one.
-        self._pm_cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        # The full arrays stay shared (on Ray, read-only views of the node's object store); a client's
+        # examples are gathered per call, which costs far less than one local epoch.
+        self.train_x, self.train_y = train_x, train_y
+        self.indices, self.counts = indices, counts
         self.rule = build_rule(cfg.train.generic_rule, cfg.train.rule_params)
         self.model: FedModel = build_model(cfg.model.arch, num_classes, tuple(train_x.shape[1:]),
                                            cfg.train.variant, cfg.hyper_hidden, cfg.seed).to(self.device)
 
-    @property
-    def client_ids(self) -> list[int]:
-        return list(self.data)
+    def data(self, client_id: int) -> ClientData:
+        if isinstance(self.indices, dict) and client_id not in self.indices:
+            raise KeyError(f"client {client_id} is not hosted here")
+        idx = torch.as_tensor(self.indices[client_id], dtype=torch.long)
+        return ClientData(x=self.train_x[idx], y=self.train_y[idx],
+                          counts=torch.as_tensor(self.counts[client_id], dtype=torch.long))
 
-    def train(self, client_id: int, message: RoundInput, round_idx: int) -> LocalResult | ClientFailure:
-        """One local update; errors come back as a ClientFailure (with traceback) instead of raising."""
+    def train(self, client_id: int, state: ClientState, message: RoundInput,
+              round_idx: int) -> tuple[LocalResult, ClientState] | ClientFailure:
+        """One local update and the client's new state; an error comes back as a ClientFailure (with its
+        traceback) instead of raising, and then the caller's state stays as it was."""
         try:
-            state = self.states[client_id]
             result, personal, rule_state = local_update(
-                self.model, message, self.data[client_id], self.cfg.train, self.rule,
+                self.model, message, self.data(client_id), self.cfg.train, self.rule,
                 round_idx=round_idx, seed=self.cfg.seed, client_id=client_id, mean=self.mean, std=self.std,
                 augment=self.augment, personal=state.personal, rule_state=state.rule_state, device=self.device,
             )
         except Exception as e:  # noqa: BLE001 - any client error is reported, never fatal to the round
             return ClientFailure(client_id, f"{type(e).__name__}: {e}", traceback.format_exc())
-        # The state changes only once the whole update succeeded: a failed update leaves it untouched.
-        state.personal = personal
-        state.rule_state = rule_state
-        state.local_model = result.shared
-        state.rounds_trained += 1
-        return result
+        # The new local model *is* the upload: the same tensors, pickled once on the way back.
+        return result, ClientState(personal, result.shared, rule_state, state.rounds_trained + 1)
 
-    def evaluate(self, client_ids: list[int], global_shared: StateDict) -> EvalCounts:
-        """Per-class test counts of each client's personalized model (FEDROD.md's PM).
+    def evaluate(self, jobs: list[tuple[int, ClientState]]) -> EvalCounts:
+        """Per-class test counts of trained clients' personalized models (FEDROD.md's PM).
 
         Fed-RoD: {theta*_m, psi*_m, phi*_m} (or nu*_m) with personalized logits; FedAvg: the local model
-        w_m. A client that has not trained yet uses the current global model with its current head.
+        w_m. (A client that never trained has no model of its own: ``Federation.evaluate`` scores it
+        with the global one, in one pass for all such clients.)
         """
         out = EvalCounts()
         personal = self.model.variant is not None
-        for cid in client_ids:
-            state = self.states[cid]
-            cached = self._pm_cache.get(cid)
-            if cached is not None and cached[0] == state.rounds_trained:
-                out.correct[cid], out.total[cid] = cached[1], cached[2]
-                continue
+        for cid, state in jobs:
             try:
-                correct, total = self._evaluate_one(cid, global_shared, personal)
+                if state.local_model is None:
+                    raise ValueError("the client's state has no local model to evaluate")
+                self.model.load_partial(state.local_model)
+                if self.model.variant == "linear":
+                    if state.personal is None:
+                        torch.nn.init.zeros_(self.model.personal_head.weight)
+                    else:
+                        self.model.load_partial(state.personal)
+                dist = class_distribution(torch.as_tensor(self.counts[cid], dtype=torch.long))
+                out.correct[cid], out.total[cid] = personal_class_correct(
+                    self.model, self.test, dist, self.cfg.eval.batch_size, personal)
             except Exception as e:  # noqa: BLE001 - one broken client must not stop the evaluation
                 out.failed[cid] = f"{type(e).__name__}: {e}"
-                continue
-            out.correct[cid], out.total[cid] = correct, total
-            if state.local_model is not None:
-                self._pm_cache[cid] = (state.rounds_trained, correct, total)
         return out
-
-    def _evaluate_one(self, cid: int, global_shared: StateDict, personal: bool):
-        state = self.states[cid]
-        self.model.load_partial(state.local_model or global_shared)
-        if self.model.variant == "linear":
-            if state.personal is None:
-                torch.nn.init.zeros_(self.model.personal_head.weight)
-            else:
-                self.model.load_partial(state.personal)
-        return personal_class_correct(self.model, self.test, self.data[cid].class_dist,
-                                      self.cfg.eval.batch_size, personal)
-
-    def get_states(self) -> dict[int, ClientState]:
-        # Copies: a snapshot must not change when training goes on. Training replaces a state's
-        # dicts and tensors, never writes into them, so a shallow copy suffices.
-        return {cid: dataclasses.replace(st) for cid, st in self.states.items()}
-
-    def set_states(self, states: dict[int, ClientState]) -> None:
-        unknown = set(states) - set(self.states)
-        if unknown:
-            raise KeyError(f"clients {sorted(unknown)} are not hosted here")
-        self.states.update({cid: dataclasses.replace(st) for cid, st in states.items()})
-        for cid in states:
-            self._pm_cache.pop(cid, None)

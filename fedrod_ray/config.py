@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -77,7 +78,8 @@ class EvalConfig:
 
 @dataclass
 class RuntimeConfig:
-    mode: str = "local"  # local (in-process) | ray
+    # auto: ray where Ray is (inside a Ray job, with RAY_ADDRESS set, or with an address), else local
+    mode: str = "auto"  # auto | local (in-process) | ray
     address: str | None = None  # ray only: None starts local Ray, "auto" joins a running cluster
     torch_threads: int = 0  # 0: all cores of this process (in-process) / the actor's CPUs (Ray)
     device: str = "cpu"  # in-process only; Ray actors use a GPU when their resources hold one
@@ -133,7 +135,7 @@ _CHOICES = {
     "model.arch": {"auto", "mnist_cnn", "cifar_cnn"},
     "train.head": set(HEADS),
     "train.balanced_loss": {"bsm", "ce", "reweight", "ldam", "cdt"},
-    "runtime.mode": {"local", "ray"},
+    "runtime.mode": {"auto", "local", "ray"},
 }
 _POSITIVE = {
     "data.num_clients", "data.alpha", "data.imbalance_ratio", "data.synthetic_train_per_class",
@@ -240,6 +242,11 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     for key, amount in cfg.runtime.client_resources.items():
         if amount < 0:
             raise ConfigError(f"runtime.client_resources.{key}: must be >= 0, got {amount}")
+    if cfg.runtime.mode == "auto":
+        # A Ray job's driver always has RAY_ADDRESS (the job supervisor sets it): there the federation
+        # belongs on the cluster, not in the driver process. Resolved here, so config.yaml records it.
+        on_ray = cfg.runtime.address is not None or bool(os.environ.get("RAY_ADDRESS"))
+        cfg.runtime.mode = "ray" if on_ray else "local"
     _check_effective(cfg)
     from .algorithms import build_rule
 

@@ -1,63 +1,67 @@
 """The coordinator actor and the Ray executor it drives.
 
-The coordinator holds the global weights and runs ``Federation`` (the same round loop as the
-in-process runtime). Its executor places the clients on ``ClientActor``s, puts the round's global
-weights in the object store once, keeps at most as many training calls in flight as the cluster can
-run at once, and turns a dead actor or a raising client into a counted ``ClientFailure``.
+The coordinator runs ``Federation`` (the same round loop as the in-process runtime) and so owns every
+client's committed state. Its executor sends each training call the client's state along with the
+round's message (put in the object store once per round) and gets the new state back with the result.
+The client actors hold the dataset, not client state: in the default pooled layout one actor per
+training slot takes whichever client is next, largest first; with ``clients_per_actor: k`` each
+client has a home actor. A dead actor costs only the call it was running: the client is counted as
+failed for the round, the actor (restarted by Ray) is attached to the data again, and nothing
+committed is lost.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from .actors import ClientActor
-from .aggregate import StateDict
-from .checkpoint import Snapshot
-from .client import ClientFailure, ClientState, EvalCounts
+from .actors import ActorNotReady, ClientActor
+from .checkpoint import CheckpointWriter, Snapshot
+from .client import ClientFailure, EvalCounts
 from .config import RuntimeConfig
-from .federation import Federation, Setup
+from .federation import Federation, Job, Setup
 from .local import RoundInput
-from .runner import export_federation, save_federation
-from .scheduling import LongestQueueFirst
+from .runner import export_federation
+from .scheduling import LargestFirst, LongestQueueFirst
 from .storage import RunStorage
 
 RESTART_TIMEOUT_S = 120.0
+EVAL_CHUNKS_PER_ACTOR = 2  # evaluation calls per actor: small enough to balance, large enough to amortise
 
 
 @dataclass
 class Layout:
-    """How clients map onto actors, what each actor asks Ray for, and how many trainings run at once."""
+    """How many actors, what each asks Ray for, how many calls run at once, and which clients each
+    hosts (``clients_per_actor`` 0: pooled, any actor trains any client)."""
 
     num_actors: int
     clients_per_actor: int
     max_in_flight: int
     actor_resources: dict[str, float]  # Ray resources of one actor: the client's, scaled down to fit
 
+    @property
+    def pooled(self) -> bool:
+        return self.clients_per_actor == 0
+
     def assignment(self, client_ids: list[int]) -> list[list[int]]:
-        """Contiguous blocks of ids, one per actor."""
+        """Contiguous blocks of ids, one per actor (pinned layouts only)."""
         per = self.clients_per_actor
         return [client_ids[i:i + per] for i in range(0, len(client_ids), per)]
-
-
-# Default actors per training slot. Clients are pinned to actors, so with one actor per core a round
-# waits for whichever actor drew the most sampled clients; a few actors per core let the scheduler
-# balance the round (bench/round_overhead.py: 1.08x the floor with 1 actor per core, 1.01x with 2).
-ACTORS_PER_SLOT = 2
 
 
 def plan_layout(rt: RuntimeConfig, num_clients: int, cluster: dict[str, float]) -> Layout:
     """Size the actor pool from the cluster's resources.
 
     A CPU-only training occupies a whole core whatever fraction Ray is told, so concurrency is counted
-    in cores there; with a GPU share the share itself is the unit. When there are more actors than
-    slots, each actor's request is scaled down so that all of them can be placed; at most ``slots``
-    of them train at once.
+    in cores there; with a GPU share the share itself is the unit. Pooled, there is one actor per slot.
+    Pinned, there are as many actors as blocks of clients; when that is more than the slots, each
+    actor's request is scaled down so that all of them can be placed, and at most ``slots`` train at once.
     """
     req = rt.client_resources
     gpu = req.get("num_gpus", 0) > 0
@@ -73,27 +77,25 @@ def plan_layout(rt: RuntimeConfig, num_clients: int, cluster: dict[str, float]) 
     if slots < 1:
         raise RuntimeError(f"the cluster ({cluster}) cannot fit one client with runtime.client_resources={req}")
     slots = int(slots)
-    if rt.clients_per_actor > 0:
-        per = rt.clients_per_actor
-    else:
-        per = math.ceil(num_clients / min(num_clients, ACTORS_PER_SLOT * slots))
+    if rt.clients_per_actor == 0:
+        num_actors = min(slots, num_clients)
+        return Layout(num_actors, 0, num_actors, dict(req))
+    per = rt.clients_per_actor
     num_actors = math.ceil(num_clients / per)
     scale = min(1.0, slots / num_actors)
     return Layout(num_actors, per, min(num_actors, slots), {k: v * scale for k, v in req.items()})
 
 
+class _Requeued:
+    """A call that never ran (its actor had restarted bare): the item went back to the policy."""
+
+
 class RayExecutor:
-    def __init__(self, setup: Setup, storage: RunStorage, layout: Layout):
+    def __init__(self, setup: Setup, layout: Layout):
         cfg, ds, part = setup.cfg, setup.dataset, setup.partition
         self.layout = layout
-        # The dataset enters the object store once; every actor maps it read-only and copies out only
-        # the examples of its own clients.
-        train_x, train_y = ray.put(ds.train_x.numpy()), ray.put(ds.train_y.numpy())
-        test_x, test_y = ray.put(setup.test.x.numpy()), ray.put(setup.test.y.numpy())
-        # Held for the executor's lifetime: a restarting actor re-reads its constructor arguments.
-        self._data_refs = (train_x, train_y, test_x, test_y)
+        self.sizes = part.counts.sum(axis=1)  # sample counts: the longest updates go first
         meta = {"num_classes": ds.num_classes, "mean": list(ds.mean), "std": list(ds.std), "augment": setup.augment}
-        rt = cfg.runtime
         res = layout.actor_resources
         options = {
             "num_cpus": res.get("num_cpus", 1.0),
@@ -101,102 +103,126 @@ class RayExecutor:
             "resources": {k: v for k, v in res.items() if k not in ("num_cpus", "num_gpus")},
             # Spread the pool over the nodes: memory and a lost node's share of the clients both stay small.
             "scheduling_strategy": "SPREAD",
-            "max_restarts": rt.max_restarts,
+            "max_restarts": cfg.runtime.max_restarts,
             "max_task_retries": 0,  # a lost call is reported as a failed client, never silently re-run
         }
-        self.actors = []
-        self.dead: set[int] = set()  # actors that did not come back within RESTART_TIMEOUT_S
+        # Each array enters the object store once; every actor on a node maps the same copy. The executor
+        # holds the references, so that a restarted actor can be attached again.
+        train_x, train_y, counts, test_x, test_y = (ray.put(x) for x in (
+            ds.train_x.numpy(), ds.train_y.numpy(), part.counts, setup.test.x.numpy(), setup.test.y.numpy()))
+        self.actors = [ClientActor.options(**options).remote(cfg.to_dict(), meta) for _ in range(layout.num_actors)]
         self.home: dict[int, int] = {}
-        for a, ids in enumerate(layout.assignment(setup.all_client_ids)):
-            self.actors.append(ClientActor.options(**options).remote(
-                cfg.to_dict(), ids, train_x, train_y, {c: part.client_indices[c] for c in ids},
-                {c: part.counts[c] for c in ids}, test_x, test_y, meta, storage.uri))
-            self.home.update({c: a for c in ids})
-        ray.get([actor.ready.remote() for actor in self.actors])
+        if layout.pooled:
+            self._attach_args = [[train_x, train_y, ray.put(part.client_indices), counts, test_x, test_y]]
+        else:
+            self._attach_args = []
+            for a, ids in enumerate(layout.assignment(setup.all_client_ids)):
+                self.home.update({c: a for c in ids})
+                own = ray.put({c: part.client_indices[c] for c in ids})
+                self._attach_args.append([train_x, train_y, own, counts, test_x, test_y])
+        self.dead: set[int] = set()  # actors that did not come back within RESTART_TIMEOUT_S
+        self.calls_done = [0] * layout.num_actors  # completed calls per actor: how the work was spread
+        ray.get([self._attach(a) for a in range(len(self.actors))])
 
-    def train(self, round_idx: int, client_ids: list[int], message: RoundInput):
-        message_ref = ray.put(message)
-        queues: dict[int, list[tuple[int, int]]] = {}
-        for slot, cid in enumerate(client_ids):
-            if self.home[cid] in self.dead:
-                yield slot, ClientFailure(cid, f"actor {self.home[cid]} is dead", "")
-            else:
-                queues.setdefault(self.home[cid], []).append((slot, cid))
-        policy = LongestQueueFirst(queues, self.layout.max_in_flight)
-        in_flight: dict[ray.ObjectRef, tuple[int, int, int]] = {}
+    def _attach(self, a: int) -> ray.ObjectRef:
+        args = self._attach_args[0 if self.layout.pooled else a]
+        return self.actors[a].attach.remote(*args)
 
-        def launch() -> None:
-            for a, (slot, cid) in policy.take():
-                in_flight[self.actors[a].train.remote(cid, message_ref, round_idx)] = (a, slot, cid)
-
-        launch()
-        while in_flight:
-            [ref], _ = ray.wait(list(in_flight), num_returns=1)
-            a, slot, cid = in_flight.pop(ref)
-            try:
-                result = ray.get(ref)
-            except RayError as e:
-                kind = "actor died" if isinstance(e, RayActorError) else "task failed"
-                result = ClientFailure(cid, f"{type(e).__name__} ({kind}): {str(e).splitlines()[0]}", str(e))
-                # Calls sent to a restarting actor fail at once: wait for it, so that only the client
-                # it was training is lost, not the rest of its queue.
-                if isinstance(e, RayActorError) and not self._wait_alive(a):
-                    for q_slot, q_cid in policy.drop(a):
-                        yield q_slot, ClientFailure(q_cid, f"actor {a} is dead", str(e))
-            policy.release(a)
-            launch()
-            yield slot, result
-
-    def _wait_alive(self, a: int) -> bool:
-        """Block until actor ``a`` answers again (restarted); False once it is given up as dead."""
+    def _revive(self, a: int) -> bool:
+        """Wait until actor ``a`` answers again and attach it if it restarted; False once it is given up
+        as dead: it has no restarts left, or did not come back within RESTART_TIMEOUT_S."""
         if a in self.dead:
             return False
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
-                ray.get(self.actors[a].ready.remote(), timeout=RESTART_TIMEOUT_S)
+                if not ray.get(self.actors[a].ready.remote(), timeout=RESTART_TIMEOUT_S)["attached"]:
+                    ray.get(self._attach(a))
                 return True
+            except ActorDiedError:
+                # A restarting actor holds new calls until it is back; one that fails them at once is
+                # dead for good.
+                break
             except (RayActorError, GetTimeoutError):
                 time.sleep(0.2)
         self.dead.add(a)
         return False
 
-    def _call_all(self, method: str, *args_per_actor):
-        """One call per actor, re-sent to an actor that died once it has restarted from the checkpoint."""
-        out = []
-        for a, actor in enumerate(self.actors):
-            args = [arg[a] for arg in args_per_actor]
-            out.append(getattr(actor, method).remote(*args))
-        results = []
-        for a, ref in enumerate(out):
+    def _policy(self, items: list, client_of: Callable) -> LargestFirst | LongestQueueFirst:
+        sizes = [float(sum(self.sizes[c] for c in client_of(item))) for item in items]
+        if self.layout.pooled:
+            return LargestFirst(items, sizes, list(range(len(self.actors))))
+        queues: dict[int, list] = {}
+        for i in sorted(range(len(items)), key=lambda i: -sizes[i]):
+            queues.setdefault(self.home[client_of(items[i])[0]], []).append(items[i])
+        return LongestQueueFirst(queues, self.layout.max_in_flight)
+
+    def _run(self, policy, submit: Callable, retry_lost: bool) -> Iterator[tuple[object, object]]:
+        """Run the policy's items on the actors; yield (item, the call's value or the RayError that lost it).
+
+        An actor that restarted bare gets the call again once it is attached. A call lost with its actor
+        is yielded as an error, or (``retry_lost``: calls that are safe to repeat) sent again.
+        """
+        in_flight: dict[ray.ObjectRef, tuple[int, object]] = {}
+        for a in sorted(self.dead):
+            for item in policy.drop(a):
+                yield item, RuntimeError(f"actor {a} is dead")
+
+        def launch() -> None:
+            for a, item in policy.take():
+                in_flight[submit(self.actors[a], item)] = (a, item)
+
+        launch()
+        while in_flight:
+            [ref], _ = ray.wait(list(in_flight), num_returns=1)
+            a, item = in_flight.pop(ref)
             try:
-                results.append(ray.get(ref))
-            except RayActorError:
-                if not self._wait_alive(a):
-                    raise
-                args = [arg[a] for arg in args_per_actor]
-                results.append(ray.get(getattr(self.actors[a], method).remote(*args)))
-        return results
+                value = ray.get(ref)
+                self.calls_done[a] += 1
+            except RayError as e:
+                value = e
+                not_ready = isinstance(e, RayTaskError) and isinstance(e.cause, ActorNotReady)
+                if not self._revive(a):
+                    for lost in policy.drop(a):
+                        yield lost, RuntimeError(f"actor {a} is dead")
+                elif not_ready or (retry_lost and isinstance(e, RayActorError)):
+                    policy.requeue(a, item)
+                    value = _Requeued
+            policy.release(a)
+            launch()
+            if value is not _Requeued:
+                yield item, value
 
-    def evaluate(self, client_ids: list[int], global_shared: StateDict) -> EvalCounts:
-        ref = ray.put(global_shared)
-        per_actor = [[c for c in client_ids if self.home[c] == a] for a in range(len(self.actors))]
+    def train(self, round_idx: int, jobs: list[Job], message: RoundInput):
+        message_ref = ray.put(message)
+        slots = list(range(len(jobs)))
+        policy = self._policy(slots, lambda slot: [jobs[slot][0]])
+        submit = lambda actor, slot: actor.train.remote(*jobs[slot], message_ref, round_idx)
+        for slot, value in self._run(policy, submit, retry_lost=False):
+            cid = jobs[slot][0]
+            if isinstance(value, Exception):
+                kind = " (actor died)" if isinstance(value, RayActorError) else ""
+                first = str(value).splitlines()[0] if str(value) else ""
+                value = ClientFailure(cid, f"{type(value).__name__}{kind}: {first}", str(value))
+            yield slot, value
+
+    def evaluate(self, jobs: list[Job]) -> EvalCounts:
+        if self.layout.pooled:
+            n = min(len(jobs), EVAL_CHUNKS_PER_ACTOR * len(self.actors))
+            chunks = [jobs[i::n] for i in range(n)]
+        else:
+            by_home: dict[int, list[Job]] = {}
+            for job in jobs:
+                by_home.setdefault(self.home[job[0]], []).append(job)
+            chunks = list(by_home.values())
+        policy = self._policy(chunks, lambda chunk: [cid for cid, _ in chunk])
         merged = EvalCounts()
-        for counts in self._call_all("evaluate", per_actor, [ref] * len(self.actors)):
-            merged.correct.update(counts.correct)
-            merged.total.update(counts.total)
-            merged.failed.update(counts.failed)
+        for chunk, value in self._run(policy, lambda actor, chunk: actor.evaluate.remote(chunk), retry_lost=True):
+            if isinstance(value, Exception):
+                merged.failed.update({cid: f"{type(value).__name__}: {value}" for cid, _ in chunk})
+            else:
+                merged.merge(value)
         return merged
-
-    def get_states(self) -> dict[int, ClientState]:
-        states: dict[int, ClientState] = {}
-        for part in self._call_all("get_states"):
-            states.update(part)
-        return states
-
-    def set_states(self, states: dict[int, ClientState]) -> None:
-        per_actor = [{c: s for c, s in states.items() if self.home[c] == a} for a in range(len(self.actors))]
-        self._call_all("set_states", per_actor)
 
     def close(self) -> None:
         for actor in self.actors:
@@ -208,14 +234,15 @@ class CoordinatorImpl:
     """Owns the federation on the cluster. It is handed the prepared setup (and, to resume, a
     snapshot) by the driver, which calls its round step and decides what is saved when."""
 
-    def __init__(self, setup: Setup, storage_uri: str, snapshot: Snapshot | None = None):
+    def __init__(self, setup: Setup, snapshot: Snapshot | None = None):
         cfg = setup.cfg
         torch.set_num_threads(max(1, cfg.runtime.torch_threads or 1))
         self.layout = plan_layout(cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
-        self.executor = RayExecutor(setup, RunStorage(storage_uri), self.layout)
+        self.executor = RayExecutor(setup, self.layout)
         self.federation = Federation(setup, self.executor, log=print)
         if snapshot is not None:
             self.federation.restore(snapshot)
+        self.writers: dict[str, CheckpointWriter] = {}
 
     def info(self) -> dict:
         return {"next_round": self.federation.next_round, "num_actors": self.layout.num_actors,
@@ -228,8 +255,12 @@ class CoordinatorImpl:
         """(round, clients finished, clients sampled) of the round in hand; called from a second thread."""
         return self.federation.round_progress
 
-    def save_checkpoint(self, storage_uri: str) -> None:
-        save_federation(self.federation, RunStorage(storage_uri))
+    def snapshot(self) -> Snapshot:
+        return self.federation.snapshot()
+
+    def save_checkpoint(self, storage_uri: str) -> str:
+        writer = self.writers.setdefault(storage_uri, CheckpointWriter(RunStorage(storage_uri)))
+        return writer.save(self.federation.snapshot())
 
     def save_final(self, storage_uri: str, metrics: dict) -> None:
         export_federation(self.federation, RunStorage(storage_uri), metrics)

@@ -24,8 +24,8 @@ from .config import ExperimentConfig
 from .data import ImageDataset, class_names, load_dataset
 from .data.transforms import normalize
 from .export import ModelMeta
-from .local import LocalResult, RoundInput, round_lr
-from .metrics import TestSet, accuracy, generic_class_correct, pfl_accuracy
+from .local import LocalResult, RoundInput, class_distribution, round_lr
+from .metrics import TestSet, accuracy, class_correct, features_and_logits, pfl_accuracy
 from .models import FedModel, build_model, resolve_arch
 from .partition import Partition, make_partition
 from .server import sample_clients
@@ -86,47 +86,38 @@ def prepare(cfg: ExperimentConfig) -> Setup:
     return Setup(cfg, ds, partition, test, augment)
 
 
-def make_host(setup: Setup, client_ids: list[int], device: str = "cpu") -> ClientHost:
+def make_host(setup: Setup, device: str = "cpu") -> ClientHost:
     ds, part = setup.dataset, setup.partition
-    return ClientHost(
-        setup.cfg, client_ids, ds.train_x, ds.train_y,
-        {cid: part.client_indices[cid] for cid in client_ids}, {cid: part.counts[cid] for cid in client_ids},
-        setup.test, ds.mean, ds.std, setup.augment, ds.num_classes, device,
-    )
+    return ClientHost(setup.cfg, ds.train_x, ds.train_y, part.client_indices, part.counts, setup.test,
+                      ds.mean, ds.std, setup.augment, ds.num_classes, device)
+
+
+Job = tuple[int, ClientState]  # a client id and the state its call starts from
 
 
 class Executor(Protocol):
-    def train(self, round_idx: int, client_ids: list[int],
-              message: RoundInput) -> Iterator[tuple[int, LocalResult | ClientFailure]]:
-        """Yield (position in client_ids, result) as each client finishes, in any order."""
+    def train(self, round_idx: int, jobs: list[Job],
+              message: RoundInput) -> Iterator[tuple[int, tuple[LocalResult, ClientState] | ClientFailure]]:
+        """Yield (position in jobs, (result, new state) or failure) as each client finishes, in any order."""
 
-    def evaluate(self, client_ids: list[int], global_shared: StateDict) -> EvalCounts: ...
-
-    def get_states(self) -> dict[int, ClientState]: ...
-
-    def set_states(self, states: dict[int, ClientState]) -> None: ...
+    def evaluate(self, jobs: list[Job]) -> EvalCounts:
+        """PM test counts of clients that have trained (``ClientHost.evaluate``)."""
 
     def close(self) -> None: ...
 
 
 class InProcessExecutor:
-    """All clients in one ClientHost, trained sequentially in this process."""
+    """One ClientHost for every client, trained sequentially in this process."""
 
     def __init__(self, host: ClientHost):
         self.host = host
 
-    def train(self, round_idx, client_ids, message):
-        for slot, cid in enumerate(client_ids):
-            yield slot, self.host.train(cid, message, round_idx)
+    def train(self, round_idx, jobs, message):
+        for slot, (cid, state) in enumerate(jobs):
+            yield slot, self.host.train(cid, state, message, round_idx)
 
-    def evaluate(self, client_ids, global_shared):
-        return self.host.evaluate(client_ids, global_shared)
-
-    def get_states(self):
-        return self.host.get_states()
-
-    def set_states(self, states):
-        self.host.set_states(states)
+    def evaluate(self, jobs):
+        return self.host.evaluate(jobs)
 
     def close(self) -> None:
         pass
@@ -156,6 +147,11 @@ class Federation:
         self.generic_keys = set(self.model.generic_keys())
         self.global_shared: StateDict = {k: state[k].detach().clone() for k in self.shared_keys}
         self.server_state: StateDict = self.rule.init_server_state(self._generic(self.global_shared))
+        # Every client's committed state. It is only ever replaced, never written into, so a snapshot
+        # is a shallow copy and stays valid while training goes on.
+        self.clients: dict[int, ClientState] = {cid: ClientState() for cid in setup.all_client_ids}
+        # A PM changes only when its client trains: (rounds_trained, correct, total) of the last evaluation.
+        self._pm_counts: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self.next_round = 0
 
     def _generic(self, state: StateDict) -> StateDict:
@@ -163,7 +159,7 @@ class Federation:
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.next_round, self.cfg, dict(self.global_shared), dict(self.server_state),
-                        self.executor.get_states())
+                        dict(self.clients))
 
     def restore(self, snap: Snapshot) -> None:
         if set(snap.global_shared) != set(self.shared_keys):
@@ -171,8 +167,12 @@ class Federation:
                              f"{sorted(set(snap.global_shared) ^ set(self.shared_keys))}")
         self.global_shared = dict(snap.global_shared)
         self.server_state = dict(snap.server_state)
+        unknown = sorted(set(snap.clients) - set(self.clients))
+        if unknown:
+            raise ValueError(f"the snapshot holds clients this federation does not have: {unknown[:10]}")
         self.next_round = snap.rounds_done
-        self.executor.set_states(snap.clients)
+        self.clients.update(snap.clients)
+        self._pm_counts.clear()
 
     def step(self, r: int) -> dict:
         """Run round ``r`` (which must be the next one) and return its record."""
@@ -181,21 +181,25 @@ class Federation:
         cfg = self.cfg
         t0 = time.perf_counter()
         ids = sample_clients(cfg.seed, r, self.setup.num_clients, cfg.train.client_fraction)
+        jobs = [(cid, self.clients[cid].for_training()) for cid in ids]
         message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state))
         # theta, psi under the rule's weights; nu (hyper) by sample count whatever the rule; the rule's
         # uploads unweighted. Each folds in the order of ``ids``, so the runtimes agree bitwise.
         generic, rest, uploads = (OrderedAverager(len(ids)) for _ in range(3))
         results: list[LocalResult] = []
+        new_states: dict[int, ClientState] = {}
         failures: list[ClientFailure] = []
         self._report(r + 1, 0, len(ids))
-        for slot, res in self.executor.train(r, ids, message):
-            if isinstance(res, ClientFailure):
+        for slot, out in self.executor.train(r, jobs, message):
+            if isinstance(out, ClientFailure):
+                res = out
                 for averager in (generic, rest, uploads):
                     averager.skip(slot)
                 failures.append(res)
                 self.log(f"[round {r + 1}] client {res.client_id} failed: {res.error}\n{res.traceback}")
                 self._check_failures(r, len(ids), failures)
             else:
+                res, new_states[ids[slot]] = out
                 generic.add(slot, self._generic(res.shared), self.rule.aggregation_weight(res.num_samples))
                 rest.add(slot, {k: v for k, v in res.shared.items() if k not in self.generic_keys}, res.num_samples)
                 uploads.add(slot, res.upload, 1.0)
@@ -207,6 +211,8 @@ class Federation:
             self.setup.num_clients, self.server_state)
         averaged = {**rest.result(), **new_generic}
         self.global_shared = {k: averaged[k] for k in self.shared_keys}
+        # Committed with the round, all at once: a round that raises leaves every client as it was.
+        self.clients.update(new_states)
         self.next_round = r + 1
         train_seconds = time.perf_counter() - t0
 
@@ -238,7 +244,7 @@ class Federation:
         if self.cfg.train.head == "linear":
             shape = self.model.personal_head.weight.shape
             heads = {cid: st.personal["personal_head.weight"] if st.personal else torch.zeros(shape)
-                     for cid, st in sorted(self.executor.get_states().items())}
+                     for cid, st in sorted(self.clients.items())}
         meta = self.setup.model_meta(self.next_round, {k: v for k, v in metrics.items() if k in METRIC_KEYS})
         return meta, dict(self.global_shared), heads
 
@@ -254,13 +260,14 @@ class Federation:
 
     def evaluate(self) -> dict:
         """G-FL (GM), and P-FL of the GM and the PMs, for training clients and held-out new clients."""
+        test, dists = self.setup.test, self.setup.class_dists
         self.model.load_partial(self.global_shared)
-        correct, total = generic_class_correct(self.model, self.setup.test, self.cfg.eval.batch_size)
-        dists = self.setup.class_dists
-        ids = self.setup.all_client_ids
-        pm = self.executor.evaluate(ids, self.global_shared)
+        z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
+        correct, total = class_correct(logits.argmax(1), test.y, test.num_classes)
+        pm = self._evaluate_pms(z, logits, correct, total)
         for cid, error in sorted(pm.failed.items()):
             self.log(f"client {cid}: personalized model not evaluated: {error}")
+        ids = self.setup.all_client_ids
         pfl_gm = pfl_accuracy(correct, total, dists)
         m = self.setup.num_clients
         ok = [c for c in ids if c in pm.correct]
@@ -276,6 +283,40 @@ class Federation:
         if len(ids) > m:
             out["pfl_gm_new"] = float(pfl_gm[m:].mean())
             out["pfl_pm_new"] = _mean([pfl_pm[c] for c in ok if c >= m])
+        return out
+
+    def _evaluate_pms(self, z: torch.Tensor, logits: torch.Tensor, correct: torch.Tensor,
+                      total: torch.Tensor) -> EvalCounts:
+        """Per-class test counts of every client's PM, computing only what changed since the last call.
+
+        A client that never trained has the global model as its own: with no P-head (or the linear
+        head's zeros) its PM *is* the GM, and a hyper head adds H(a_m; nu) to the GM's logits, so one
+        pass over the test set serves all such clients. A trained client's PM is its last local model,
+        evaluated (by the executor) only when it trained since the last evaluation.
+        """
+        out = EvalCounts()
+        stale: list[Job] = []
+        for cid, state in self.clients.items():
+            if state.local_model is None and state.personal is None:
+                if self.model.variant == "hyper":
+                    with torch.inference_mode():
+                        counts = torch.as_tensor(self.setup.partition.counts[cid], dtype=torch.long)
+                        head = self.model.personal_weight(class_distribution(counts))
+                        preds = (logits + z @ head.T).argmax(1)
+                    out.correct[cid], out.total[cid] = class_correct(preds, self.setup.test.y,
+                                                                     self.setup.test.num_classes)
+                else:
+                    out.correct[cid], out.total[cid] = correct, total
+            elif cid in self._pm_counts and self._pm_counts[cid][0] == state.rounds_trained:
+                _, out.correct[cid], out.total[cid] = self._pm_counts[cid]
+            else:
+                stale.append((cid, state))
+        if stale:
+            fresh = self.executor.evaluate(stale)
+            out.merge(fresh)
+            for cid, state in stale:
+                if cid in fresh.correct:
+                    self._pm_counts[cid] = (state.rounds_trained, fresh.correct[cid], fresh.total[cid])
         return out
 
 

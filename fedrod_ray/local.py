@@ -30,6 +30,11 @@ class LocalTrainingError(RuntimeError):
     """A client's update cannot go on (for example a non-finite loss)."""
 
 
+def class_distribution(counts: torch.Tensor) -> torch.Tensor:
+    """a_m[c] = N_{m,c} / sum_c' N_{m,c'} from integer class counts."""
+    return counts.to(torch.float32) / counts.sum().clamp_min(1)
+
+
 @dataclass
 class ClientData:
     x: torch.Tensor  # uint8, N x C x H x W
@@ -38,9 +43,7 @@ class ClientData:
 
     @property
     def class_dist(self) -> torch.Tensor:
-        """a_m[c] = N_{m,c} / sum_c' N_{m,c'}."""
-        total = self.counts.sum()
-        return self.counts.to(torch.float32) / total.clamp_min(1)
+        return class_distribution(self.counts)
 
     def __len__(self) -> int:
         return len(self.y)

@@ -83,8 +83,18 @@ def predict(model: FedModel, x: torch.Tensor, batch_size: int, personal: bool = 
     return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=device)
 
 
-def generic_class_correct(model: FedModel, test: TestSet, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return class_correct(predict(model, test.x, batch_size), test.y, test.num_classes)
+@torch.inference_mode()
+def features_and_logits(model: FedModel, test: TestSet, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features z = f(x; theta) and generic logits h_G(z) of the whole test set, on CPU."""
+    model.eval()
+    device = next(model.parameters()).device
+    zs, logits = [], []
+    for start in range(0, len(test.x), batch_size):
+        xb = test.x[start:start + batch_size].to(device).contiguous(memory_format=torch.channels_last)
+        z = model.features(xb)
+        zs.append(z.cpu())
+        logits.append(model.generic_head(z).cpu())
+    return torch.cat(zs), torch.cat(logits)
 
 
 def personal_class_correct(model: FedModel, test: TestSet, class_dist: torch.Tensor, batch_size: int,

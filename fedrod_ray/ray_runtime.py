@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import ray
 from ray.exceptions import RayError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .checkpoint import Snapshot
 from .config import ExperimentConfig
@@ -23,13 +24,17 @@ PROGRESS_POLL_S = 1.0
 def connect(cfg: ExperimentConfig) -> bool:
     """Join ``runtime.address`` (``auto``: the running cluster), or start a local Ray; True if we started it.
 
-    With no address, ``ray.init()`` joins a cluster already running on this machine, else starts one.
+    With no address, ``ray.init()`` joins ``RAY_ADDRESS`` (in a Ray job, the job's cluster) or a cluster
+    already running on this machine, else starts one.
     """
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    kwargs = {"include_dashboard": False} if cfg.runtime.address in (None, "local") else {}
-    ray.init(address=cfg.runtime.address, log_to_driver=True, **kwargs)
+    address = cfg.runtime.address
+    joining = address not in (None, "local") or (address is None and bool(os.environ.get("RAY_ADDRESS")))
+    # Options of a Ray we start; a cluster being joined takes none.
+    kwargs = {} if joining else {"include_dashboard": False}
+    ray.init(address=address, log_to_driver=True, **kwargs)
     return True
 
 
@@ -44,12 +49,15 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
     try:
         t0 = time.perf_counter()
         # The coordinator takes no CPU from the clients: it only averages and evaluates the GM. A second
-        # thread answers progress() while step() runs.
-        coordinator = Coordinator.options(num_cpus=0, max_restarts=0, max_concurrency=2).remote(
-            setup, storage.uri, snapshot)
+        # thread answers progress() while step() runs. It lives on this (the driver's) node, so that the
+        # run directory it checkpoints into need only be reachable from here, as the metrics are.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        coordinator = Coordinator.options(num_cpus=0, max_restarts=0, max_concurrency=2,
+                                          scheduling_strategy=here).remote(setup, snapshot)
         info = ray.get(coordinator.info.remote())
-        log(f"ray: {info['num_actors']} client actor(s) x {info['clients_per_actor']} client(s), "
-            f"{info['max_in_flight']} training(s) at once; ready in {time.perf_counter() - t0:.1f}s")
+        hosted = "any client" if info["clients_per_actor"] == 0 else f"{info['clients_per_actor']} client(s) each"
+        log(f"ray: {info['num_actors']} client actor(s) ({hosted}), {info['max_in_flight']} training(s) at once; "
+            f"ready in {time.perf_counter() - t0:.1f}s")
 
         def step(r: int) -> dict:
             ref = coordinator.step.remote(r)

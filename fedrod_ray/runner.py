@@ -15,7 +15,7 @@ from typing import TextIO
 
 import torch
 
-from .checkpoint import Snapshot, save_checkpoint
+from .checkpoint import CheckpointWriter, Snapshot
 from .config import ExperimentConfig, dump_config
 from .export import save_final
 from .federation import Federation, InProcessExecutor, make_host, prepare
@@ -51,10 +51,6 @@ def drive(step: Callable[[int], dict], checkpoint: Callable[[], None], finish: C
             checkpoint()
     finish(last_evaluation(metrics.records))
     return metrics.records
-
-
-def save_federation(fed: Federation, storage: RunStorage) -> None:
-    save_checkpoint(storage, fed.snapshot())
 
 
 def export_federation(fed: Federation, storage: RunStorage, metrics: dict) -> None:
@@ -107,11 +103,12 @@ def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | N
     if cfg.runtime.torch_threads:
         torch.set_num_threads(cfg.runtime.torch_threads)
     setup = prepare(cfg)
-    fed = Federation(setup, InProcessExecutor(make_host(setup, setup.all_client_ids, cfg.runtime.device)), log,
+    fed = Federation(setup, InProcessExecutor(make_host(setup, cfg.runtime.device)), log,
                      progress)
     if snapshot is not None:
         fed.restore(snapshot)
-    return drive(fed.step, lambda: save_federation(fed, storage), lambda m: export_federation(fed, storage, m),
+    writer = CheckpointWriter(storage)
+    return drive(fed.step, lambda: writer.save(fed.snapshot()), lambda m: export_federation(fed, storage, m),
                  cfg, storage, fed.next_round, log)
 
 

@@ -1,9 +1,16 @@
-"""The coordinator's dispatch policy as a pure, clock-free state machine (used by the Ray executor and
+"""The coordinator's dispatch policies as pure, clock-free state machines (used by the Ray executor and
 replayed by ``bench/round_overhead.py`` on measured update times).
 
-Clients are pinned to actors and an actor trains one client at a time. At most ``max_in_flight``
-calls run at once (the cluster's training slots); a free slot goes to the idle actor with the longest
-queue, since the round ends when the busiest actor does. Ties go to the actor queued first.
+An actor runs one call at a time, so the actors in the pool are the cluster's training slots.
+
+- ``LargestFirst`` (the pooled layout): any actor takes any item; whichever actor is free takes the
+  largest item left. A round ends when its last update does, so starting the longest ones first leaves
+  the short ones to fill the gaps at the end.
+- ``LongestQueueFirst`` (clients pinned to actors): at most ``max_in_flight`` calls at once; a free
+  slot goes to the idle actor with the longest queue, since the round ends when the busiest actor does.
+
+Both also take back an item whose call never started (``requeue``) and withdraw an actor that is gone
+for good (``drop``), returning the items no one else can run.
 """
 
 from __future__ import annotations
@@ -12,6 +19,43 @@ from collections import deque
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+
+class LargestFirst(Generic[T]):
+    def __init__(self, items: list[T], sizes: list[float], actors: list[int]):
+        order = sorted(range(len(items)), key=lambda i: -sizes[i])  # stable: equal sizes keep their order
+        self.queue = deque(items[i] for i in order)
+        self.idle = deque(actors)
+        self.actors = set(actors)
+
+    def take(self) -> list[tuple[int, T]]:
+        """Start as much work as the policy allows now: (actor, item) pairs, in launch order."""
+        started = []
+        while self.queue and self.idle:
+            started.append((self.idle.popleft(), self.queue.popleft()))
+        return started
+
+    def release(self, actor: int) -> None:
+        """``actor`` finished its call (or lost it)."""
+        if actor in self.actors:
+            self.idle.append(actor)
+
+    def requeue(self, actor: int, item: T) -> None:
+        """``item``'s call on ``actor`` never ran: it goes first again."""
+        self.queue.appendleft(item)
+
+    def drop(self, actor: int) -> list[T]:
+        self.actors.discard(actor)
+        if actor in self.idle:
+            self.idle.remove(actor)
+        if self.actors:
+            return []
+        lost, self.queue = list(self.queue), deque()
+        return lost
+
+    @property
+    def pending(self) -> int:
+        return len(self.queue)
 
 
 class LongestQueueFirst(Generic[T]):
@@ -23,7 +67,6 @@ class LongestQueueFirst(Generic[T]):
         self.busy: set[int] = set()
 
     def take(self) -> list[tuple[int, T]]:
-        """Start as much work as the policy allows now: (actor, item) pairs, in launch order."""
         started = []
         while len(self.busy) < self.max_in_flight:
             idle = [a for a, q in self.queues.items() if q and a not in self.busy]
@@ -35,11 +78,13 @@ class LongestQueueFirst(Generic[T]):
         return started
 
     def release(self, actor: int) -> None:
-        """``actor`` finished its call (or lost it)."""
         self.busy.discard(actor)
 
+    def requeue(self, actor: int, item: T) -> None:
+        self.queues.setdefault(actor, deque()).appendleft(item)
+
     def drop(self, actor: int) -> list[T]:
-        """Withdraw the work still queued for ``actor`` (it is gone for good)."""
+        """Withdraw the work still queued for ``actor``."""
         return list(self.queues.pop(actor, ()))
 
     @property

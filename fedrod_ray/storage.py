@@ -46,6 +46,16 @@ class RunStorage:
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel)))
         return sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.Directory)
 
+    def list_files(self, rel: str) -> list[str]:
+        if not self.exists(rel):
+            return []
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel)))
+        return sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.File)
+
+    def delete_file(self, rel: str) -> None:
+        if self.exists(rel):
+            self.fs.delete_file(self.path(rel))
+
     def move_dir(self, src_rel: str, dst_rel: str) -> None:
         self.fs.move(self.path(src_rel), self.path(dst_rel))
 

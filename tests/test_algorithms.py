@@ -466,8 +466,8 @@ def fed_config(rule, params, head):
 def two_federations(rule, params, head="linear"):
     """The federation under test and a reference one whose host reproduces the client updates."""
     setup = prepare(fed_config(rule, params, head))
-    fed = Federation(setup, InProcessExecutor(make_host(setup, setup.all_client_ids)), log=lambda s: None)
-    ref = Federation(setup, InProcessExecutor(make_host(setup, setup.all_client_ids)), log=lambda s: None)
+    fed = Federation(setup, InProcessExecutor(make_host(setup)), log=lambda s: None)
+    ref = Federation(setup, InProcessExecutor(make_host(setup)), log=lambda s: None)
     return setup, fed, ref
 
 
@@ -479,10 +479,12 @@ def sampled_unequal(setup, r):
 
 
 def reproduce(ref, ids, weights, broadcast, r):
-    results = [ref.executor.host.train(cid, RoundInput(weights, broadcast), r) for cid in ids]
-    for res in results:
-        assert not isinstance(res, ClientFailure), res
-    return results
+    """The clients' updates, done by hand from the reference federation's client states (kept up to date)."""
+    outs = [ref.executor.host.train(cid, ref.clients[cid], RoundInput(weights, broadcast), r) for cid in ids]
+    for out in outs:
+        assert not isinstance(out, ClientFailure), out
+    ref.clients.update({cid: state for cid, (_, state) in zip(ids, outs, strict=True)})
+    return [res for res, _ in outs]
 
 
 def mean64(states, weights, keys):
@@ -525,12 +527,12 @@ def test_feddyn_round_is_the_plain_mean_minus_h_over_alpha(head):
         assert max((plain[k] - nu[k]).abs().max().item() for k in rest) > 1e-6
     # Each participant keeps g_m = -alpha (w_m - w_bar); the others keep nothing.
     for cid, res in zip(ids, results, strict=True):
-        state = fed.executor.host.states[cid].rule_state
+        state = fed.clients[cid].rule_state
         for k in generic:
-            assert torch.equal(state[k], ref.executor.host.states[cid].rule_state[k])
+            assert torch.equal(state[k], ref.clients[cid].rule_state[k])
             assert_close(state[k], -alpha * (res.shared[k] - start[k]), atol=1e-7, rtol=1e-5)
     for cid in set(setup.all_client_ids) - set(ids):
-        assert fed.executor.host.states[cid].rule_state == {}
+        assert fed.clients[cid].rule_state == {}
 
 
 def test_scaffold_server_control_variate_over_two_rounds():
@@ -547,7 +549,7 @@ def test_scaffold_server_control_variate_over_two_rounds():
         assert fed.rule.broadcast(fed.server_state).keys() == c.keys()
         for k, v in c.items():
             assert_close(fed.server_state[k], v, atol=1e-8, rtol=1e-5)
-        before = {cid: dict(ref.executor.host.states[cid].rule_state) for cid in ids}
+        before = {cid: dict(ref.clients[cid].rule_state) for cid in ids}
         results = reproduce(ref, ids, weights, c, r)
         fed.step(r)
 
@@ -561,10 +563,10 @@ def test_scaffold_server_control_variate_over_two_rounds():
         assert gap > 1e-4  # an upload weighted by sample count would be visible
         # upload = c_m+ - c_m, and the participants keep c_m+
         for cid, res in zip(ids, results, strict=True):
-            kept = fed.executor.host.states[cid].rule_state
+            kept = fed.clients[cid].rule_state
             old = before[cid]
             for k in c:
-                assert torch.equal(kept[k], ref.executor.host.states[cid].rule_state[k])
+                assert torch.equal(kept[k], ref.clients[cid].rule_state[k])
                 assert_close(res.upload[k], kept[k] - old.get(k, torch.zeros_like(kept[k])), atol=1e-7, rtol=1e-5)
         expected_w = mean64([res.shared for res in results], sizes, fed.shared_keys)
         for k in fed.shared_keys:

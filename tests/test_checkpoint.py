@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from fedrod_ray.checkpoint import (
     CheckpointFormatError,
+    CheckpointWriter,
     Snapshot,
     latest_checkpoint_name,
     load_checkpoint,
@@ -104,7 +105,10 @@ def test_latest_and_retention(tmp_path):
         save_checkpoint(storage, make_checkpoint(r))
         assert latest_checkpoint_name(storage) == f"round_{r:06d}"
         assert load_checkpoint(storage).rounds_done == r
-    assert storage.list_dirs("checkpoints") == ["round_000009", "round_000010"]
+    assert storage.list_dirs("checkpoints") == ["clients", "round_000009", "round_000010"]
+    # Each full save wrote its own client file; only the kept folders' files are left.
+    assert [f.split("-")[0] for f in storage.list_files("checkpoints/clients")] == [
+        "round_000009", "round_000010"]
     loaded = load_checkpoint(storage)
     _assert_dicts_equal(loaded.global_shared, make_checkpoint(10).global_shared)
     assert load_checkpoint(storage, "round_000009").rounds_done == 9
@@ -126,8 +130,7 @@ def test_leftover_temporary_folder_is_ignored(tmp_path):
     save_checkpoint(storage, make_checkpoint(9))
     assert load_checkpoint(storage).rounds_done == 9
     assert not junk.exists()
-    assert [d for d in storage.list_dirs("checkpoints") if d.startswith("round_")] == [
-        "round_000008", "round_000009"]
+    assert storage.list_dirs("checkpoints") == ["clients", "round_000008", "round_000009"]
 
 
 class _CrashAt(RunStorage):
@@ -169,7 +172,10 @@ def test_a_save_interrupted_between_its_steps_keeps_the_previous_checkpoint(tmp_
     names = sorted(d.name for d in (root / "checkpoints").iterdir())
     assert not [n for n in names if ".tmp-" in n], names
     # Killed after the move, round 9's folder was complete: it is kept as the older of the two.
-    assert names == ["latest", "round_000008" if step == "move" else "round_000009", "round_000010"]
+    assert names == ["clients", "latest", "round_000008" if step == "move" else "round_000009", "round_000010"]
+    # Round 9's client file went with its folder (or stays with it, when that folder is kept).
+    files = sorted(f.split("-")[0] for f in os.listdir(root / "checkpoints" / "clients"))
+    assert files == names[2:]
 
 
 def test_files_are_safetensors_and_json_not_pickle(tmp_path):
@@ -177,18 +183,23 @@ def test_files_are_safetensors_and_json_not_pickle(tmp_path):
     ckpt = make_checkpoint()
     name = save_checkpoint(storage, ckpt)
     folder = tmp_path / "run" / "checkpoints" / name
-    assert sorted(os.listdir(folder)) == ["clients.safetensors", "global.safetensors", "manifest.json"]
+    assert sorted(os.listdir(folder)) == ["global.safetensors", "manifest.json"]
+    [clients_file] = (tmp_path / "run" / "checkpoints" / "clients").iterdir()
     with safe_open(str(folder / "global.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         assert torch.equal(f.get_tensor("global/generic_head.weight"), ckpt.global_shared["generic_head.weight"])
     assert keys == {f"global/{k}" for k in ckpt.global_shared} | {f"server/feddyn/{k}" for k in ckpt.server_state}
-    with safe_open(str(folder / "clients.safetensors"), framework="pt") as f:
+    with safe_open(str(clients_file), framework="pt") as f:
         assert "0/personal/personal_head.weight" in set(f.keys())
+        clients_keys = f.keys()
+        assert not [k for k in clients_keys if k.startswith("1/")]  # a client with no state takes no room
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["round"] == 3
     assert manifest["config"]["train"]["generic_rule"] == "feddyn" and manifest["rule"] == "feddyn"
-    assert manifest["format_version"] == 2
-    for path in folder.iterdir():
+    assert manifest["format_version"] == 3
+    assert manifest["clients"]["1"] == {"rounds_trained": 0, "file": None}
+    assert manifest["clients"]["0"] == {"rounds_trained": 2, "file": clients_file.name}
+    for path in [*folder.iterdir(), clients_file]:
         head = path.read_bytes()[:2]
         assert head[:1] != b"\x80", path  # pickle protocol 2+ opcode
         assert not head.startswith(b"PK"), path  # torch.save zip archive
@@ -203,8 +214,91 @@ def test_a_format_1_checkpoint_is_refused_naming_its_version(tmp_path):
     old = json.loads(manifest.read_text())
     old["format_version"] = 1
     manifest.write_text(json.dumps(old))
-    with pytest.raises(CheckpointFormatError, match=r"format version 1; this version of fedrod-ray reads format 2"):
+    with pytest.raises(CheckpointFormatError, match=r"format version 1; this version of fedrod-ray reads formats \(2, 3\)"):
         load_checkpoint(storage)
+
+
+def _state(seed: int, rounds: int) -> ClientState:
+    return ClientState(personal={"personal_head.weight": _rand(10, 4, seed=seed)},
+                       local_model={"body.0.bias": _rand(4, seed=seed + 1)}, rounds_trained=rounds)
+
+
+def _client_files(storage: RunStorage) -> dict[str, set[str]]:
+    """Each client-state file and the client ids it holds."""
+    out = {}
+    for name in storage.list_files("checkpoints/clients"):
+        with safe_open(storage.path("checkpoints/clients", name), framework="pt") as f:
+            keys = f.keys()
+            out[name] = {k.split("/")[0] for k in keys}
+    return out
+
+
+def test_a_save_writes_only_the_clients_that_changed(tmp_path):
+    storage = RunStorage(str(tmp_path / "run"))
+    writer = CheckpointWriter(storage)
+    snap = make_checkpoint(0)
+    snap.clients = {cid: _state(cid, 1) for cid in range(10)}
+    writer.save(snap)
+    [first] = _client_files(storage).values()
+    assert first == {str(c) for c in range(10)}
+
+    # Round 1 trains clients 3 and 7: their states are replaced, the others are the same objects.
+    snap = Snapshot(1, snap.config, snap.global_shared, snap.server_state,
+                    {**snap.clients, 3: _state(30, 2), 7: _state(70, 2)})
+    writer.save(snap)
+    files = _client_files(storage)
+    assert sorted(files.values(), key=len) == [{"3", "7"}, first]
+    manifest = json.loads(storage.read_bytes("checkpoints/round_000001/manifest.json"))
+    newest = next(f for f, ids in files.items() if ids == {"3", "7"})
+    assert {c for c, m in manifest["clients"].items() if m["file"] == newest} == {"3", "7"}
+    loaded = load_checkpoint(storage)
+    for cid, st in snap.clients.items():
+        assert loaded.clients[cid].rounds_trained == st.rounds_trained
+        _assert_dicts_equal(loaded.clients[cid].tensors(), st.tensors())
+    # The older checkpoint still loads its own versions of clients 3 and 7 from the shared first file.
+    older = load_checkpoint(storage, "round_000000")
+    _assert_dicts_equal(older.clients[3].tensors(), _state(3, 1).tensors())
+
+
+def test_superseded_states_are_compacted_away(tmp_path):
+    """Files stay while any client still points at them. Once the files that the live states point at
+    hold more than COMPACT_RATIO (3) x as many states, a save writes every state afresh, and the old
+    files go when no kept checkpoint names them."""
+    storage = RunStorage(str(tmp_path / "run"))
+    writer = CheckpointWriter(storage)
+    base = make_checkpoint(0)
+    clients = {cid: _state(cid, 1) for cid in range(10)}
+    on_disk = []
+    # Round r trains clients 0 .. 9 - r: the files hold 10, then 10+9, 10+9+8 (27 <= 30), then 34 > 30.
+    for r, trained in enumerate([[], range(9), range(8), range(7), range(1)]):
+        clients = {**clients, **{c: _state(100 * r + c, 1 + r) for c in trained}}
+        writer.save(Snapshot(r, base.config, base.global_shared, base.server_state, clients))
+        on_disk.append(sorted(len(ids) for ids in _client_files(storage).values()))
+        loaded = load_checkpoint(storage)
+        for cid, st in clients.items():
+            _assert_dicts_equal(loaded.clients[cid].tensors(), st.tensors())
+    assert on_disk[:3] == [[10], [9, 10], [8, 9, 10]]
+    assert on_disk[3] == [8, 9, 10, 10]  # all 10 afresh; round 2's checkpoint still needs the rest
+    assert on_disk[4] == [1, 10]
+
+
+def test_a_format_2_checkpoint_still_loads(tmp_path):
+    """fedrod-ray 0.2 kept every client's state in the round folder (format 2)."""
+    storage = RunStorage(str(tmp_path / "run"))
+    ckpt = make_checkpoint()
+    name = save_checkpoint(storage, ckpt)
+    folder = tmp_path / "run" / "checkpoints" / name
+    [clients_file] = (tmp_path / "run" / "checkpoints" / "clients").iterdir()
+    clients_file.rename(folder / "clients.safetensors")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["format_version"] = 2
+    for meta in manifest["clients"].values():
+        del meta["file"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    loaded = load_checkpoint(storage)
+    for cid, st in ckpt.clients.items():
+        assert loaded.clients[cid].rounds_trained == st.rounds_trained
+        _assert_dicts_equal(loaded.clients[cid].tensors(), st.tensors())
 
 
 def _all_files(root):

@@ -42,9 +42,22 @@ def test_paper_config_values():
     assert cfg.train.momentum == 0.9
 
 
+@pytest.fixture(autouse=True)
+def not_in_a_ray_job(monkeypatch):
+    """runtime.mode auto resolves from RAY_ADDRESS: these tests expect it unset."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def resolved_defaults() -> ExperimentConfig:
+    """The defaults as loading resolves them (runtime.mode auto -> local, away from Ray)."""
+    cfg = ExperimentConfig()
+    cfg.runtime.mode = "local"
+    return cfg
+
+
 def test_defaults():
     cfg = config_from_dict({})
-    assert cfg == ExperimentConfig()
+    assert cfg == resolved_defaults()
     assert cfg.runtime.client_resources == {"num_cpus": 1.0}
 
 
@@ -165,7 +178,7 @@ def test_out_of_range_names_the_field(override, field):
     (["train.generic_rule=fedavg", "train.rule_params.mu=0.1"], r"unknown config key train\.rule_params\.mu"),
     (["train.generic_rule=scaffold", "train.rule_params.alpha=0.1"], r"train\.rule_params\.alpha.*scaffold"),
     (["train.generic_rule=fedprox", "train.rule_params.alpha=0.1"], r"train\.rule_params\.alpha.*valid keys here: mu"),
-    (["runtime.address=auto"], r"runtime\.address: has no effect with runtime\.mode=local"),
+    (["runtime.mode=local", "runtime.address=auto"], r"runtime\.address: has no effect with runtime\.mode=local"),
     (["runtime.mode=ray", "runtime.device=cuda"], r"runtime\.device: has no effect with runtime\.mode=ray"),
 ])
 def test_a_setting_without_effect_is_an_error(overrides, message):
@@ -218,6 +231,19 @@ def test_resume_may_change_how_long_and_how_to_run_but_not_what_is_learned():
         check_resume(saved, config_from_dict({}, ["train.rounds=5"]), rounds_done=10)
 
 
+def test_mode_auto_is_ray_where_ray_is(monkeypatch):
+    """Inside a Ray job (whose driver always has RAY_ADDRESS) or given an address, the federation runs
+    on Ray; elsewhere in this process. The resolved mode is what config.yaml records."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert config_from_dict({}).runtime.mode == "local"
+    assert config_from_dict({}, ["runtime.address=auto"]).runtime.mode == "ray"
+    assert config_from_dict({}, ["runtime.mode=ray"]).runtime.mode == "ray"
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    assert config_from_dict({}).runtime.mode == "ray"
+    assert config_from_dict({}, ["runtime.mode=local"]).runtime.mode == "local"
+    assert "mode: ray" in dump_config(config_from_dict({}))
+
+
 def test_zero_allowed_where_non_negative():
     cfg = config_from_dict({}, ["train.gamma=0", "train.weight_decay=0", "data.new_clients=0"])
     assert cfg.train.gamma == 0.0
@@ -247,8 +273,8 @@ def test_load_config_bad_yaml(tmp_path):
 def test_load_config_with_overrides_and_empty_file(tmp_path):
     p = tmp_path / "empty.yaml"
     p.write_text("")
-    assert load_config(p) == ExperimentConfig()
+    assert load_config(p) == resolved_defaults()
     p.write_text("train:\n  lr: 0.2\n")
     assert load_config(p, ["train.rounds=3"]).train.lr == 0.2
     assert load_config(p, ["train.rounds=3"]).train.rounds == 3
-    assert load_config(None) == ExperimentConfig()
+    assert load_config(None) == resolved_defaults()

@@ -13,6 +13,7 @@ from fedrod_ray.config import config_from_dict
 from fedrod_ray.export import load_final
 from fedrod_ray.federation import Federation, InProcessExecutor, RoundFailedError, make_host, prepare
 from fedrod_ray.local import RoundInput
+from fedrod_ray.metrics import class_correct, features_and_logits, personal_class_correct
 from fedrod_ray.runner import run_local
 from fedrod_ray.server import sample_clients
 from fedrod_ray.storage import RunStorage
@@ -30,7 +31,7 @@ BASE = {
 def make_federation(*overrides, log=None):
     cfg = config_from_dict(BASE, list(overrides))
     setup = prepare(cfg)
-    executor = InProcessExecutor(make_host(setup, setup.all_client_ids))
+    executor = InProcessExecutor(make_host(setup))
     return Federation(setup, executor, log=log or (lambda s: None))
 
 
@@ -41,7 +42,7 @@ def test_round_is_the_weighted_average_of_the_sampled_clients(tmp_path):
 
     # The same client updates, done by hand on a second host, then averaged by sample count.
     ref = make_federation()
-    results = [ref.executor.host.train(cid, RoundInput(start), 0) for cid in ids]
+    results = [ref.executor.host.train(cid, ClientState(), RoundInput(start), 0)[0] for cid in ids]
     expected = weighted_average([r.shared for r in results], [r.num_samples for r in results])
 
     record = fed.step(0)
@@ -63,33 +64,64 @@ def test_evaluation_reports_train_and_new_clients(tmp_path):
     assert metrics["pfl_pm_new"] == pytest.approx(metrics["pfl_gm_new"])
 
 
-def test_pm_cache_matches_a_fresh_evaluation(tmp_path):
-    fed = make_federation("train.head=hyper")
-    fed.step(0)
-    host = fed.executor.host
-    ids = fed.setup.all_client_ids
-    host.evaluate(ids, fed.global_shared)
-    fed.step(1)
-    cached = host.evaluate(ids, fed.global_shared)
+class CountingExecutor(InProcessExecutor):
+    """Records which clients each PM evaluation was asked for."""
 
-    fresh_fed = make_federation("train.head=hyper")
-    fresh_fed.executor.set_states(host.get_states())  # no cache entries
-    fresh = fresh_fed.executor.host.evaluate(ids, fed.global_shared)
-    for cid in ids:
-        assert torch.equal(cached.correct[cid], fresh.correct[cid]), cid
-        assert torch.equal(cached.total[cid], fresh.total[cid]), cid
-    # Only trained clients are cached (a never-trained hyper client's zero-shot head follows the global
-    # hypernetwork), and a client that trained again was re-evaluated.
-    trained = {c for c, s in host.get_states().items() if s.local_model is not None}
-    assert set(host._pm_cache) == trained
-    assert all(host._pm_cache[c][0] == host.get_states()[c].rounds_trained for c in trained)
+    def __init__(self, host):
+        super().__init__(host)
+        self.asked: list[list[int]] = []
+
+    def evaluate(self, jobs):
+        self.asked.append([cid for cid, _ in jobs])
+        return super().evaluate(jobs)
+
+
+def test_pm_evaluation_runs_only_clients_that_trained_since_the_last(tmp_path):
+    fed = make_federation("train.head=hyper", "train.rounds=5")  # no evaluation inside step()
+    fed.executor = CountingExecutor(fed.executor.host)
+    ids = [sample_clients(3, r, fed.setup.num_clients, 0.5) for r in range(2)]
+    fed.step(0)
+    fed.evaluate()
+    fed.step(1)
+    second = fed.evaluate()
+    assert fed.executor.asked == [sorted(ids[0]), sorted(ids[1])]
+    assert {c for c, st in fed.clients.items() if st.local_model is not None} == set(ids[0]) | set(ids[1])
+
+    # A federation restored from the snapshot has no cached counts, evaluates every trained client, and
+    # gets exactly the same metrics.
+    fresh = make_federation("train.head=hyper", "train.rounds=5")
+    fresh.executor = CountingExecutor(fresh.executor.host)
+    fresh.restore(fed.snapshot())
+    assert fresh.evaluate() == second
+    assert fresh.executor.asked == [sorted(set(ids[0]) | set(ids[1]))]
+
+
+@pytest.mark.parametrize("head", ["hyper", "linear", "none"])
+def test_an_untrained_clients_pm_is_the_global_model_with_its_zero_shot_head(head):
+    """Scored from one pass of the GM over the test set: the same counts, on the classes the client has,
+    as its own model evaluated alone (the global weights and H(a_m; nu), or the GM itself)."""
+    fed = make_federation(f"train.head={head}", *(["train.balanced_loss=ce"] if head == "none" else []))
+    fed.step(0)
+    untrained = [c for c, st in fed.clients.items() if st.local_model is None]
+    assert untrained
+    z, logits = features_and_logits(fed.model, fed.setup.test, 7)
+    correct, total = class_correct(logits.argmax(1), fed.setup.test.y, fed.setup.test.num_classes)
+    counts = fed._evaluate_pms(z, logits, correct, total)
+    model = fed.setup.build_model()
+    model.load_partial(fed.global_shared)
+    for cid in untrained:
+        dist = fed.setup.class_dists[cid].to(torch.float32)
+        own_correct, own_total = personal_class_correct(model, fed.setup.test, dist, 7, head != "none")
+        has = dist > 0
+        assert torch.equal(counts.correct[cid][has], own_correct[has]), cid
+        assert torch.equal(counts.total[cid][has], own_total[has]), cid
 
 
 def test_failed_client_is_reported_and_skipped():
     logs: list[str] = []
     fed = make_federation("runtime.max_failed_fraction=0.5", log=logs.append)
     bad = sample_clients(3, 0, fed.setup.num_clients, 0.5)[0]
-    fed.executor.set_states({bad: ClientState(personal={"personal_head.weight": torch.zeros(1, 1)})})
+    fed.clients[bad] = ClientState(personal={"personal_head.weight": torch.zeros(1, 1)})
     record = fed.step(0)
     assert record["clients_failed"] == 1 and record["failed_ids"] == [bad]
     assert record["clients_done"] == record["clients"] - 1
@@ -103,7 +135,7 @@ def test_too_many_failures_stop_the_run_with_a_clear_message():
     fed = make_federation("runtime.max_failed_fraction=0.0")
     before = {k: v.clone() for k, v in fed.global_shared.items()}
     bad = sample_clients(3, 0, fed.setup.num_clients, 0.5)[0]
-    fed.executor.set_states({bad: ClientState(personal={"personal_head.weight": torch.zeros(1, 1)})})
+    fed.clients[bad] = ClientState(personal={"personal_head.weight": torch.zeros(1, 1)})
     with pytest.raises(RoundFailedError, match=rf"clients {bad}\b.*max_failed_fraction=0.0"):
         fed.step(0)
     # The server did not take the failed round.
@@ -145,7 +177,7 @@ def test_snapshot_restore_continues_bitwise(overrides):
         assert {k: v for k, v in ra.items() if "seconds" not in k} == {k: v for k, v in rb.items() if "seconds" not in k}
     assert _same(a.global_shared, b.global_shared)
     assert _same(a.server_state, b.server_state)
-    sa, sb = a.executor.get_states(), b.executor.get_states()
+    sa, sb = a.clients, b.clients
     for cid in sa:
         assert sa[cid].rounds_trained == sb[cid].rounds_trained
         assert _same(sa[cid].tensors(), sb[cid].tensors()), cid

@@ -1,4 +1,5 @@
-"""LongestQueueFirst, the coordinator's dispatch policy, on hand-worked cases."""
+"""The coordinator's dispatch policies, LargestFirst (pooled actors) and LongestQueueFirst (clients
+pinned to actors), on hand-worked cases."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import heapq
 
 import pytest
 
-from fedrod_ray.scheduling import LongestQueueFirst
+from fedrod_ray.scheduling import LargestFirst, LongestQueueFirst
 
 
 def policy(max_in_flight=2):
@@ -82,8 +83,11 @@ def test_max_in_flight_below_one_is_refused(cap):
 
 
 def replay(queues, durations, max_in_flight):
-    """Run the policy against a simulated clock: (launches as (time, actor, item), makespan)."""
-    p = LongestQueueFirst(queues, max_in_flight)
+    return replay_policy(LongestQueueFirst(queues, max_in_flight), durations)
+
+
+def replay_policy(p, durations):
+    """Run a policy against a simulated clock: (launches as (time, actor, item), makespan)."""
     events, launches, seq = [], [], 0
 
     def launch(now):
@@ -128,3 +132,49 @@ def test_replay_with_one_slot_runs_everything_back_to_back():
     # (1,1,1) tie -> c;  (0,1,1) tie 1/2 -> d;  (0,0,1) -> f.   Start times 0, 3, 4, 6, 8, 14.
     assert launches == [(0, 0, "a"), (3, 0, "b"), (4, 2, "e"), (6, 0, "c"), (8, 1, "d"), (14, 2, "f")]
     assert makespan == 16
+
+
+# --- LargestFirst -----------------------------------------------------------------------------------
+
+
+def test_largest_first_hands_the_largest_items_to_the_idle_actors_ties_in_order():
+    p = LargestFirst(["b", "e", "c", "d", "a", "f"], [1, 2, 3, 4, 5, 2], actors=[0, 1])
+    assert p.pending == 6
+    assert p.take() == [(0, "a"), (1, "d")]
+    assert p.take() == []  # both actors busy
+    p.release(1)
+    assert p.take() == [(1, "c")]
+    p.release(0)
+    p.release(1)
+    assert p.take() == [(0, "e"), (1, "f")]  # sizes 2 and 2: the order they were given in
+
+
+def test_largest_first_replay_beats_the_sampled_order():
+    """Durations = sizes, two actors. Largest first: t0 a(5) on 0, d(4) on 1; t4 c(3) on 1 until 7;
+    t5 e(2) on 0 until 7; t7 b(1) until 8. Makespan 8 (the work is 15: 7.5 at best). In the sampled
+    order b, e, c, d, a the 5 would start last, at 4, and end at 9."""
+    durations = {"a": 5, "b": 1, "c": 3, "d": 4, "e": 2}
+    items = ["b", "e", "c", "d", "a"]
+    launches, makespan = replay_policy(LargestFirst(items, [durations[i] for i in items], [0, 1]), durations)
+    assert launches == [(0, 0, "a"), (0, 1, "d"), (4, 1, "c"), (5, 0, "e"), (7, 1, "b")]
+    assert makespan == 8
+    _, in_order = replay_policy(LargestFirst(items, [5, 4, 3, 2, 1], [0, 1]), durations)
+    assert in_order == 9
+
+
+def test_largest_first_requeue_and_drop():
+    p = LargestFirst(["x", "y", "z"], [3, 2, 1], actors=[0, 1])
+    assert p.take() == [(0, "x"), (1, "y")]
+    # Actor 1 restarted bare: y never ran and goes first again, to whichever actor is free.
+    p.requeue(1, "y")
+    p.release(1)
+    assert p.take() == [(1, "y")]
+    # Actor 0 is gone for good: nothing is pinned to it, actor 1 takes the rest.
+    assert p.drop(0) == []
+    p.release(0)
+    assert p.take() == []  # a dropped actor never becomes idle again
+    p.release(1)
+    assert p.take() == [(1, "z")]
+    # The last actor gone: what is left cannot run anywhere and comes back.
+    p.requeue(1, "z")
+    assert p.drop(1) == ["z"] and p.pending == 0
