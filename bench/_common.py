@@ -67,3 +67,62 @@ def machine_note() -> str:
         f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, python {platform.python_version()}; "
         f"load average at start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}"
     )
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def _memory(pid: int) -> tuple[str, int, int]:
+    """(command line, RSS, PSS) of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+    sizes = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Pss"):
+                sizes[key] = int(rest.split()[0]) * 1024
+    return cmd, sizes.get("Rss", 0), sizes.get("Pss", 0)
+
+
+def ray_memory() -> dict[str, tuple[int, int, int]]:
+    """(processes, RSS, PSS) in bytes of this driver and of the Ray processes it started (its descendants),
+    by kind. PSS shares each page among the processes that map it, so the PSS figures add up."""
+
+    def kind(pid: int, cmd: str) -> str:
+        if pid == os.getpid():
+            return "driver"
+        for prefix, name in (("ray::ClientActor", "client actors"), ("ray::Coordinator", "coordinator"),
+                             ("ray::IDLE", "idle workers")):
+            if cmd.startswith(prefix):
+                return name
+        for needle in ("gcs_server", "raylet"):
+            if needle in cmd.split(" ", 1)[0]:
+                return needle
+        return "other (agents, monitors)"
+
+    groups: dict[str, tuple[int, int, int]] = {}
+    for pid in _descendants(os.getpid()):
+        try:
+            cmd, rss, pss = _memory(pid)
+        except OSError:  # gone meanwhile
+            continue
+        name = kind(pid, cmd)
+        n, r, p = groups.get(name, (0, 0, 0))
+        groups[name] = (n + 1, r + rss, p + pss)
+    return groups

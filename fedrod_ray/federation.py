@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,12 +25,13 @@ from .config import ExperimentConfig
 from .data import ImageDataset, class_names, load_dataset
 from .data.transforms import normalize
 from .export import ModelMeta
-from .local import LocalResult, RoundInput, class_distribution, round_lr
+from .local import LocalResult, RoundInput, round_lr
 from .metrics import TestSet, accuracy, class_correct, features_and_logits, pfl_accuracy
 from .models import FedModel, build_model, resolve_arch
 from .partition import Partition, make_partition
 from .server import sample_clients
 
+PM_BATCH = 64  # never-trained hyper clients scored at once: (64, test size, classes) logits
 # The evaluation fields of a round record (what final/meta.json keeps of the last evaluation).
 METRIC_KEYS = ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_gm_new", "pfl_pm_new", "pm_eval_failed")
 
@@ -261,10 +263,21 @@ class Federation:
     def evaluate(self) -> dict:
         """G-FL (GM), and P-FL of the GM and the PMs, for training clients and held-out new clients."""
         test, dists = self.setup.test, self.setup.class_dists
-        self.model.load_partial(self.global_shared)
-        z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
-        correct, total = class_correct(logits.argmax(1), test.y, test.num_classes)
-        pm = self._evaluate_pms(z, logits, correct, total)
+        stale, fresh_clients = self._pm_jobs()
+        # The executor (on Ray, the client actors) evaluates the PMs that changed while this thread
+        # scores the GM and the clients whose PM follows from it.
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(self.executor.evaluate, stale) if stale else None
+            self.model.load_partial(self.global_shared)
+            z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
+            correct, total = class_correct(logits.argmax(1), test.y, test.num_classes)
+            pm = self._untrained_pms(fresh_clients, z, logits, correct, total)
+            if pending is not None:
+                evaluated = pending.result()
+                pm.merge(evaluated)
+                for cid, state in stale:
+                    if cid in evaluated.correct:
+                        self._pm_counts[cid] = (state.rounds_trained, evaluated.correct[cid], evaluated.total[cid])
         for cid, error in sorted(pm.failed.items()):
             self.log(f"client {cid}: personalized model not evaluated: {error}")
         ids = self.setup.all_client_ids
@@ -285,38 +298,43 @@ class Federation:
             out["pfl_pm_new"] = _mean([pfl_pm[c] for c in ok if c >= m])
         return out
 
-    def _evaluate_pms(self, z: torch.Tensor, logits: torch.Tensor, correct: torch.Tensor,
-                      total: torch.Tensor) -> EvalCounts:
-        """Per-class test counts of every client's PM, computing only what changed since the last call.
-
-        A client that never trained has the global model as its own: with no P-head (or the linear
-        head's zeros) its PM *is* the GM, and a hyper head adds H(a_m; nu) to the GM's logits, so one
-        pass over the test set serves all such clients. A trained client's PM is its last local model,
-        evaluated (by the executor) only when it trained since the last evaluation.
-        """
-        out = EvalCounts()
-        stale: list[Job] = []
+    def _pm_jobs(self) -> tuple[list[Job], list[int]]:
+        """The clients whose PM must be evaluated afresh (trained since their last evaluation), and those
+        that never trained. A PM changes only when its client trains, so the others' counts are cached."""
+        stale, fresh = [], []
         for cid, state in self.clients.items():
             if state.local_model is None and state.personal is None:
-                if self.model.variant == "hyper":
-                    with torch.inference_mode():
-                        counts = torch.as_tensor(self.setup.partition.counts[cid], dtype=torch.long)
-                        head = self.model.personal_weight(class_distribution(counts))
-                        preds = (logits + z @ head.T).argmax(1)
-                    out.correct[cid], out.total[cid] = class_correct(preds, self.setup.test.y,
-                                                                     self.setup.test.num_classes)
-                else:
-                    out.correct[cid], out.total[cid] = correct, total
-            elif cid in self._pm_counts and self._pm_counts[cid][0] == state.rounds_trained:
-                _, out.correct[cid], out.total[cid] = self._pm_counts[cid]
-            else:
+                fresh.append(cid)
+            elif cid not in self._pm_counts or self._pm_counts[cid][0] != state.rounds_trained:
                 stale.append((cid, state))
-        if stale:
-            fresh = self.executor.evaluate(stale)
-            out.merge(fresh)
-            for cid, state in stale:
-                if cid in fresh.correct:
-                    self._pm_counts[cid] = (state.rounds_trained, fresh.correct[cid], fresh.total[cid])
+        return stale, fresh
+
+    @torch.inference_mode()
+    def _untrained_pms(self, fresh: list[int], z: torch.Tensor, logits: torch.Tensor, correct: torch.Tensor,
+                       total: torch.Tensor) -> EvalCounts:
+        """Per-class test counts of the PMs that need no model of their own: the cached ones, and those of
+        clients that never trained, whose model is the global one. With no P-head (or the linear head's
+        zeros) such a PM *is* the GM; a hyper head adds H(a_m; nu) to the GM's logits, which one pass of
+        the GM's features serves for all of them, a batch of clients at a time."""
+        out = EvalCounts()
+        for cid, (version, c, t) in self._pm_counts.items():
+            if self.clients[cid].rounds_trained == version:
+                out.correct[cid], out.total[cid] = c, t
+        if self.model.variant != "hyper":
+            out.correct.update(dict.fromkeys(fresh, correct))
+            out.total.update(dict.fromkeys(fresh, total))
+            return out
+        y, num_classes = self.setup.test.y, self.setup.test.num_classes
+        onehot = torch.nn.functional.one_hot(y, num_classes).to(torch.float64)
+        for start in range(0, len(fresh), PM_BATCH):
+            ids = fresh[start:start + PM_BATCH]
+            counts = torch.as_tensor(self.setup.partition.counts[ids], dtype=torch.long)
+            dists = counts.to(torch.float32) / counts.sum(1, keepdim=True).clamp_min(1)  # a_m, row by row
+            heads = self.model.hypernet(dists)
+            preds = (logits + torch.einsum("nd,mcd->mnc", z, heads)).argmax(-1)
+            hits = (preds == y).to(torch.float64) @ onehot
+            for i, cid in enumerate(ids):
+                out.correct[cid], out.total[cid] = hits[i], total
         return out
 
 

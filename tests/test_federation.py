@@ -106,7 +106,7 @@ def test_an_untrained_clients_pm_is_the_global_model_with_its_zero_shot_head(hea
     assert untrained
     z, logits = features_and_logits(fed.model, fed.setup.test, 7)
     correct, total = class_correct(logits.argmax(1), fed.setup.test.y, fed.setup.test.num_classes)
-    counts = fed._evaluate_pms(z, logits, correct, total)
+    counts = fed._untrained_pms(untrained, z, logits, correct, total)
     model = fed.setup.build_model()
     model.load_partial(fed.global_shared)
     for cid in untrained:

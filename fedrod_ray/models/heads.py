@@ -27,5 +27,6 @@ class HyperNetwork(nn.Module):
         nn.init.zeros_(self.net[2].weight)
 
     def forward(self, class_dist: torch.Tensor) -> torch.Tensor:
-        """Map a class distribution (C,) to the P-head weight (C, feature_dim)."""
-        return self.net(class_dist).view(self.num_classes, self.feature_dim)
+        """Map a class distribution (C,) to the P-head weight (C, feature_dim); a batch (M, C) to (M, C,
+        feature_dim)."""
+        return self.net(class_dist).view(*class_dist.shape[:-1], self.num_classes, self.feature_dim)

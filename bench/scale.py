@@ -1,0 +1,124 @@
+"""Scale: the Ray runtime with 100, 1,000 (and, asked for, 10,000) clients on one machine.
+
+Each federation: MNIST, Dir(0.3), 2% of the clients per round, the hyper head, 5 local epochs, batch
+40, the default layout (one pooled actor per core), a local Ray of all cores started here. Rounds
+0..``--rounds``-1 run through the ``Coordinator`` actor, each followed by an evaluation (G-FL, P-FL of
+the GM and of every client's PM) and a checkpoint into a fresh run directory, as
+``fedrod-ray train --mode ray`` with ``eval_every: 1`` and ``checkpoint_every: 1`` would. Round 0
+(warm-up, and the one full checkpoint) is left out of the medians.
+
+Printed per size: the medians of seconds per round (training), per evaluation and per checkpoint; the
+committed state per trained client (its last local model and, for other heads or rules, its P-head and
+rule state) and how many clients hold one; the checkpoint files' total size; and the memory (PSS) of all
+Ray processes and of the driver at the end. "per extra client" divides the growth of the Ray processes'
+PSS from the smallest size by the clients added: with the same dataset, that is what a client costs.
+
+    FEDROD_DATA_DIR=../shared/data python bench/scale.py                       # 100 and 1,000 clients
+    FEDROD_DATA_DIR=../shared/data python bench/scale.py --clients 100 1000 10000
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # before anything imports ray
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local Ray: nothing written to ~/.ray
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+from _common import machine_note, make_config, md_table, median, mnist_data_section, ray_memory
+
+from fedrod_ray.coordinator import Coordinator
+from fedrod_ray.federation import prepare
+
+NEVER = 10**6
+
+
+def run(args, data: dict, num_clients: int, workdir: Path) -> dict:
+    cfg = make_config(
+        data | {"num_clients": num_clients, "partition": "dirichlet", "alpha": 0.3},
+        name=f"scale_{num_clients}", seed=args.seed,
+        train={"head": args.head, "rounds": NEVER, "client_fraction": args.fraction, "local_epochs": 5,
+               "batch_size": 40},
+        eval={"eval_every": 1},
+        runtime={"torch_threads": 1},
+    )
+    setup = prepare(cfg)
+    run_dir = workdir / f"run_{num_clients}"
+    coordinator = Coordinator.options(num_cpus=0, max_concurrency=2).remote(setup, None)
+    try:
+        rounds, evals, checkpoints = [], [], []
+        for r in range(args.rounds):
+            rec = ray.get(coordinator.step.remote(r))
+            t0 = time.perf_counter()
+            ray.get(coordinator.save_checkpoint.remote(str(run_dir)))
+            if r:
+                checkpoints.append(time.perf_counter() - t0)
+                rounds.append(rec["train_seconds"])
+                evals.append(rec["seconds"] - rec["train_seconds"])
+            print(f"  {num_clients} clients, round {r + 1}: train {rec['train_seconds']:.2f} s, evaluation "
+                  f"{rec['seconds'] - rec['train_seconds']:.2f} s, checkpoint {time.perf_counter() - t0:.3f} s, "
+                  f"P-FL PM {rec['pfl_pm']:.4f}", flush=True)
+        memory = ray_memory()
+        states = ray.get(coordinator.snapshot.remote()).clients
+        ray.get(coordinator.close.remote())
+    finally:
+        ray.kill(coordinator)
+    held = [st.nbytes for st in states.values() if st.nbytes]
+    ckpt_bytes = sum(p.stat().st_size for p in (run_dir / "checkpoints").rglob("*") if p.is_file())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {
+        "clients": num_clients, "round": median(rounds), "eval": median(evals), "ckpt": median(checkpoints),
+        "state": sum(held) / max(len(held), 1), "holding": len(held), "ckpt_bytes": ckpt_bytes,
+        "ray_pss": sum(pss for kind, (_, _, pss) in memory.items() if kind != "driver"),
+        "driver_pss": memory["driver"][2],
+    }
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
+    p.add_argument("--rounds", type=int, default=6, help="rounds per size; the first is not timed")
+    p.add_argument("--fraction", type=float, default=0.02)
+    p.add_argument("--head", default="hyper", choices=["none", "linear", "hyper"])
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    print(machine_note())
+    data = mnist_data_section(os.environ.get("FEDROD_DATA_DIR"))
+    workdir = Path(tempfile.mkdtemp(prefix="fedrod-scale-"))
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        results = [run(args, data, n, workdir) for n in args.clients]
+    finally:
+        ray.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
+    base = results[0]
+    rows = []
+    for res in results:
+        extra = res["clients"] - base["clients"]
+        per_client = f"{(res['ray_pss'] - base['ray_pss']) / extra / 2**10:.0f} KiB" if extra else "-"
+        rows.append([
+            res["clients"], f"{res['round']:.2f}", f"{res['eval']:.2f}", f"{res['ckpt']:.3f}",
+            f"{res['ckpt'] / base['ckpt']:.2f}", f"{res['state'] / 2**10:.0f} KiB", res["holding"],
+            f"{res['ckpt_bytes'] / 2**20:.1f}", f"{res['ray_pss'] / 2**20:.0f}", per_client,
+            f"{res['driver_pss'] / 2**20:.0f}",
+        ])
+    print(f"\nMNIST, Dir(0.3), {args.fraction:.0%} of the clients per round, head {args.head}, 5 local epochs, "
+          f"batch 40; medians of rounds 2..{args.rounds}:\n")
+    print(md_table("clients|s / round|s / evaluation|s / checkpoint|checkpoint vs first|committed state "
+                   "per trained client|clients holding state|checkpoint files MiB|Ray processes PSS MiB|"
+                   "PSS per extra client|driver PSS MiB", rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
