@@ -12,6 +12,8 @@ committed state per trained client (its last local model and, for other heads or
 rule state) and how many clients hold one; the checkpoint files' total size; and the memory (PSS) of all
 Ray processes and of the driver at the end. "per extra client" divides the growth of the Ray processes'
 PSS from the smallest size by the clients added: with the same dataset, that is what a client costs.
+A last row runs the smallest federation with as many clients per round as the largest, since a
+checkpoint writes the states of the round's clients.
 
     FEDROD_DATA_DIR=../shared/data python bench/scale.py                       # 100 and 1,000 clients
     FEDROD_DATA_DIR=../shared/data python bench/scale.py --clients 100 1000 10000
@@ -39,11 +41,11 @@ from fedrod_ray.federation import prepare
 NEVER = 10**6
 
 
-def run(args, data: dict, num_clients: int, workdir: Path) -> dict:
+def run(args, data: dict, num_clients: int, fraction: float, workdir: Path) -> dict:
     cfg = make_config(
         data | {"num_clients": num_clients, "partition": "dirichlet", "alpha": 0.3},
         name=f"scale_{num_clients}", seed=args.seed,
-        train={"head": args.head, "rounds": NEVER, "client_fraction": args.fraction, "local_epochs": 5,
+        train={"head": args.head, "rounds": NEVER, "client_fraction": fraction, "local_epochs": 5,
                "batch_size": 40},
         eval={"eval_every": 1},
         runtime={"torch_threads": 1},
@@ -73,7 +75,7 @@ def run(args, data: dict, num_clients: int, workdir: Path) -> dict:
     ckpt_bytes = sum(p.stat().st_size for p in (run_dir / "checkpoints").rglob("*") if p.is_file())
     shutil.rmtree(run_dir, ignore_errors=True)
     return {
-        "clients": num_clients, "round": median(rounds), "eval": median(evals), "ckpt": median(checkpoints),
+        "clients": num_clients, "per_round": round(num_clients * fraction), "round": median(rounds), "eval": median(evals), "ckpt": median(checkpoints),
         "state": sum(held) / max(len(held), 1), "holding": len(held), "ckpt_bytes": ckpt_bytes,
         "ray_pss": sum(pss for kind, (_, _, pss) in memory.items() if kind != "driver"),
         "driver_pss": memory["driver"][2],
@@ -97,7 +99,12 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="fedrod-scale-"))
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
-        results = [run(args, data, n, workdir) for n in args.clients]
+        results = [run(args, data, n, args.fraction, workdir) for n in args.clients]
+        # The smallest federation again with as many clients per round as the largest: a checkpoint
+        # writes the round's clients, so this separates the round's size from the federation's.
+        most = round(max(args.clients) * args.fraction)
+        if most > round(min(args.clients) * args.fraction):
+            results.append(run(args, data, min(args.clients), most / min(args.clients), workdir))
     finally:
         ray.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -107,14 +114,15 @@ def main() -> int:
         extra = res["clients"] - base["clients"]
         per_client = f"{(res['ray_pss'] - base['ray_pss']) / extra / 2**10:.0f} KiB" if extra else "-"
         rows.append([
-            res["clients"], f"{res['round']:.2f}", f"{res['eval']:.2f}", f"{res['ckpt']:.3f}",
+            res["clients"], res["per_round"], f"{res['round']:.2f}", f"{res['eval']:.2f}", f"{res['ckpt']:.3f}",
             f"{res['ckpt'] / base['ckpt']:.2f}", f"{res['state'] / 2**10:.0f} KiB", res["holding"],
             f"{res['ckpt_bytes'] / 2**20:.1f}", f"{res['ray_pss'] / 2**20:.0f}", per_client,
             f"{res['driver_pss'] / 2**20:.0f}",
         ])
-    print(f"\nMNIST, Dir(0.3), {args.fraction:.0%} of the clients per round, head {args.head}, 5 local epochs, "
-          f"batch 40; medians of rounds 2..{args.rounds}:\n")
-    print(md_table("clients|s / round|s / evaluation|s / checkpoint|checkpoint vs first|committed state "
+    print(f"\nMNIST, Dir(0.3), {args.fraction:.0%} of the clients per round (last row: the smallest federation "
+          f"with the largest one's clients per round), head {args.head}, 5 local epochs, batch 40; medians of "
+          f"rounds 2..{args.rounds}; 'vs first' and 'per extra client' against the first row:\n")
+    print(md_table("clients|per round|s / round|s / evaluation|s / checkpoint|checkpoint vs first|committed state "
                    "per trained client|clients holding state|checkpoint files MiB|Ray processes PSS MiB|"
                    "PSS per extra client|driver PSS MiB", rows))
     return 0

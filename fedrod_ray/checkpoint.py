@@ -111,7 +111,8 @@ class CheckpointWriter:
                         for cid, st in sorted(snap.clients.items())},
         }
         storage.write_bytes(f"{tmp}/global.safetensors", st_save(global_tensors))
-        storage.write_bytes(f"{tmp}/manifest.json", json.dumps(manifest, indent=0).encode())
+        # Compact: an indented dump goes through json's pure-Python encoder, slow at 10,000 clients.
+        storage.write_bytes(f"{tmp}/manifest.json", json.dumps(manifest, separators=(",", ":")).encode())
         storage.delete_dir(f"checkpoints/{name}")
         storage.move_dir(tmp, f"checkpoints/{name}")
         storage.write_bytes("checkpoints/latest", name.encode())
