@@ -245,7 +245,9 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     if cfg.runtime.mode == "auto":
         # A Ray job's driver always has RAY_ADDRESS (the job supervisor sets it): there the federation
         # belongs on the cluster, not in the driver process. Resolved here, so config.yaml records it.
-        on_ray = cfg.runtime.address is not None or bool(os.environ.get("RAY_ADDRESS"))
+        # An http(s) RAY_ADDRESS is a dashboard, set for the `ray job` CLI: no cluster to train on from here.
+        env = os.environ.get("RAY_ADDRESS", "")
+        on_ray = cfg.runtime.address is not None or bool(env and not env.startswith(("http://", "https://")))
         cfg.runtime.mode = "ray" if on_ray else "local"
     _check_effective(cfg)
     from .algorithms import build_rule

@@ -238,10 +238,13 @@ def test_mode_auto_is_ray_where_ray_is(monkeypatch):
     assert config_from_dict({}).runtime.mode == "local"
     assert config_from_dict({}, ["runtime.address=auto"]).runtime.mode == "ray"
     assert config_from_dict({}, ["runtime.mode=ray"]).runtime.mode == "ray"
-    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")  # what the job supervisor gives a job's driver
     assert config_from_dict({}).runtime.mode == "ray"
     assert config_from_dict({}, ["runtime.mode=local"]).runtime.mode == "local"
     assert "mode: ray" in dump_config(config_from_dict({}))
+    # A dashboard address exported for `ray job submit` is not a cluster this process trains on.
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    assert config_from_dict({}).runtime.mode == "local"
 
 
 def test_zero_allowed_where_non_negative():

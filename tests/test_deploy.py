@@ -1,10 +1,10 @@
-"""Deployment files: manifests that parse and agree with the CLI and with each other, and a real
-``ray job submit`` of ``deploy/job.py`` to a private local head node."""
+"""Deployment files: manifests that parse and agree with the CLI and with each other, job commands in
+the docs that the CLI accepts, and the README's ``ray job submit`` run as written against a private local
+head node."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import re
@@ -34,8 +34,9 @@ DEPLOY = REPO / "deploy"
 IMAGE_REPO = "ghcr.io/fedrod-ray/fedrod-ray:"
 DATA_MOUNT, RUNS_MOUNT = "/mnt/data", "/mnt/runs"
 CONFIG_REF = re.compile(r"configs/[\w.-]+\.ya?ml")
-# Provided by the image (deploy/Dockerfile), or needed only by the HTTP service, not by training jobs.
-NOT_IN_JOB_PIP = {"torch", "ray", "fastapi", "uvicorn"}
+# Provided by the image (deploy/Dockerfile), or needed only by the HTTP service (pillow: its PNG input), not
+# by training jobs.
+NOT_IN_JOB_PIP = {"torch", "ray", "fastapi", "uvicorn", "pillow"}
 
 
 def _yaml(rel: str) -> dict:
@@ -56,13 +57,6 @@ def _docker_workdir() -> str:
     return re.findall(r"^WORKDIR\s+(\S+)", _dockerfile(), re.MULTILINE)[-1]
 
 
-def _load_job_module():
-    spec = importlib.util.spec_from_file_location("fedrod_deploy_job", DEPLOY / "job.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _parse_train(argv: list[str]):
     """Parse ``fedrod-ray`` arguments exactly as the CLI does; returns (args, config)."""
     args = build_parser().parse_args(argv)
@@ -71,27 +65,52 @@ def _parse_train(argv: list[str]):
 
 
 # ---------------------------------------------------------------------------------------------------
-# deploy/job.py
+# Job commands in the docs
+
+# Where `ray job submit` commands are documented (in YAML and Dockerfile comments too).
+DOC_FILES = ("README.md", "deploy/README.md", "deploy/runtime_env.yaml", "deploy/cluster.yaml",
+             "deploy/kuberay/raycluster.yaml", "deploy/kuberay/rayjob.yaml", "deploy/Dockerfile")
 
 
-def test_job_entry_joins_the_cluster_with_address_auto():
-    job = _load_job_module()
-    argv = job.job_argv(["--config", "configs/quickstart.yaml", "--set", "train.rounds=2"])
-    assert argv == ["train", "--config", "configs/quickstart.yaml", "--set", "train.rounds=2",
-                    "--address", "auto"]
-    args, cfg = _parse_train(argv)
-    assert cfg.runtime.mode == "ray" and cfg.runtime.address == "auto" and cfg.train.rounds == 2
+def _readme_cluster_section() -> str:
+    """README.md's "### On a cluster" section (under "## Ray runtime")."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("\n### On a cluster\n"):]
+    return section[:section.index("\n## ")]
 
-    # An explicit address wins, in either spelling.
-    for given in (["--address", "ray://head:10001"], ["--address=ray://head:10001"]):
-        argv = job.job_argv(["--config", "configs/quickstart.yaml", *given])
-        assert argv.count("auto") == 0
-        _, cfg = _parse_train(argv)
-        assert cfg.runtime.address == "ray://head:10001" and cfg.runtime.mode == "ray"
 
-    # --resume takes no --config; the address is still added.
-    args = build_parser().parse_args(job.job_argv(["--resume", "/mnt/runs/x"]))
-    assert args.resume == "/mnt/runs/x" and args.address == "auto"
+def _job_submit_commands(rel: str) -> list[str]:
+    """The ``ray job submit`` commands of a doc file, backslash-continued lines joined into one."""
+    text = _readme_cluster_section() if rel == "README.md" else (REPO / rel).read_text()
+    if rel.endswith(".md"):
+        text = "\n".join(re.findall(r"^```bash\n(.*?)^```", text, re.DOTALL | re.MULTILINE))
+    else:
+        text = re.sub(r"^[ \t]*#", "", text, flags=re.MULTILINE)  # commands in comments
+    text = re.sub(r"\\\n\s*", " ", text)
+    # A command line: `ray job submit ...`, maybe after VAR=value assignments.
+    return [m.group(1) for m in re.finditer(r"^\s*(?:[A-Z_]+=\S*\s+)*(ray job submit\b.*)$", text, re.MULTILINE)]
+
+
+def test_documented_job_commands_are_plain_train_commands(monkeypatch):
+    """Every documented job runs ``fedrod-ray train`` itself (no wrapper script, no ``--address auto``),
+    and inside a job, where the job supervisor sets RAY_ADDRESS, it trains on Ray."""
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # what a job's driver sees
+    commands = {rel: _job_submit_commands(rel) for rel in DOC_FILES}
+    assert commands["README.md"] and commands["deploy/README.md"], commands
+    assert sum(map(len, commands.values())) >= 6, commands
+    for rel, cmds in commands.items():
+        assert "deploy/job.py" not in (REPO / rel).read_text(), f"{rel} mentions the removed deploy/job.py"
+        for cmd in cmds:
+            submit, _, entrypoint = cmd.partition(" -- ")
+            argv = shlex.split(entrypoint, comments=True)
+            assert argv[:2] == ["fedrod-ray", "train"], f"{rel}: {cmd}"
+            submit_argv = shlex.split(submit, comments=True)
+            if "--runtime-env" in submit_argv:
+                assert (REPO / submit_argv[submit_argv.index("--runtime-env") + 1]).is_file(), f"{rel}: {cmd}"
+            args, cfg = _parse_train(argv[1:])
+            assert args.address is None and args.mode is None, f"{rel}: the job's own cluster is implied"
+            assert cfg.runtime.mode == "ray" and cfg.runtime.address is None, f"{rel}: {cmd}"
+            assert args.run_dir, f"{rel}: give --run-dir (the job's cwd is a temporary copy)"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,25 +121,29 @@ def _container_mounts(container: dict) -> dict[str, str]:
     return {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
 
 
-def _check_pod_template(template: dict, what: str) -> dict:
+def _check_pod_template(template: dict, what: str, *, head: bool = False) -> dict:
     pod = template["spec"]
     container = pod["containers"][0]
     assert container["image"].startswith(IMAGE_REPO), f"{what}: image {container['image']}"
     mounts = _container_mounts(container)
-    assert DATA_MOUNT in mounts and RUNS_MOUNT in mounts, f"{what}: mounts {mounts}"
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     for path, name in mounts.items():
         assert name in volumes, f"{what}: volume {name} mounted at {path} is not defined"
-    assert "persistentVolumeClaim" in volumes[mounts[RUNS_MOUNT]], f"{what}: run dirs must be shared"
-    env = {e["name"]: e.get("value") for e in container.get("env", [])}
-    assert env.get("FEDROD_DATA_DIR") == DATA_MOUNT, f"{what}: FEDROD_DATA_DIR {env.get('FEDROD_DATA_DIR')}"
+    if head:
+        # Job drivers run on the head: the driver reads the dataset (and ships it to the client actors
+        # through the object store), and it and the coordinator actor, pinned to its node, write the run
+        # directory. Workers need neither volume.
+        assert DATA_MOUNT in mounts and RUNS_MOUNT in mounts, f"{what}: mounts {mounts}"
+        assert "persistentVolumeClaim" in volumes[mounts[RUNS_MOUNT]], f"{what}: runs must outlive the pod"
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert env.get("FEDROD_DATA_DIR") == DATA_MOUNT, f"{what}: FEDROD_DATA_DIR {env.get('FEDROD_DATA_DIR')}"
     return container
 
 
 def _check_ray_cluster_spec(spec: dict, *, need_gpu_group: bool) -> None:
     head = spec["headGroupSpec"]
     assert isinstance(head["rayStartParams"], dict)
-    head_container = _check_pod_template(head["template"], "head")
+    head_container = _check_pod_template(head["template"], "head", head=True)
     assert head_container["image"] == IMAGE_REPO + "0.1.0"
     ports = {p["containerPort"] for p in head_container.get("ports", [])}
     assert {6379, 8265} <= ports, ports
@@ -157,7 +180,7 @@ def test_raycluster_manifest():
     _check_ray_cluster_spec(rc["spec"], need_gpu_group=True)
 
 
-def test_rayjob_manifest_runs_a_valid_train_command():
+def test_rayjob_manifest_runs_a_valid_train_command(monkeypatch):
     from ray.runtime_env import RuntimeEnv
 
     rj = _yaml("kuberay/rayjob.yaml")
@@ -165,13 +188,14 @@ def test_rayjob_manifest_runs_a_valid_train_command():
     assert rj["metadata"]["name"]
     spec = rj["spec"]
     entrypoint = spec["entrypoint"]
-    assert "fedrod-ray train" in entrypoint and "--address auto" in entrypoint
     argv = shlex.split(entrypoint)
-    assert argv[0] == "fedrod-ray"
+    assert argv[:2] == ["fedrod-ray", "train"] and "--address" not in argv
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["fedrod-ray"] == "fedrod_ray.cli:main"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # set for every job's driver by the job supervisor
     args, cfg = _parse_train(argv[1:])
-    assert cfg.runtime.mode == "ray" and cfg.runtime.address == "auto"
+    assert cfg.runtime.mode == "ray" and cfg.runtime.address is None
+    assert args.data_dir == DATA_MOUNT, "the dataset is read from the head's volume"
     assert args.run_dir and args.run_dir.startswith(RUNS_MOUNT + "/"), "the run dir must be on the shared volume"
 
     assert spec["shutdownAfterJobFinishes"] is True
@@ -180,7 +204,6 @@ def test_rayjob_manifest_runs_a_valid_train_command():
     assert isinstance(runtime_env, dict)
     # The submitter pod runs the head's image: the working dir is the image's copy of the project.
     assert runtime_env["working_dir"] == _docker_workdir()
-    assert runtime_env["env_vars"]["FEDROD_DATA_DIR"] == DATA_MOUNT
     assert all(isinstance(v, str) for v in runtime_env["env_vars"].values())
     assert "torch" not in {_req_name(r) for r in runtime_env.get("pip", [])}
     # Ray's own validation (less working_dir: it exists only inside the image).
@@ -233,7 +256,9 @@ def test_runtime_env_yaml():
     assert "runs/" in env["excludes"] and any(e.strip("/") == ".git" for e in env["excludes"])
     env_vars = env["env_vars"]
     assert env_vars["RAY_USAGE_STATS_ENABLED"] == "0"
-    assert env_vars["FEDROD_DATA_DIR"] == DATA_MOUNT
+    # The job command names its dataset directory (--data-dir); a value here would override the head's own
+    # FEDROD_DATA_DIR for a command that does not.
+    assert "FEDROD_DATA_DIR" not in env_vars
     assert env_vars["OMP_NUM_THREADS"] == "1"
     assert all(isinstance(v, str) for v in env_vars.values()), "Ray needs string env var values"
 
@@ -258,7 +283,7 @@ def test_runtime_env_excludes_keep_code_and_drop_runs_and_data(tmp_path):
         "fedrod_ray/cli.py": True,
         "fedrod_ray/data/files.py": True,  # a package named data/ must survive the data excludes
         "configs/quickstart.yaml": True,
-        "deploy/job.py": True,
+        "deploy/runtime_env.yaml": True,
         "runs/quickstart/metrics.jsonl": False,
         "runs/quickstart/final/model.safetensors": False,
         ".git/HEAD": False,
@@ -363,24 +388,71 @@ def _still_running(tracked: dict[int, tuple[int, str]]) -> dict[int, str]:
     return alive
 
 
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _arg(command: str, flag: str) -> str:
+    """The value of ``flag`` in a (backslash-continued) shell command."""
+    argv = shlex.split(command.replace("\\\n", " "), comments=True)
+    return argv[argv.index(flag) + 1]
+
+
+def _sub(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, f"expected {old!r} once in the README's command:\n{text}"
+    return text.replace(old, new)
+
+
+# Lines that must not appear in a healthy job's output (the C++ core's errors read "[... E pid tid] ...").
+ERROR_LINE = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|\bE \d+ \d+\]|Error:")
+
+
 @pytest.mark.slow
-def test_ray_job_submit_to_a_local_head(tmp_path):
+def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
+    """README's "On a cluster" command, run as written against a private head node started here.
+
+    The only changes to the README's text, each one asserted to apply exactly once:
+    * its dashboard address -> this head's (an ``export RAY_ADDRESS=...`` would be set in the environment
+      instead);
+    * ``/mnt/data`` -> the real datasets (``shared_data_dir``, which holds ``mnist/``);
+    * ``/mnt/runs`` -> a temporary directory;
+    * ``deploy/runtime_env.yaml`` -> a copy without its ``pip:`` list, since creating a virtualenv per
+      job needs the network and time that CI does not have (test_runtime_env_yaml checks that list).
+    """
     from safetensors.numpy import load_file
 
     ray_cli = _ray_cli()
     if ray_cli is None:
         pytest.skip("the `ray` CLI is not installed")
 
+    section = _readme_cluster_section()
+    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
+    exports = {}
+    for line in block.splitlines():
+        if line.startswith("export "):
+            exports.update(w.split("=", 1) for w in shlex.split(line[len("export "):], comments=True))
+    # The README's own auth setting, the one this private head runs with (token auth needs a token on
+    # both sides).
+    assert exports.get("RAY_AUTH_MODE") == "disabled", exports
+    command = re.search(r"^ray job submit (?:.*\\\n)*.*$", block, re.MULTILINE).group(0)
+    config = load_config(REPO / _arg(command, "--config"))
+
     # Ray's unix socket paths must stay short: a private temp dir directly under /tmp.
     ray_tmp = tempfile.mkdtemp(prefix="frj", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update({
-        # Token auth (the 2.52+ default once ~/.ray/auth_token exists) must agree on both sides.
-        "RAY_AUTH_MODE": "disabled",
+    # Neither the head nor the job may find data other than through the command's --data-dir.
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "FEDROD_DATA_DIR"}
+    base_env["PATH"] = f"{Path(ray_cli).parent}{os.pathsep}{base_env.get('PATH', '')}"  # the `ray` beside us
+    env = {
+        **base_env,
+        "RAY_AUTH_MODE": exports["RAY_AUTH_MODE"],
         "RAY_USAGE_STATS_ENABLED": "0",
         # SIGTERM otherwise drains the node for up to 30 s before stopping.
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-    })
+    }
     dport = _free_port()
     address = f"http://127.0.0.1:{dport}"
     head_log = tmp_path / "head.log"
@@ -392,11 +464,62 @@ def test_ray_job_submit_to_a_local_head(tmp_path):
         f"--metrics-export-port={_free_port()}", "--object-store-memory=200000000",
         f"--temp-dir={ray_tmp}", "--disable-usage-stats",
     ]
+
+    # The README's command, with its substitutions.
+    submit_env = {**base_env, **exports}
+    if "RAY_ADDRESS" in exports:
+        submit_env["RAY_ADDRESS"] = address
+    else:
+        command = _sub(command, "--address http://127.0.0.1:8265", f"--address {address}")
+    runtime_env = _yaml("runtime_env.yaml")
+    runtime_env.pop("pip")
+    (tmp_path / "runtime_env.yaml").write_text(yaml.safe_dump(runtime_env))
+    command = _sub(command, "deploy/runtime_env.yaml", shlex.quote(str(tmp_path / "runtime_env.yaml")))
+    data_dir = shared_data_dir.resolve()
+    good = _sub(_sub(command, "/mnt/data", shlex.quote(str(data_dir))), "/mnt/runs", shlex.quote(str(tmp_path / "runs")))
+    # The same with an empty data directory, and without a download that a machine with internet access
+    # would make.
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    bad = _sub(_sub(command, "/mnt/data", shlex.quote(str(empty))), "/mnt/runs",
+               shlex.quote(str(tmp_path / "runs-no-data")))
+    bad += " --set data.download=false"
+    run_dir = Path(_arg(good, "--run-dir"))
+
+    def ray_job(*args: str) -> str:
+        r = subprocess.run([ray_cli, "job", *args, "--address", address], check=False, env=env,
+                           capture_output=True, text=True, timeout=60)
+        return r.stdout + r.stderr
+
     t0 = time.monotonic()
     with open(head_log, "w") as log:
         head = subprocess.Popen(head_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 start_new_session=True)
     tracked: dict[int, tuple[int, str]] = {}
+    drivers: dict[int, str] = {}  # pid -> PYTHONPATH of the job's entrypoint process
+
+    def submit(cmd: str, name: str, timeout: float) -> tuple[int, str, str]:
+        """Run a README command through bash from the repository root, noting every process the head
+        starts meanwhile (job supervisor, driver, actors); (exit status, its output, the job's id)."""
+        out_path = tmp_path / f"{name}.log"
+        with open(out_path, "w") as out:
+            proc = subprocess.Popen(["bash", "-c", cmd], cwd=REPO, env=submit_env, stdout=out,
+                                    stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            tracked.update(procs := _processes_of(head.pid, ray_tmp))
+            for pid, (_, cmdline) in procs.items():
+                if "fedrod-ray train" in cmdline and pid not in drivers:
+                    drivers[pid] = _environ(pid).get("PYTHONPATH", "")
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        text = out_path.read_text()
+        job_id = re.search(r"Job '(\w+)' submitted successfully", text)
+        assert job_id, text[-5000:]
+        return proc.returncode, text, job_id.group(1)
+
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -408,51 +531,47 @@ def test_ray_job_submit_to_a_local_head(tmp_path):
             assert time.monotonic() < deadline, f"head never answered `ray job list`:\n{r.stderr[-2000:]}"
             time.sleep(1)
 
-        runtime_env = _yaml("runtime_env.yaml")
-        runtime_env.pop("pip")  # no network here: the dependencies are installed already
-        runtime_env.pop("working_dir")  # given by --working-dir
-        runtime_env["env_vars"]["FEDROD_DATA_DIR"] = str(tmp_path / "data")
-        run_dir = tmp_path / "run"
-        sid = f"fedrod-test-{os.getpid()}-{dport}"
-        submit_log = tmp_path / "submit.log"
-        with open(submit_log, "w") as log:
-            submit = subprocess.Popen(
-                [ray_cli, "job", "submit", "--address", address, "--submission-id", sid,
-                 "--working-dir", str(REPO), "--runtime-env-json", json.dumps(runtime_env), "--",
-                 sys.executable, "deploy/job.py", "--config", "configs/synthetic_tiny.yaml",
-                 "--run-dir", str(run_dir), "--set", "train.rounds=2"],
-                env=env, stdout=log, stderr=subprocess.STDOUT)
-        # `ray job submit` blocks until the job ends; meanwhile note every process the head starts
-        # (job supervisor, driver, client actors) for the leak check at the end.
-        deadline = time.monotonic() + 420
-        while submit.poll() is None and time.monotonic() < deadline:
-            tracked.update(_processes_of(head.pid, ray_tmp))
-            time.sleep(0.5)
-        if submit.poll() is None:
-            submit.kill()
-            submit.wait()
-        out = submit_log.read_text()
-        r = submit
-        assert r.returncode == 0, out[-5000:]
-        assert f"Job '{sid}' succeeded" in out, out[-5000:]
-        assert "Connecting to existing Ray cluster" in out, "the driver must join the head, not start Ray"
-        status = subprocess.run([ray_cli, "job", "status", "--address", address, sid], check=False, env=env,
-                                capture_output=True, text=True, timeout=60)
-        assert status.returncode == 0 and f"Job '{sid}' succeeded" in status.stdout + status.stderr
+        # 1. The README's command trains on this head.
+        rc, out, job = submit(good, "submit", 420)
+        assert rc == 0 and f"Job '{job}' succeeded" in out, out[-5000:]
+        assert f"Job '{job}' succeeded" in ray_job("status", job)
+        logs = ray_job("logs", job)
+        assert "Connecting to existing Ray cluster" in logs, "the driver must join the head, not start a Ray"
+        assert "Started a local Ray instance" not in logs
+        errors = [line for line in logs.splitlines() if ERROR_LINE.search(line)]
+        assert not errors, "error lines in a successful job's output:\n" + "\n".join(errors)
 
+        saved = load_config(run_dir / "config.yaml")
+        assert saved.runtime.mode == "ray" and saved.runtime.address is None  # `auto`, resolved in the job
+        assert Path(saved.data.data_dir) == data_dir
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [rec["round"] for rec in records] == [1, 2]
+        assert [rec["round"] for rec in records] == list(range(1, config.train.rounds + 1))
         latest = (run_dir / "checkpoints" / "latest").read_text().strip()
         assert (run_dir / "checkpoints" / latest / "global.safetensors").is_file()
         assert load_file(run_dir / "final" / "model.safetensors")
-        saved = load_config(run_dir / "config.yaml")
-        assert saved.runtime.mode == "ray" and saved.runtime.address == "auto" and saved.train.rounds == 2
 
+        # The uploaded working directory, not an installed copy, comes first on the driver's import path.
+        assert drivers, "the job's driver was not seen running on this head"
+        for pythonpath in drivers.values():
+            first = pythonpath.split(os.pathsep)[0]
+            assert first.startswith(ray_tmp) and "working_dir_files" in first, pythonpath
         cmds = [cmd for _, cmd in tracked.values()]
-        assert any("deploy/job.py" in cmd for cmd in cmds), "the driver was not seen running on this head"
-        infrastructure = ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::JobSupervisor", "ray::IDLE")
-        assert any(c.startswith("ray::") and not c.startswith(infrastructure) for c in cmds), \
-            "none of the job's actors was seen running on this head"
+        for actor in ("ray::CoordinatorImpl", "ray::ClientActorImpl"):
+            assert any(c.startswith(actor) for c in cmds), f"no {actor} process was seen on this head"
+
+        # 2. Without the dataset: the CLI's one-paragraph error, raised in the driver before Ray starts.
+        rc, out, job = submit(bad, "submit-no-data", 120)
+        assert rc != 0 and f"Job '{job}' failed" in out, out[-5000:]
+        assert f"Job '{job}' failed" in ray_job("status", job)
+        logs = ray_job("logs", job)
+        lines = logs.splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith("fedrod-ray: error:")]
+        assert len(starts) == 1, logs
+        assert lines[starts[0]].startswith(f"fedrod-ray: error: dataset 'mnist' not found: {empty}/mnist "), logs
+        ends = [i for i, line in enumerate(lines) if line.startswith("To run offline")]
+        assert ends and ends[0] > starts[0] and all(lines[starts[0]:ends[0]]), f"not one paragraph:\n{logs}"
+        assert "Traceback (most recent call last)" not in logs and "ActorDiedError" not in logs, logs
+        assert "Connecting to existing Ray cluster" not in logs, logs
     finally:
         tracked.update(_processes_of(head.pid, ray_tmp))
         # Stop only this head: its own process group (never `ray stop`, which stops every Ray on the host).
