@@ -1,13 +1,17 @@
-"""``fedrod-ray``: train a federation, inspect a partition, or list what can be configured."""
+"""``fedrod-ray``: train a federation, inspect a partition, list what can be configured, and the commands
+that optional parts register (``serve``, from api/)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from importlib.metadata import entry_points
 
 from . import __version__
 from .config import ConfigError, check_resume, config_from_dict, load_config
+
+COMMANDS = "fedrod_ray.commands"  # entry-point group: callables that add a subcommand to the parser
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -33,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(part)
 
     sub.add_parser("list", help="list the datasets, heads, generic rules and balanced losses")
+
+    # Commands of the optional parts (``fedrod-ray serve`` from api/), registered through an entry point:
+    # the library never imports them by name.
+    for command in sorted(entry_points(group=COMMANDS), key=lambda ep: ep.name):
+        command.load()(sub)
     return parser
 
 
@@ -136,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "partition": cmd_partition, "list": cmd_list}[args.command](args)
+        handler = getattr(args, "handler", None) or {"train": cmd_train, "partition": cmd_partition,
+                                                       "list": cmd_list}[args.command]
+        return handler(args)
     except (ConfigError, DatasetNotFoundError) as e:
         print(f"fedrod-ray: error: {e}", file=sys.stderr)
         return 2

@@ -385,3 +385,22 @@ def test_train_on_ray_subprocess(tmp_path, private_ray_env):
     assert_summary(proc.stdout, run_dir)
     assert_run_directory(run_dir)
     assert load_config(run_dir / "config.yaml").runtime.mode == "ray"
+
+
+def test_the_library_never_imports_api_or_tune():
+    """api/ and tune/ build on the library, never the reverse: their commands reach the CLI through the
+    ``fedrod_ray.commands`` entry point."""
+    root = Path(fedrod_ray.__file__).parent
+    offending = [f"{path.relative_to(root)}:{n}: {line.strip()}"
+                 for path in sorted(root.rglob("*.py"))
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if re.match(r"\s*(from|import)\s+(api|tune)\b", line)]
+    assert not offending, offending
+    assert "serve" in build_parser_commands()
+
+
+def build_parser_commands() -> set[str]:
+    from fedrod_ray.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return set(sub.choices)

@@ -319,7 +319,8 @@ def test_dockerfile():
             assert not re.match(r"(runs|data)(/|$)", src)
             if not re.search(r"[*?\[]", src):
                 assert (REPO / src).exists(), f"COPY source {src} missing"
-    assert "pip install ." in text
+    # The package with its HTTP service: api/ is copied and the serve extra installed.
+    assert 'pip install ".[serve]"' in text and re.search(r"^COPY\s+(--\S+\s+)*api ", text, re.MULTILINE)
 
 
 def test_configs_referenced_by_deploy_files_exist_and_load():

@@ -1,0 +1,171 @@
+"""``create_app``: the FastAPI app serving one run's ``final/`` model, and its routes."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated
+
+import torch
+from fastapi import Depends, FastAPI, Path
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from fedrod_ray import __version__
+
+from . import errors, images
+from .body_limit import BodyLimit
+from .errors import ApiError, Forbidden, Unauthorized, responses
+from .schemas import (
+    EXAMPLE_HEAD_ID,
+    HEAD_ID_PATTERN,
+    HeadRequest,
+    HeadResponse,
+    Health,
+    InputSpec,
+    Limits,
+    ModelInfo,
+    PersonalizedPredictions,
+    Predictions,
+    PredictRequest,
+    PredictResponse,
+    Ready,
+    ReloadRequest,
+    ReloadResponse,
+    TopClass,
+)
+from .service import Loaded, ModelService, cached_head, personal_head, probabilities, request_dist, zero_shot
+from .settings import ADMIN_TOKEN_ENV, Settings
+
+DEFAULT_TOP_K = 3
+# Module level: FastAPI resolves the (string) annotations of dependencies in this module's globals.
+BEARER = HTTPBearer(auto_error=False, description=f"the token in ${ADMIN_TOKEN_ENV} of the server")
+
+DESCRIPTION = """\
+Generic and personalized predictions of a Fed-RoD model trained by fedrod-ray, and zero-shot personalized
+heads for brand-new clients described only by their class distribution (hyper head).
+
+Every error is `{"detail": "<field>: <what is wrong>", "field": "<field>"}` with a 4xx status.
+"""
+
+
+def _predictions(probs: torch.Tensor, k: int, names: list[str]) -> dict:
+    values, indices = probs.topk(k, dim=1)
+    top = [[TopClass(index=i, label=names[i], probability=p) for i, p in zip(row_i, row_p)]
+           for row_i, row_p in zip(indices.tolist(), values.tolist())]
+    return {"probabilities": probs.tolist(), "top_k": top}
+
+
+def _head_response(loaded: Loaded, key: str, a: torch.Tensor, head: torch.Tensor) -> HeadResponse:
+    return HeadResponse(head_id=key, model_version=loaded.served.version_id, class_distribution=a.tolist(),
+                        shape=list(head.shape), weights=head.tolist())
+
+
+def _model_info(loaded: Loaded, settings: Settings) -> ModelInfo:
+    meta = loaded.served.meta
+    return ModelInfo(
+        version_id=loaded.served.version_id, dataset=meta.dataset, class_names=meta.class_names,
+        num_classes=meta.num_classes,
+        input=InputSpec(shape=meta.image_shape, mean=meta.mean, std=meta.std, png_mode=images.png_mode(meta)),
+        head=meta.head, arch=meta.arch, hyper_hidden=meta.hyper_hidden if meta.head == "hyper" else None,
+        rule=meta.rule, balanced_loss=meta.balanced_loss, round=meta.round,
+        # JSON has no NaN: a metric that could not be computed is null.
+        metrics={k: v if math.isfinite(v) else None for k, v in meta.metrics.items()},
+        client_ids=sorted(loaded.served.personal_heads),
+        limits=Limits(max_batch=settings.max_batch, max_body_bytes=settings.max_body_bytes,
+                      head_cache_size=settings.head_cache_size),
+    )
+
+
+def _predict(loaded: Loaded, req: PredictRequest, max_batch: int) -> PredictResponse:
+    meta = loaded.served.meta
+    # The images and top_k are checked before a head is made, so a bad request caches nothing.
+    x = images.decode(req.images, req.pixels, req.images_png, meta, max_batch)
+    k = req.top_k or min(DEFAULT_TOP_K, meta.num_classes)
+    if k > meta.num_classes:
+        raise ApiError("top_k", f"is {k}; this model has only {meta.num_classes} classes")
+    personal = personal_head(loaded, req)
+    probs = probabilities(loaded, x, personal.head if personal else None)
+    personalized = None
+    if personal:
+        personalized = PersonalizedPredictions(**_predictions(probs[1], k, meta.class_names), by=personal.by,
+                                               head_id=personal.head_id, client_id=personal.client_id)
+    return PredictResponse(model_version=loaded.served.version_id,
+                           generic=Predictions(**_predictions(probs[0], k, meta.class_names)),
+                           personalized=personalized)
+
+
+def create_app(settings: Settings | str, admin_token: str | None = None) -> FastAPI:
+    """The app serving ``settings.model_dir``'s final/ (a plain string is taken as the model dir).
+
+    Raises ExportError when final/ cannot be served, so a bad model never gets as far as a listening
+    server. ``admin_token`` (normally ``$FEDROD_ADMIN_TOKEN``) enables POST /v1/admin/reload; None or
+    empty leaves it disabled.
+    """
+    if isinstance(settings, str):
+        settings = Settings(model_dir=settings)
+    service = ModelService(settings.model_dir, settings.head_cache_size)
+    app = FastAPI(title="fedrod-ray", version=__version__, description=DESCRIPTION)
+    app.state.service = service
+    # Predictions run one at a time on their own thread, in arrival order, while the event loop parses and
+    # answers the other requests. With torch on one core, more threads only contend for the GIL and the
+    # cores: on 2 cores this gave ~45% more requests/s at concurrency 8 than the default thread pool, and
+    # less than half its p99 (bench/serve_latency.py). More traffic takes more processes (Ray Serve).
+    inference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrod-inference")
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    errors.install(app)
+
+    @app.get("/healthz", response_model=Health, tags=["health"], summary="Liveness: the process answers")
+    async def healthz():
+        return Health(status="ok")
+
+    @app.get("/readyz", response_model=Ready, tags=["health"],
+             summary="Readiness: a model is loaded (it is from start-up on, and stays so across reloads)")
+    async def readyz():
+        return Ready(status="ready", model_version=service.current.served.version_id)
+
+    @app.get("/v1/model", response_model=ModelInfo, tags=["model"],
+             summary="What is served: dataset, classes, input shape and normalisation, head, metrics")
+    async def model_info():
+        return _model_info(service.current, settings)
+
+    @app.post("/v1/heads", response_model=HeadResponse, tags=["heads"], responses=responses(409, 413, 422),
+              summary="The zero-shot personalized head H(a; nu) of a new client's class distribution")
+    async def make_head(req: HeadRequest):  # microseconds of torch: cheaper than a hop to a thread
+        loaded = service.current
+        _, a = request_dist(loaded, req)  # the schema makes sure one distribution field is given
+        key, head = zero_shot(loaded, a)
+        return _head_response(loaded, key, a, head)
+
+    @app.get("/v1/heads/{head_id}", response_model=HeadResponse, tags=["heads"],
+             responses=responses(404, 409, 422), summary="A head made earlier by POST /v1/heads")
+    async def get_head(head_id: Annotated[str, Path(pattern=HEAD_ID_PATTERN, examples=[EXAMPLE_HEAD_ID])]):
+        loaded = service.current
+        a, head = cached_head(loaded, head_id)
+        return _head_response(loaded, head_id, a, head)
+
+    @app.post("/v1/predict", response_model=PredictResponse, tags=["predict"],
+              responses=responses(404, 409, 413, 422),
+              summary="Generic class probabilities, and personalized ones when a head is named")
+    async def predict(req: PredictRequest):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(inference, _predict, service.current, req, settings.max_batch)
+
+    def admin(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
+        if not admin_token:
+            raise Forbidden(None, f"reload is disabled: this server was started without ${ADMIN_TOKEN_ENV} "
+                                  f"(on Ray Serve, redeploy with the new model_dir instead)")
+        given = credentials.credentials.encode() if credentials else b""
+        if not hmac.compare_digest(given, admin_token.encode()):
+            raise Unauthorized("Authorization", f"needs 'Bearer <token>', the token in ${ADMIN_TOKEN_ENV}")
+
+    @app.post("/v1/admin/reload", response_model=ReloadResponse, tags=["admin"],
+              dependencies=[Depends(admin)], responses=responses(401, 403, 409, 413, 422),
+              summary="Serve the final/ of model_dir (default: the served run's, e.g. after new training)")
+    def reload(req: ReloadRequest | None = None):
+        previous, now = service.reload(req.model_dir if req else None)
+        return ReloadResponse(version_id=now.served.version_id,
+                              previous_version_id=previous.served.version_id, changed=now is not previous)
+
+    return app

@@ -1,0 +1,234 @@
+"""Request and response bodies, with the examples the OpenAPI schema shows.
+
+Numbers are strict (``"3"`` and ``true`` are not numbers) and finite; request models forbid unknown
+fields, so a misspelt field is an error that names it rather than a silently ignored one. What depends on
+the served model (how many classes, the image shape) is checked by the service, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic_core import PydanticCustomError
+
+HEAD_ID_PATTERN = r"^[0-9a-f]{32}$"
+# Counts above 2**53 would lose precision as floats.
+MAX_COUNT = 2**53
+
+Weight = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+Count = Annotated[int, Strict(), Field(ge=0, le=MAX_COUNT)]
+Pixel = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+Image = list[list[list[Pixel]]]  # [C][H][W]
+
+# MNIST's first test image (a 7) as a base64 PNG: the example for a model served from an MNIST run.
+EXAMPLE_PNG = (
+    "iVBORw0KGgoAAAANSUhEUgAAABwAAAAcCAAAAABXZoBIAAAAwUlEQVR42mNgGDaAEUKFpD77sfTFHeyS9xQYGBg+X4UKPuk6w8DAwMDA"
+    "AuGm6l/TMnSweCzLwPDntSTDozPIOhkYGBgYBA3PmDIw/Lh1XShnGi5nBP+9KIRLTuzl/2AokwlDMlv0/U1cGq1//rPD6fHWf7tZcclx"
+    "nv1hhVNj3b9tOOW8f3+wxCUnfPffMlxyzKf/3VbGJan2758vLjn5B/+KGXF78Z8JLjnbT+iSSGFrw8Nw9wuKJAsy56LzO+ITGABpETyQ"
+    "cCy90wAAAABJRU5ErkJggg=="
+)
+EXAMPLE_COUNTS = [120, 0, 3, 0, 0, 45, 0, 310, 0, 2]
+EXAMPLE_HEAD_ID = "3f2c1e0a9b8d7c6f5e4d3c2b1a098765"
+EXAMPLE_VERSION = "5d6e1f0666858dc5"
+DISTRIBUTION_FIELDS = ("class_distribution", "class_counts")
+PERSONAL_FIELDS = (*DISTRIBUTION_FIELDS, "head_id", "client_id")
+
+
+FIELDS_ERROR = "request_fields"
+
+
+def _given(model: BaseModel, names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if getattr(model, n) is not None]
+
+
+def fields_error(field: str, message: str) -> PydanticCustomError:
+    """A rule across fields, raised with the field(s) it is about (the error's loc is the whole body)."""
+    return PydanticCustomError(FIELDS_ERROR, "{message}", {"field": field, "message": message})
+
+
+class ErrorBody(BaseModel):
+    detail: str = Field(description="what is wrong, starting with the field it is about")
+    field: str | None = Field(description="the offending field, e.g. class_counts[3] or images[0][0][5]")
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"detail": "class_distribution: has 9 entries; this model has 10 classes",
+         "field": "class_distribution"},
+    ]})
+
+
+class Health(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"status": "ok"}]})
+
+    status: Literal["ok"]
+
+
+class Ready(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"status": "ready",
+                                                               "model_version": EXAMPLE_VERSION}]})
+
+    status: Literal["ready"]
+    model_version: str
+
+
+class _Distribution(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    class_distribution: Annotated[list[Weight], Field(min_length=1)] | None = Field(
+        None, description="a new client's class distribution: one non-negative weight per class, normalised "
+                          "to sum 1 (so percentages work too)")
+    class_counts: Annotated[list[Count], Field(min_length=1)] | None = Field(
+        None, description="a new client's example count per class (integers); the same as sending the "
+                          "distribution counts / sum(counts)")
+
+
+class HeadRequest(_Distribution):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"class_counts": EXAMPLE_COUNTS},
+        {"class_distribution": [0.25, 0, 0, 0, 0, 0.25, 0, 0.5, 0, 0]},
+    ]})
+
+    @model_validator(mode="after")
+    def _one_distribution(self):
+        if len(_given(self, DISTRIBUTION_FIELDS)) != 1:
+            raise fields_error("class_distribution", "give exactly one of class_distribution, class_counts")
+        return self
+
+
+class HeadResponse(BaseModel):
+    # Of a 2-class model with 3 features; an MNIST model's head has 10 x 50 weights.
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "head_id": EXAMPLE_HEAD_ID, "model_version": EXAMPLE_VERSION, "class_distribution": [0.75, 0.25],
+        "shape": [2, 3], "weights": [[0.12, -0.03, 0.4], [-0.2, 0.05, 0.0]]}]})
+
+    head_id: str = Field(description="content address: the same model version and normalised distribution "
+                                     "always give the same id")
+    model_version: str
+    class_distribution: list[float] = Field(description="the normalised distribution a, made into the head")
+    shape: list[int] = Field(description="[num_classes, feature_dim]")
+    weights: list[list[float]] = Field(description="H(a; nu), one row per class: personalized logits are "
+                                                   "generic logits + weights @ features")
+
+
+class PredictRequest(_Distribution):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"images_png": [EXAMPLE_PNG], "top_k": 3},
+        {"images_png": [EXAMPLE_PNG], "class_counts": EXAMPLE_COUNTS},
+    ]})
+
+    images: Annotated[list[Image], Field(min_length=1)] | None = Field(
+        None, description="images as nested arrays of the model's input shape [C, H, W]")
+    pixels: Literal["raw", "normalized"] = Field(
+        "raw", description="what `images` holds: raw pixels in 0..255, or values already normalised as "
+                           "(pixel / 255 - mean) / std per channel (mean, std from GET /v1/model)")
+    images_png: Annotated[list[str], Field(min_length=1)] | None = Field(
+        None, description="images as base64 PNGs, H x W pixels, 8-bit grayscale (1 channel) or RGB (3)")
+    top_k: int | None = Field(None, ge=1, description="how many top classes to list per image (default 3, "
+                                                      "or the number of classes if fewer)")
+    head_id: str | None = Field(None, pattern=HEAD_ID_PATTERN,
+                                description="personalize with a head made by POST /v1/heads")
+    client_id: Annotated[int, Strict()] | None = Field(
+        None, ge=0, description="personalize with a training client's own head (linear head only)")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.images is None) == (self.images_png is None):
+            raise fields_error("images", "give exactly one of images, images_png")
+        if self.images_png is not None and self.pixels != "raw":
+            raise fields_error("pixels", "applies to images only (PNG pixels are always raw)")
+        personal = _given(self, PERSONAL_FIELDS)
+        if len(personal) > 1:
+            raise fields_error(personal[1], f"give at most one of {', '.join(PERSONAL_FIELDS)}, "
+                                            f"not {' and '.join(personal)}")
+        return self
+
+
+class TopClass(BaseModel):
+    index: int
+    label: str
+    probability: float
+
+
+class Predictions(BaseModel):
+    probabilities: list[list[float]] = Field(description="softmax over the classes, one row per image")
+    top_k: list[list[TopClass]] = Field(description="the most probable classes of each image, best first")
+
+
+class PersonalizedPredictions(Predictions):
+    by: Literal["class_distribution", "class_counts", "head_id", "client_id"] = Field(
+        description="which field chose the personalized head")
+    # Defaults, so that an example may leave them out: FastAPI drops nulls from the schema's examples.
+    head_id: str | None = Field(None, description="the zero-shot head used (hyper), for reuse by head_id")
+    client_id: int | None = None
+
+
+class PredictResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "model_version": EXAMPLE_VERSION,
+        "generic": {"probabilities": [[0.0, 0.0, 0.001, 0.0003, 0.0, 0.0, 0.0, 0.9987, 0.0, 0.0]],
+                    "top_k": [[{"index": 7, "label": "7", "probability": 0.9987}]]},
+        "personalized": {"probabilities": [[0.0, 0.0, 0.0001, 0.0, 0.0, 0.0, 0.0, 0.9999, 0.0, 0.0]],
+                         "top_k": [[{"index": 7, "label": "7", "probability": 0.9999}]],
+                         "by": "class_counts", "head_id": EXAMPLE_HEAD_ID}}]})
+
+    model_version: str
+    generic: Predictions = Field(description="the generic model: h_G(f(x))")
+    personalized: PersonalizedPredictions | None = Field(
+        description="h_G(f(x)) + h_P(f(x)), when the request named a personalized head")
+
+
+class InputSpec(BaseModel):
+    shape: list[int] = Field(description="[C, H, W]")
+    mean: list[float] = Field(description="per channel, for pixels scaled to 0..1")
+    std: list[float]
+    png_mode: Literal["L", "RGB"] = Field(description="the PIL mode images_png must have")
+
+
+class Limits(BaseModel):
+    max_batch: int
+    max_body_bytes: int
+    head_cache_size: int
+
+
+class ModelInfo(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "version_id": EXAMPLE_VERSION, "dataset": "mnist", "class_names": [str(i) for i in range(10)],
+        "num_classes": 10,
+        "input": {"shape": [1, 28, 28], "mean": [0.1307], "std": [0.3081], "png_mode": "L"},
+        "head": "hyper", "arch": "mnist_cnn", "hyper_hidden": 16, "rule": "fedavg", "balanced_loss": "bsm",
+        "round": 5, "metrics": {"gfl_gm": 0.9763, "pfl_pm": 0.9769}, "client_ids": [],
+        "limits": {"max_batch": 256, "max_body_bytes": 16777216, "head_cache_size": 1024}}]})
+
+    version_id: str
+    dataset: str
+    class_names: list[str]
+    num_classes: int
+    input: InputSpec
+    head: Literal["none", "linear", "hyper"] = Field(
+        description="hyper: zero-shot heads from a class distribution; linear: stored per-client heads; "
+                    "none: generic predictions only")
+    arch: str
+    hyper_hidden: int | None = Field(description="hypernetwork width (hyper head only)")
+    rule: str
+    balanced_loss: str
+    round: int = Field(description="training rounds completed when the model was saved")
+    metrics: dict[str, float | None] = Field(description="the last evaluation's accuracies (fractions)")
+    client_ids: list[int] = Field(description="clients with a stored head (linear head only)")
+    limits: Limits
+
+
+class ReloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid",
+                              json_schema_extra={"examples": [{}, {"model_dir": "/mnt/runs/mnist_paper"}]})
+
+    model_dir: str | None = Field(None, min_length=1, description="run directory to serve from now on "
+                                                                  "(default: the one being served)")
+
+
+class ReloadResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"version_id": "92fc603cff48f93e", "previous_version_id": EXAMPLE_VERSION, "changed": True}]})
+
+    version_id: str
+    previous_version_id: str
+    changed: bool

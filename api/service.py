@@ -1,0 +1,140 @@
+"""The served model and what the routes do with it, apart from HTTP: heads, predictions, reload."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fedrod_ray.export import ExportError, ServedModel, load_final
+
+from .errors import ApiError, Conflict, NotFound
+from .heads import HeadCache, class_dist, head_id
+from .schemas import DISTRIBUTION_FIELDS, PredictRequest
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """One model version and its zero-shot heads: a reload swaps both at once, and a request holds on to
+    the one it started with."""
+
+    served: ServedModel
+    heads: HeadCache
+
+
+@dataclass(frozen=True)
+class Personal:
+    """The personalized head a predict request chose, and how."""
+
+    by: str
+    head: torch.Tensor
+    head_id: str | None = None
+    client_id: int | None = None
+
+
+def load(model_dir: str, head_cache_size: int) -> Loaded:
+    served = load_final(model_dir)
+    # A diverged run's NaN weights would make every prediction NaN, which JSON cannot carry.
+    tensors = {**served.model.state_dict(), **{f"client {k}": v for k, v in served.personal_heads.items()}}
+    for name, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ExportError(f"{model_dir}/final: {name} has non-finite values (a diverged run?)")
+    return Loaded(served, HeadCache(head_cache_size))
+
+
+def _need_head(loaded: Loaded, want: str, field: str) -> None:
+    have = loaded.served.meta.head
+    if have == want:
+        return
+    hint = {"hyper": "it has no hypernetwork to make a head from a class distribution",
+            "linear": "it stores no per-client heads"}[want]
+    raise Conflict(field, f"needs a model trained with head '{want}', but this one has head '{have}': {hint}")
+
+
+def request_dist(loaded: Loaded, req) -> tuple[str, torch.Tensor] | None:
+    """(field, a) from class_distribution or class_counts, or None when neither is given."""
+    for field in DISTRIBUTION_FIELDS:
+        values = getattr(req, field)
+        if values is not None:
+            _need_head(loaded, "hyper", field)
+            return field, class_dist(values, loaded.served.meta.class_names, field)
+    return None
+
+
+def zero_shot(loaded: Loaded, a: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """(head_id, H(a; nu)), from the cache when this distribution was seen before."""
+    key = head_id(loaded.served.version_id, a)
+    return key, loaded.heads.get_or_make(key, a, loaded.served.zero_shot_head)
+
+
+def cached_head(loaded: Loaded, key: str, field: str = "head_id") -> tuple[torch.Tensor, torch.Tensor]:
+    _need_head(loaded, "hyper", field)
+    found = loaded.heads.get(key)
+    if found is None:
+        raise NotFound(field, f"no head {key} for model version {loaded.served.version_id}: it was made "
+                              f"for another version, evicted (the cache keeps {loaded.heads.size}), or "
+                              f"never made; POST the distribution to /v1/heads again")
+    return found
+
+
+def personal_head(loaded: Loaded, req: PredictRequest) -> Personal | None:
+    if req.client_id is not None:
+        _need_head(loaded, "linear", "client_id")
+        try:
+            return Personal("client_id", loaded.served.personal_head(req.client_id), client_id=req.client_id)
+        except KeyError:
+            ids = sorted(loaded.served.personal_heads)
+            known = f", ids {ids[0]}..{ids[-1]}" if ids else ""
+            raise NotFound("client_id", f"no client {req.client_id}; this model has heads for "
+                                        f"{len(ids)} clients{known}") from None
+    if req.head_id is not None:
+        return Personal("head_id", cached_head(loaded, req.head_id)[1], head_id=req.head_id)
+    found = request_dist(loaded, req)
+    if found is None:
+        return None
+    field, a = found
+    key, head = zero_shot(loaded, a)
+    return Personal(field, head, head_id=key)
+
+
+@torch.inference_mode()
+def probabilities(loaded: Loaded, x: torch.Tensor, head: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """softmax of the generic logits and, with a P-head, of the personalized ones h_G(z) + h_P(z)."""
+    model = loaded.served.model
+    z = model.features(x.contiguous(memory_format=torch.channels_last))
+    generic = model.generic_head(z)
+    if head is None:
+        return (generic.softmax(1),)
+    # The head comes from the cache or a client's stored phi_m, not the model's own P-head, hence not
+    # model.personal_logits; the sum is the same.
+    return generic.softmax(1), (generic + F.linear(z, head)).softmax(1)
+
+
+class ModelService:
+    """Holds the current ``Loaded`` and swaps it on reload; a failed reload leaves it as it was."""
+
+    def __init__(self, model_dir: str, head_cache_size: int):
+        self.model_dir = model_dir
+        self.head_cache_size = head_cache_size
+        self.current = load(model_dir, head_cache_size)
+        self._reload_lock = threading.Lock()
+
+    def reload(self, model_dir: str | None) -> tuple[Loaded, Loaded]:
+        """(previous, now); raises Conflict naming the problem if the final/ cannot be served."""
+        with self._reload_lock:
+            target = model_dir or self.model_dir
+            previous = self.current
+            try:
+                loaded = load(target, self.head_cache_size)
+            except ExportError as e:
+                still = f"still serving version {previous.served.version_id}"
+                raise Conflict("model_dir", f"{e}; {still}") from None
+            except (ValueError, OSError) as e:  # e.g. a URI scheme pyarrow does not know
+                raise ApiError("model_dir", f"cannot open {target!r}: {e}") from None
+            # The same version keeps its cache of heads.
+            if loaded.served.version_id != previous.served.version_id:
+                self.current = loaded
+            self.model_dir = target
+            return previous, self.current

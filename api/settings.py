@@ -1,0 +1,18 @@
+"""What a server serves and its limits; also the argument model of the Ray Serve application builder."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Reload is allowed only with this token, and is off when it is unset or empty.
+ADMIN_TOKEN_ENV = "FEDROD_ADMIN_TOKEN"
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_dir: str = Field(min_length=1, description="run directory (path or URI) whose final/ is served")
+    max_batch: int = Field(256, ge=1, le=65536, description="images per /v1/predict request")
+    # 16 MiB: 256 CIFAR-sized images as normalised JSON floats fit; a stray upload does not.
+    max_body_bytes: int = Field(16 * 2**20, ge=1024, description="request body limit in bytes (413 above)")
+    head_cache_size: int = Field(1024, ge=1, description="zero-shot heads kept for GET /v1/heads/{head_id}")

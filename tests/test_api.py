@@ -1,0 +1,512 @@
+"""The HTTP API through FastAPI's TestClient: every endpoint, its numbers checked against the model computed
+directly, and every kind of bad input (a 4xx naming the field, nothing changed)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+from served import CLIENT_IDS, MEAN, SHAPE, STD, make_final
+
+from api import schemas
+from api.app import create_app
+from api.schemas import EXAMPLE_PNG
+from api.settings import Settings
+from fedrod_ray.export import ExportError, load_final, save_final
+from fedrod_ray.storage import RunStorage
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "s3cret-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    for head in ("hyper", "linear", "none"):
+        make_final(root / head, head)
+    return root
+
+
+@pytest.fixture
+def hyper(runs, tmp_path):
+    """A hyper run of this test's own (reload tests change it) and a client with a small cache and batch."""
+    shutil.copytree(runs / "hyper", tmp_path / "run")
+    settings = Settings(model_dir=str(tmp_path / "run"), max_batch=4, head_cache_size=2, max_body_bytes=2**16)
+    app = create_app(settings, admin_token=TOKEN)
+    with TestClient(app) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def linear(runs):
+    with TestClient(create_app(str(runs / "linear"))) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def plain(runs):
+    with TestClient(create_app(str(runs / "none"))) as client:
+        yield client
+
+
+def _pixels(n=3, seed=0):
+    return torch.randint(0, 256, (n, *SHAPE), generator=torch.Generator().manual_seed(seed)).to(torch.uint8)
+
+
+def _normalised(x):
+    """By hand: (pixel / 255 - mean) / std, channels_last as the model takes it."""
+    out = (x.float() / 255 - MEAN[0]) / STD[0]
+    return out.contiguous(memory_format=torch.channels_last)
+
+
+def _png(img, mode="L"):
+    buf = io.BytesIO()
+    Image.fromarray(img.numpy(), mode=mode).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _served(client):
+    return client.app.state.service.current
+
+
+def _logits(served, x):
+    with torch.no_grad():
+        z = served.model.features(_normalised(x))
+        return z, served.model.generic_head(z)
+
+
+def _head_id(version, a):
+    return hashlib.sha256(version.encode() + b":" + a.numpy().astype("<f4").tobytes()).hexdigest()[:32]
+
+
+def _top(probs, k):
+    values, indices = probs.topk(k)
+    return [[{"index": i, "label": str(i), "probability": pytest.approx(p, abs=1e-6)}
+             for i, p in zip(ii, vv)] for ii, vv in zip(indices.tolist(), values.tolist())]
+
+
+# --- health and model info ------------------------------------------------------------------------------
+
+
+def test_health_and_model(hyper, linear, runs, tmp_path):
+    assert hyper.get("/healthz").json() == {"status": "ok"}
+    version = load_final(str(tmp_path / "run")).version_id
+    assert hyper.get("/readyz").json() == {"status": "ready", "model_version": version}
+    info = hyper.get("/v1/model").json()
+    assert info == {
+        "version_id": version, "dataset": "mnist", "class_names": [str(i) for i in range(10)],
+        "num_classes": 10,
+        "input": {"shape": SHAPE, "mean": MEAN, "std": STD, "png_mode": "L"}, "head": "hyper",
+        "arch": "mnist_cnn", "hyper_hidden": 16, "rule": "fedavg", "balanced_loss": "bsm", "round": 5,
+        "metrics": {"gfl_gm": 0.5, "pfl_pm": 0.75}, "client_ids": [],
+        "limits": {"max_batch": 4, "max_body_bytes": 2**16, "head_cache_size": 2},
+    }
+    info = linear.get("/v1/model").json()
+    assert info["head"] == "linear" and info["client_ids"] == list(CLIENT_IDS)
+    assert info["hyper_hidden"] is None
+    assert info["version_id"] == load_final(str(runs / "linear")).version_id
+
+
+def test_openapi_lists_every_endpoint_with_examples(hyper):
+    schema = hyper.get("/openapi.json").json()
+    assert {(m, p) for p, ops in schema["paths"].items() for m in ops} == {
+        ("get", "/healthz"), ("get", "/readyz"), ("get", "/v1/model"), ("post", "/v1/heads"),
+        ("get", "/v1/heads/{head_id}"), ("post", "/v1/predict"), ("post", "/v1/admin/reload")}
+    parts = schema["components"]["schemas"]
+    # Every request and response body of every operation has examples, and they are valid.
+    bodies = {ref.rsplit("/", 1)[1] for ops in schema["paths"].values() for op in ops.values()
+              for part in [op.get("requestBody", {}), *op["responses"].values()]
+              for ref in re.findall(r'"\$ref": "([^"]+)"', json.dumps(part))}
+    assert bodies == {"Health", "Ready", "ModelInfo", "HeadRequest", "HeadResponse", "PredictRequest",
+                      "PredictResponse", "ReloadRequest", "ReloadResponse", "ErrorBody"}
+    for name in bodies:
+        assert parts[name]["examples"], name
+        for example in parts[name]["examples"]:
+            getattr(schemas, name).model_validate(example)
+    # The documented examples work against an MNIST model.
+    for example in parts["PredictRequest"]["examples"]:
+        assert hyper.post("/v1/predict", json=example).status_code == 200
+    for example in parts["HeadRequest"]["examples"]:
+        assert hyper.post("/v1/heads", json=example).status_code == 200
+    errors = schema["paths"]["/v1/predict"]["post"]["responses"]
+    assert {"404", "409", "413", "422"} <= set(errors)
+    assert errors["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+
+
+# --- heads ----------------------------------------------------------------------------------------------
+
+
+def test_zero_shot_head_by_hand(hyper):
+    served = _served(hyper).served
+    counts = [120, 0, 3, 0, 0, 45, 0, 310, 0, 2]
+    r = hyper.post("/v1/heads", json={"class_counts": counts})
+    assert r.status_code == 200
+    body = r.json()
+    a = torch.tensor(counts, dtype=torch.float32) / sum(counts)  # as training computes a client's a
+    assert body["class_distribution"] == a.tolist()
+    assert body["shape"] == [10, 50] and body["model_version"] == served.version_id
+    # H(a) = W2 relu(W1 a), reshaped to (classes, feature_dim).
+    w1, w2 = served.model.hypernet.net[0].weight, served.model.hypernet.net[2].weight
+    assert torch.allclose(torch.tensor(body["weights"]), (w2 @ torch.relu(w1 @ a)).view(10, 50), atol=1e-6)
+    assert body["head_id"] == _head_id(served.version_id, a)
+
+    # The same distribution, given as weights or at another scale, is the same head.
+    for same in ({"class_distribution": a.tolist()}, {"class_distribution": [c / 4.8 for c in counts]},
+                 {"class_counts": [c * 3 for c in counts]}):
+        assert hyper.post("/v1/heads", json=same).json()["head_id"] == body["head_id"], same
+    assert hyper.get(f"/v1/heads/{body['head_id']}").json() == body
+    other = hyper.post("/v1/heads", json={"class_counts": [1] * 10}).json()
+    assert other["head_id"] != body["head_id"]
+
+
+def test_head_cache_is_bounded(hyper):
+    ids = [hyper.post("/v1/heads", json={"class_counts": [i + 1] + [1] * 9}).json()["head_id"]
+           for i in range(3)]
+    assert len(set(ids)) == 3
+    first = hyper.get(f"/v1/heads/{ids[0]}")
+    assert first.status_code == 404 and first.json()["field"] == "head_id"
+    assert "evicted" in first.json()["detail"]
+    assert [hyper.get(f"/v1/heads/{i}").status_code for i in ids[1:]] == [200, 200]
+    assert len(_served(hyper).heads) == 2
+
+
+@pytest.mark.parametrize("which", ["linear", "plain"])
+def test_heads_need_a_hypernetwork(which, request):
+    client = request.getfixturevalue(which)
+    head = "linear" if which == "linear" else "none"
+    r = client.post("/v1/heads", json={"class_counts": [1] * 10})
+    assert r.status_code == 409
+    assert r.json()["field"] == "class_counts" and f"head '{head}'" in r.json()["detail"]
+    assert "hypernetwork" in r.json()["detail"]
+    assert client.get("/v1/heads/" + "0" * 32).status_code == 409
+
+
+# --- predict --------------------------------------------------------------------------------------------
+
+
+def test_generic_predictions_by_hand(hyper):
+    served = _served(hyper).served
+    x = _pixels()
+    _, logits = _logits(served, x)
+    probs = logits.softmax(1)
+    r = hyper.post("/v1/predict", json={"images": x.tolist(), "top_k": 4})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["model_version"] == served.version_id and body["personalized"] is None
+    assert torch.allclose(torch.tensor(body["generic"]["probabilities"]), probs, atol=1e-6)
+    assert body["generic"]["top_k"] == _top(probs, 4)
+
+    # The same images already normalised, and as PNGs, give the same answer.
+    normalised = hyper.post("/v1/predict", json={"images": _normalised(x).tolist(), "pixels": "normalized"})
+    pngs = hyper.post("/v1/predict", json={"images_png": [_png(img[0]) for img in x]})
+    for other in (normalised, pngs):
+        assert other.status_code == 200
+        assert torch.allclose(torch.tensor(other.json()["generic"]["probabilities"]), probs, atol=1e-5)
+        assert len(other.json()["generic"]["top_k"][0]) == 3  # the default top_k
+
+
+def test_personalized_predictions_by_hand(hyper):
+    served = _served(hyper).served
+    x = _pixels(2, seed=1)
+    counts = [0, 0, 50, 50, 0, 0, 0, 0, 0, 100]
+    a = torch.tensor(counts, dtype=torch.float32) / 200
+    z, generic = _logits(served, x)
+    with torch.no_grad():
+        expected = served.model.personal_logits(z, generic, a).softmax(1)  # h_G(z) + H(a; nu) z
+    assert not torch.allclose(expected, generic.softmax(1), atol=1e-3)  # the head does something
+
+    r = hyper.post("/v1/predict", json={"images": x.tolist(), "class_counts": counts})
+    assert r.status_code == 200
+    personal = r.json()["personalized"]
+    assert torch.allclose(torch.tensor(personal["probabilities"]), expected, atol=1e-6)
+    assert personal["top_k"] == _top(expected, 3)
+    assert personal["by"] == "class_counts" and personal["client_id"] is None
+    assert personal["head_id"] == _head_id(served.version_id, a)
+    assert torch.allclose(torch.tensor(r.json()["generic"]["probabilities"]), generic.softmax(1), atol=1e-6)
+
+    for other, by in (({"class_distribution": [c / 200 for c in counts]}, "class_distribution"),
+                      ({"head_id": personal["head_id"]}, "head_id")):
+        again = hyper.post("/v1/predict", json={"images": x.tolist(), **other}).json()["personalized"]
+        assert again["by"] == by and again["head_id"] == personal["head_id"]
+        assert again["probabilities"] == personal["probabilities"]
+
+
+def test_linear_client_heads_by_hand(linear, runs):
+    served = load_final(str(runs / "linear"))
+    x = _pixels(2, seed=2)
+    z, generic = _logits(served, x)
+    for cid in CLIENT_IDS:
+        expected = (generic + z @ served.personal_heads[cid].T).softmax(1)
+        r = linear.post("/v1/predict", json={"images": x.tolist(), "client_id": cid})
+        assert r.status_code == 200
+        personal = r.json()["personalized"]
+        assert personal["by"] == "client_id" and personal["client_id"] == cid and personal["head_id"] is None
+        assert torch.allclose(torch.tensor(personal["probabilities"]), expected, atol=1e-5)
+    r = linear.post("/v1/predict", json={"images": x.tolist(), "client_id": 2})
+    assert r.status_code == 404 and r.json()["field"] == "client_id" and "no client 2" in r.json()["detail"]
+    r = linear.post("/v1/predict", json={"images": x.tolist(), "class_counts": [1] * 10})
+    assert r.status_code == 409 and r.json()["field"] == "class_counts"
+
+
+def test_plain_model_predicts_generic_only(plain, hyper):
+    x = _pixels(1).tolist()
+    assert plain.post("/v1/predict", json={"images": x}).json()["personalized"] is None
+    for selector in ({"client_id": 0}, {"head_id": "0" * 32}, {"class_distribution": [1] * 10}):
+        r = plain.post("/v1/predict", json={"images": x, **selector})
+        assert r.status_code == 409 and r.json()["field"] == next(iter(selector)), selector
+    r = hyper.post("/v1/predict", json={"images": x, "client_id": 0})
+    assert r.status_code == 409 and "linear" in r.json()["detail"]
+
+
+def test_the_example_png_is_a_seven():
+    img = Image.open(io.BytesIO(base64.b64decode(EXAMPLE_PNG)))
+    assert img.size == (28, 28) and img.mode == "L"
+
+
+# --- bad input: a 4xx naming the field, and no change -----------------------------------------------------
+
+IMG = [[[0] * 28 for _ in range(28)]]
+
+
+def _rgb_png():
+    return _png(torch.zeros(28, 28, 3, dtype=torch.uint8), "RGB")
+
+
+def _small_png():
+    return _png(torch.zeros(27, 28, dtype=torch.uint8))
+
+
+def _truncated_png():
+    data = base64.b64decode(_png(_pixels(1)[0, 0]))
+    return base64.b64encode(data[: len(data) // 2]).decode()
+
+
+BAD_HEADS = [
+    ({"class_distribution": [0.1] * 9}, "class_distribution", "9 entries"),
+    ({"class_counts": [1] * 11}, "class_counts", "11 entries"),
+    ({"class_distribution": [0.2, -0.1] + [0.1] * 8}, "class_distribution[1]", "greater than or equal to 0"),
+    ({"class_distribution": [0] * 10}, "class_distribution", "all zero"),
+    ({"class_counts": [0] * 10}, "class_counts", "all zero"),
+    ({"class_counts": [1.5] + [1] * 9}, "class_counts[0]", "integer"),
+    ({"class_counts": [1] * 9 + [-3]}, "class_counts[9]", "greater than or equal to 0"),
+    ({"class_counts": ["1"] * 10}, "class_counts[0]", "integer"),
+    ({"class_distribution": [True] * 10}, "class_distribution[0]", "number"),
+    ({"class_distribution": [1e308] * 10}, "class_distribution", "float"),
+    ({"class_distribution": []}, "class_distribution", "at least 1"),
+    ({}, "class_distribution", "exactly one"),
+    ({"class_counts": [1] * 10, "class_distribution": [1] * 10}, "class_distribution", "exactly one"),
+    ({"class_count": [1] * 10}, "class_count", "Extra inputs"),
+]
+
+
+@pytest.mark.parametrize("body,field,words", BAD_HEADS, ids=[f"{b[1]}-{b[2]}" for b in BAD_HEADS])
+def test_bad_head_requests(hyper, body, field, words):
+    r = hyper.post("/v1/heads", json=body)
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == field and r.json()["detail"].startswith(field) and words in r.json()["detail"]
+    assert len(_served(hyper).heads) == 0
+
+
+@pytest.mark.parametrize("text,field", [
+    ('{"class_distribution": [NaN, 1, 1, 1, 1, 1, 1, 1, 1, 1]}', "class_distribution[0]"),
+    ('{"class_distribution": [1, 1, 1, 1, 1, 1, 1, 1, 1, Infinity]}', "class_distribution[9]"),
+    ('{"class_distribution": [1, 1', "body"),
+    ("[]", "body"),
+    (b'{"class_counts": "\xc0\xff"}', "body"),
+])
+def test_non_finite_and_broken_json(hyper, text, field):
+    r = hyper.post("/v1/heads", content=text, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["field"] == field, r.text
+
+
+BAD_PREDICTS = [
+    ({"images": [[IMG[0], IMG[0]]]}, "images[0]", "has 2 channels"),
+    ({"images": [[IMG[0][:27]]]}, "images[0][0]", "has 27 rows"),
+    ({"images": [IMG, [IMG[0][:27] + [[0] * 27]]]}, "images[1][0][27]", "has 27 pixels"),
+    ({"images": [[[[0] * 28] * 27 + [[0] * 27 + [256]]]]}, "images[0][0][27][27]", "outside 0..255"),
+    ({"images": [[[[-1] + [0] * 27] + [[0] * 28] * 27]]}, "images[0][0][0][0]", "outside 0..255"),
+    ({"images": [[[[3.5] * 28] * 28]], "pixels": "normalized"}, "images[0][0][0][0]", "[-0.4252, 2.8225]"),
+    ({"images": [[[["a"] * 28] * 28]]}, "images[0][0][0][0]", "number"),
+    ({"images": [[[0] * 28] * 28]}, "images[0][0][0]", "valid list"),
+    ({"images": []}, "images", "at least 1"),
+    ({"images": [IMG] * 5}, "images", "at most 4"),
+    ({"images_png": [EXAMPLE_PNG] * 5}, "images_png", "at most 4"),
+    ({}, "images", "exactly one of images, images_png"),
+    ({"images": [IMG], "images_png": [EXAMPLE_PNG]}, "images", "exactly one"),
+    ({"images_png": [EXAMPLE_PNG], "pixels": "normalized"}, "pixels", "images only"),
+    ({"images": [IMG], "pixels": "floats"}, "pixels", "'raw' or 'normalized'"),
+    ({"images_png": ["not base64!"]}, "images_png[0]", "base64"),
+    ({"images_png": [base64.b64encode(b"GIF89a...").decode()]}, "images_png[0]", "not a PNG"),
+    ({"images_png": [EXAMPLE_PNG, _small_png()]}, "images_png[1]", "28x27 pixels"),
+    ({"images_png": [_rgb_png()]}, "images_png[0]", "mode RGB"),
+    ({"images_png": [_truncated_png()]}, "images_png[0]", "cannot be decoded"),
+    ({"images": [IMG], "top_k": 0}, "top_k", "greater than or equal to 1"),
+    ({"images": [IMG], "top_k": 11}, "top_k", "only 10 classes"),
+    ({"images": [IMG], "head_id": "xyz"}, "head_id", "pattern"),
+    ({"images": [IMG], "client_id": -1}, "client_id", "greater than or equal to 0"),
+    ({"images": [IMG], "class_counts": [1] * 10, "head_id": "0" * 32}, "head_id", "at most one"),
+    ({"images": [IMG], "class_counts": [1] * 9}, "class_counts", "9 entries"),
+    ({"images": [IMG], "class_distribution": [0.0] * 10}, "class_distribution", "all zero"),
+]
+
+
+@pytest.mark.parametrize("body,field,words", BAD_PREDICTS, ids=[f"{b[1]}-{b[2]}" for b in BAD_PREDICTS])
+def test_bad_predict_requests(hyper, body, field, words):
+    r = hyper.post("/v1/predict", json=body)
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == field and r.json()["detail"].startswith(field), r.json()
+    assert words in r.json()["detail"], r.json()
+    assert len(_served(hyper).heads) == 0  # even a valid class_counts next to bad images made no head
+
+
+def test_unknown_head_id(hyper):
+    r = hyper.post("/v1/predict", json={"images": [IMG], "head_id": "0" * 32})
+    assert r.status_code == 404 and r.json()["field"] == "head_id"
+    assert hyper.get("/v1/heads/" + "0" * 32).status_code == 404
+    r = hyper.get("/v1/heads/not-an-id")
+    assert r.status_code == 422 and r.json()["field"] == "head_id"
+
+
+def test_body_over_the_limit_is_413(hyper):
+    big = {"images": [IMG] * 4, "pad": "x" * 2**16}
+    r = hyper.post("/v1/predict", json=big)
+    assert r.status_code == 413 and r.json()["field"] == "body" and str(2**16) in r.json()["detail"]
+
+    def chunks():  # no Content-Length: the middleware has to count
+        yield b'{"images_png": ["'
+        for _ in range(80):
+            yield b"A" * 1024
+        yield b'"]}'
+
+    r = hyper.post("/v1/predict", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "more than" in r.json()["detail"]
+    assert hyper.post("/v1/heads", content=b"[" + b"1," * 40000 + b"1]").status_code == 413
+    assert hyper.get("/readyz").status_code == 200
+
+
+def test_unknown_route_and_method(hyper):
+    r = hyper.get("/v1/nothing")
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found", "field": None}
+    assert hyper.get("/v1/predict").status_code == 405
+
+
+# --- reload ---------------------------------------------------------------------------------------------
+
+
+def _predict(client):
+    return client.post("/v1/predict", json={"images": _pixels(1).tolist()}).json()
+
+
+def test_reload_needs_the_token(hyper, runs):
+    r = hyper.post("/v1/admin/reload")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert r.json()["field"] == "Authorization"
+    r = hyper.post("/v1/admin/reload", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    with TestClient(create_app(str(runs / "hyper"))) as disabled:
+        r = disabled.post("/v1/admin/reload", headers=ADMIN)
+        assert r.status_code == 403 and "FEDROD_ADMIN_TOKEN" in r.json()["detail"]
+    with TestClient(create_app(str(runs / "hyper"), admin_token="")) as disabled:
+        assert disabled.post("/v1/admin/reload", headers={"Authorization": "Bearer "}).status_code == 403
+
+
+def test_reload_a_new_model(hyper, runs, tmp_path):
+    before = _predict(hyper)
+    head = hyper.post("/v1/heads", json={"class_counts": [1] * 10}).json()["head_id"]
+    r = hyper.post("/v1/admin/reload", headers=ADMIN)
+    assert r.json() == {"version_id": before["model_version"], "previous_version_id": before["model_version"],
+                        "changed": False}
+    assert hyper.get(f"/v1/heads/{head}").status_code == 200  # the same version keeps its heads
+
+    new_version = make_final(tmp_path / "run", "hyper", seed=7)  # training wrote a new final/
+    r = hyper.post("/v1/admin/reload", headers=ADMIN, json={})
+    assert r.status_code == 200
+    assert r.json() == {"version_id": new_version, "previous_version_id": before["model_version"],
+                        "changed": True}
+    after = _predict(hyper)
+    assert after["model_version"] == new_version and after["generic"] != before["generic"]
+    assert hyper.get(f"/v1/heads/{head}").status_code == 404  # a head of the old model is gone
+
+    # Another run directory, e.g. a linear model.
+    r = hyper.post("/v1/admin/reload", headers=ADMIN, json={"model_dir": str(runs / "linear")})
+    assert r.status_code == 200 and hyper.get("/v1/model").json()["head"] == "linear"
+    assert hyper.post("/v1/heads", json={"class_counts": [1] * 10}).status_code == 409
+
+
+def _truncate(run):
+    path = run / "final" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+
+
+def _drop_meta(run):
+    (run / "final" / "meta.json").unlink()
+
+
+def _hand_edit(run):
+    meta = run / "final" / "meta.json"
+    doc = json.loads(meta.read_text())
+    doc["round"] = 99
+    meta.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("damage,words", [(_truncate, "model.safetensors"), (_drop_meta, "meta.json"),
+                                          (_hand_edit, "version_id")])
+def test_reload_refuses_a_broken_final_and_keeps_serving(hyper, tmp_path, damage, words):
+    before = _predict(hyper)
+    info = hyper.get("/v1/model").json()
+    damage(tmp_path / "run")
+    r = hyper.post("/v1/admin/reload", headers=ADMIN)
+    assert r.status_code == 409 and r.json()["field"] == "model_dir"
+    assert words in r.json()["detail"]
+    assert f"still serving version {before['model_version']}" in r.json()["detail"]
+    assert _predict(hyper) == before and hyper.get("/v1/model").json() == info
+    assert hyper.get("/readyz").status_code == 200
+
+
+def test_reload_of_a_missing_or_unknown_dir(hyper, tmp_path):
+    version = _predict(hyper)["model_version"]
+    r = hyper.post("/v1/admin/reload", headers=ADMIN, json={"model_dir": str(tmp_path / "nothing")})
+    assert r.status_code == 409 and "meta.json does not exist" in r.json()["detail"]
+    r = hyper.post("/v1/admin/reload", headers=ADMIN, json={"model_dir": "nosuchscheme://bucket/run"})
+    assert r.status_code == 422 and r.json()["field"] == "model_dir"
+    r = hyper.post("/v1/admin/reload", headers=ADMIN, json={"model_dir": ""})
+    assert r.status_code == 422 and r.json()["field"] == "model_dir"
+    assert _predict(hyper)["model_version"] == version
+    # The next plain reload still means the directory being served, not the refused one.
+    assert hyper.post("/v1/admin/reload", headers=ADMIN).json()["changed"] is False
+
+
+# --- start-up -------------------------------------------------------------------------------------------
+
+
+def test_a_model_that_cannot_be_served_never_starts(tmp_path, runs):
+    with pytest.raises(ExportError, match="meta.json"):
+        create_app(str(tmp_path))
+    shutil.copytree(runs / "hyper", tmp_path / "nan")
+    served = load_final(str(tmp_path / "nan"))
+    weights = {k: v.clone() for k, v in served.model.state_dict().items()}
+    weights["generic_head.weight"][0, 0] = float("nan")
+    save_final(RunStorage(str(tmp_path / "nan")), served.meta, weights)
+    with pytest.raises(ExportError, match="generic_head.weight has non-finite"):
+        create_app(str(tmp_path / "nan"))
+
+
+def test_api_imports_neither_ray_nor_training_code():
+    # Besides export, its storage and the models: only fedrod_ray.data, for the normalisation training uses.
+    check = ("import sys, api.app; bad = [m for m in sys.modules if m == 'ray' or m.startswith('ray.') or "
+             "(m.startswith('fedrod_ray') and m not in ('fedrod_ray', 'fedrod_ray.export', "
+             "'fedrod_ray.storage') and not m.startswith(('fedrod_ray.models', 'fedrod_ray.data')))]; "
+             "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", check], cwd=REPO, check=True)
