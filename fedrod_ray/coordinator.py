@@ -102,7 +102,8 @@ class RayExecutor:
             "num_gpus": res.get("num_gpus", 0.0),
             "resources": {k: v for k, v in res.items() if k not in ("num_cpus", "num_gpus")},
             # Spread the pool over the nodes: memory and a lost node's share of the clients both stay small.
-            "scheduling_strategy": "SPREAD",
+            # Inside a placement group (a Tune trial), the group decides: its bundles are the client slots.
+            "scheduling_strategy": None if ray.util.get_current_placement_group() else "SPREAD",
             "max_restarts": cfg.runtime.max_restarts,
             "max_task_retries": 0,  # a lost call is reported as a failed client, never silently re-run
         }

@@ -138,6 +138,30 @@ class PrivateRayEnv(dict):
         """The processes of any Ray started with this environment (they inherit it)."""
         return _processes_mentioning(self.temp_dir)
 
+    def reap_after_killed_driver(self) -> None:
+        """After its driver's SIGKILL, the private Ray's core processes must go (Ray's reaper kills them).
+
+        Its dashboard and runtime-env agents then linger up to ~60 s (they report the raylet's death to
+        the dead GCS with a fixed 60 s timeout) before exiting on their own; we end those by pid rather
+        than wait.
+        """
+        import signal
+        import time
+
+        deadline = time.monotonic() + 30
+        while True:
+            left = self.processes()
+            core = [cmd for _, cmd in left if not cmd.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent"))]
+            if not core:
+                break
+            assert time.monotonic() < deadline, f"the killed driver's Ray is still running: {core}"
+            time.sleep(0.5)
+        for pid, _ in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
 
 @pytest.fixture
 def private_ray_env():

@@ -8,11 +8,9 @@ in a subprocess with a private RAY_TMPDIR and check that none of its processes o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
 import re
 import signal
 import subprocess
@@ -520,25 +518,6 @@ def kill_after_two_rounds(cmd: list[str], run_dir: Path, env: dict | None = None
     assert latest.read_text().strip() in ("round_000002", "round_000003")
 
 
-def reap_after_killed_driver(env) -> None:
-    """After its driver's SIGKILL, the private Ray's core processes must go (Ray's reaper kills them).
-
-    Its dashboard and runtime-env agents then linger up to ~60 s (they report the raylet's death to the
-    dead GCS with a fixed 60 s timeout) before exiting on their own; we end those by pid rather than wait.
-    """
-    deadline = time.monotonic() + 30
-    while True:
-        left = env.processes()
-        core = [cmd for _, cmd in left if not cmd.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent"))]
-        if not core:
-            break
-        assert time.monotonic() < deadline, f"the killed driver's Ray is still running: {core}"
-        time.sleep(0.5)
-    for pid, _ in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def assert_same_run(a: Path, b: Path) -> None:
     """Same final model, every client's persisted state, the rule's server state and the metrics."""
     for rel in ("final/model.safetensors", "final/personal.safetensors", "checkpoints/round_000004/global.safetensors"):
@@ -568,7 +547,7 @@ def test_ray_resume_after_sigkill_equals_uninterrupted_run(uninterrupted_run, tm
     b = tmp_path / "B"
     ray_args = ("--mode", "ray", "--set", "runtime.address=local")
     kill_after_two_rounds(train_cmd(b, *ray_args), b, env=private_ray_env)
-    reap_after_killed_driver(private_ray_env)
+    private_ray_env.reap_after_killed_driver()
     proc = run_cli([*CLI, "--resume", str(b), "--set", "runtime.torch_threads=1"], env=private_ray_env)
     assert re.search(r"ray: \d+ client actor\(s\)", proc.stdout), proc.stdout
     assert_same_run(uninterrupted_run, b)

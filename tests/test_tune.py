@@ -1,0 +1,182 @@
+"""Ray Tune sweeps: the sweep file's checks (before any trial), the objective and the Pareto front by
+hand, and real sweeps on the session's Ray: the quickstart, ASHA stopping a trial that cannot learn
+(and leaving no actor or placement group behind), best.yaml training as it is, and resume after a kill."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedrod_ray.cli import main
+from fedrod_ray.config import ConfigError, load_config
+from tune.space import load_sweep
+from tune.sweep import pareto_front, run_sweep
+from tune.trial import objective
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "tune" / "quickstart.yaml"
+
+
+def sweep_file(tmp_path: Path, **fields) -> Path:
+    doc = {"name": "t", "base": str(REPO / "configs" / "synthetic_tiny.yaml"),
+           "search": {"train.lr": {"grid": [0.01, 0.05]}}, **fields}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+# --- the sweep file, checked before any trial starts ------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"search": {"train.lrr": {"grid": [0.1]}}}, r"search: .*train\.lrr"),
+    ({"search": {"train.lr": {"uniform": [0.1, 0.01]}}}, r"search\.train\.lr\.uniform: low must be below high"),
+    ({"search": {"train.lr": {"loguniform": [0.0, 0.1]}}}, r"search\.train\.lr\.loguniform: needs low > 0"),
+    ({"search": {"train.lr": {"grid": []}}}, r"search\.train\.lr\.grid: must be a non-empty list"),
+    ({"search": {"train.lr": {"normal": [0, 1]}}}, r"search\.train\.lr: must be one of"),
+    ({"search": {"train.lr": {"grid": [-1.0]}}}, r"search: train\.lr: must be > 0"),
+    ({"search": {"train.gamma": {"grid": [0.5]}}, "set": {"train.balanced_loss": "ce"}},
+     r"search: train\.gamma: has no effect"),
+    ({"search": {"train.rule_params.mu": {"grid": [0.1]}}}, r"search: unknown config key train\.rule_params\.mu"),
+    ({"metric": "accuracy"}, r"metric: 'accuracy' is not one of"),
+    ({"scheduler": "none", "asha": {"grace_period": 2}}, r"asha: has no effect with scheduler: none"),
+    ({"num_samples": 0}, r"num_samples: must be an integer >= 1"),
+    ({"searhc": {}}, r"searhc: not a sweep setting"),
+    ({"resources": {"client_slots": 0}}, r"resources\.client_slots: must be an integer >= 1"),
+    ({"set": {"train.rounds": 0}}, r"set: train\.rounds: must be > 0"),
+])
+def test_a_bad_sweep_fails_before_any_trial_naming_the_key(tmp_path, fields, message):
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(sweep_file(tmp_path, **fields))
+
+
+def test_a_sweep_file_gives_trial_configs_and_the_plain_experiment_config(tmp_path):
+    spec = load_sweep(sweep_file(tmp_path, set={"train.rounds": 2, "eval.eval_every": 2},
+                                 search={"train.generic_rule": {"choice": ["fedprox"]},
+                                         "train.rule_params.mu": {"loguniform": [0.001, 0.1]}}),
+                      ["num_samples=3", "set.train.local_epochs=2"])
+    assert spec.num_samples == 3 and spec.fixed["train.local_epochs"] == 2
+    params = {"train.generic_rule": "fedprox", "train.rule_params.mu": 0.02}
+    plain = spec.experiment_config(params)
+    assert plain.train.rule_params == {"mu": 0.02} and plain.train.rounds == 2 and plain.eval.eval_every == 2
+    trial = spec.trial_config(params)
+    # A trial evaluates every round (its reports feed ASHA) and runs on its placement group's actors.
+    assert trial.eval.eval_every == 1 and trial.runtime.mode == "ray" and trial.runtime.clients_per_actor == 0
+    assert spec.bundles() == [{"memory": 512 * 2**20}, {"CPU": 1.0}]
+    # What --resume reads back is the same sweep.
+    (tmp_path / "saved.yaml").write_text(yaml.safe_dump(spec.to_dict()))
+    assert load_sweep(tmp_path / "saved.yaml") == spec
+    none = load_sweep(sweep_file(tmp_path, scheduler="none"))
+    (tmp_path / "saved.yaml").write_text(yaml.safe_dump(none.to_dict()))
+    assert load_sweep(tmp_path / "saved.yaml") == none
+
+
+def test_objective_and_pareto_front_by_hand():
+    record = {"gfl_gm": 0.6, "pfl_pm": 0.9}
+    assert objective(record, "gfl") == 0.6 and objective(record, "pfl_pm") == 0.9
+    assert math.isclose(objective(record, "hmean"), 2 * 0.6 * 0.9 / 1.5)  # 0.72
+    # (x, y): (1, 5) and (4, 4) and (5, 1) are on the front; (3, 3) is beaten by (4, 4); (4, 4) twice: both.
+    assert pareto_front([(1, 5), (3, 3), (4, 4), (5, 1), (4, 4)]) == [0, 2, 3, 4]
+
+
+# --- real sweeps on the session's Ray ---------------------------------------------------------------
+
+
+def live_state(ray) -> tuple[set, set]:
+    """The ids of the cluster's live actors and placement groups (from the GCS tables)."""
+    from ray.util import placement_group_table
+
+    actors = {a for a, info in ray._private.state.actors().items() if info["State"] != "DEAD"}
+    groups = {g for g, info in placement_group_table().items() if info["state"] != "REMOVED"}
+    return actors, groups
+
+
+@pytest.mark.slow
+def test_quickstart_sweep_and_its_best_config_trains(ray_session, tmp_path, capsys):
+    spec = load_sweep(QUICKSTART)
+    rows = run_sweep(spec, tmp_path / "sweep")
+    assert len(rows) == 4
+    assert {(r["train.gamma"], r["train.lr"]) for r in rows} == {(0.5, 0.01), (0.5, 0.05), (1.0, 0.01), (1.0, 0.05)}
+    assert [r["objective"] for r in rows] == sorted((r["objective"] for r in rows), reverse=True)
+    for name in ("results.csv", "results.md", "pareto.png", "best.yaml", "sweep.yaml"):
+        assert (tmp_path / "sweep" / name).is_file(), name
+    out = capsys.readouterr().out
+    assert out.count("trial train.gamma=") == 4  # a line per finished trial
+
+    best = tmp_path / "sweep" / "best.yaml"
+    cfg = load_config(best)
+    assert (cfg.train.gamma, cfg.train.lr) == (rows[0]["train.gamma"], rows[0]["train.lr"])
+    assert main(["train", "--config", str(best), "--run-dir", str(tmp_path / "best"), "--mode", "local"]) == 0
+    assert (tmp_path / "best" / "final" / "meta.json").is_file()
+
+
+@pytest.mark.slow
+def test_asha_stops_a_trial_that_cannot_learn_and_nothing_is_left_behind(ray_session, tmp_path):
+    ray = ray_session
+    before = live_state(ray)
+    # lr 1e-7 cannot learn in 4 rounds. Trials 1 and 2 (a good and a bad one) run first; the later bad
+    # ones reach round 1 below the rung's median and are stopped there.
+    spec = load_sweep(sweep_file(tmp_path, search={"train.lr": {"grid": [0.05, 1e-7]}}, num_samples=3,
+                                 set={"train.rounds": 4}, asha={"grace_period": 1, "reduction_factor": 2}))
+    rows = run_sweep(spec, tmp_path / "sweep")
+    assert len(rows) == 6
+    stopped = [r for r in rows if r["status"] == "stopped"]
+    assert stopped and all(r["train.lr"] == 1e-7 and r["rounds"] < 4 for r in stopped), rows
+    assert all(r["status"] == "finished" and r["rounds"] == 4 for r in rows if r["train.lr"] == 0.05)
+    assert rows[0]["train.lr"] == 0.05  # best first
+
+    deadline = time.monotonic() + 30
+    while live_state(ray) != before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert live_state(ray) == before
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_resumes_without_redoing_finished_rounds_or_trials(tmp_path, private_ray_env):
+    sweep_dir = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "fedrod_ray.cli", "tune", "--config", str(QUICKSTART), "--sweep-dir",
+           str(sweep_dir), "--set", "set.train.rounds=4", "--set", "set.train.local_epochs=10",
+           "--set", "scheduler=none", "--set", "asha=null"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=private_ray_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+    def results() -> list[Path]:
+        return sorted((sweep_dir / "trials").glob("*/result.json"))
+
+    try:
+        # Killed once a trial has finished and another has reported a round.
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            rounds = [len(p.read_text().splitlines()) for p in results()]
+            if 4 in rounds and any(0 < n < 4 for n in rounds):
+                break
+            time.sleep(0.2)
+        # Rounds take seconds here: within one, Tune has saved the experiment state after the last report.
+        time.sleep(1.0)
+        assert proc.poll() is None, proc.communicate()[0]
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    before = {p.parent.name: [json.loads(line)["round"] for line in p.read_text().splitlines()] for p in results()}
+    private_ray_env.reap_after_killed_driver()
+
+    out = subprocess.run([sys.executable, "-m", "fedrod_ray.cli", "tune", "--resume", str(sweep_dir)], check=False,
+                         cwd=REPO, env=private_ray_env, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    after = {p.parent.name: [json.loads(line)["round"] for line in p.read_text().splitlines()] for p in results()}
+    assert len(after) == 4 and all(rounds[-1] == 4 for rounds in after.values()), after
+    for trial, rounds in before.items():
+        # A finished trial is not run again, and a trial goes on from its last reported round.
+        assert after[trial][:len(rounds)] == rounds
+        assert after[trial] == sorted(set(after[trial])), (trial, after[trial])
+    assert (sweep_dir / "results.md").is_file()

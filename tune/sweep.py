@@ -1,0 +1,197 @@
+"""Run a sweep with Ray Tune and write its results into the sweep directory.
+
+    <sweep_dir>/sweep.yaml      the sweep as run (what --resume reads)
+    <sweep_dir>/trials/         Ray Tune's experiment: each trial's reports and checkpoints
+    <sweep_dir>/results.csv     one row per trial: searched values, rounds, status, final and best metrics
+    <sweep_dir>/results.md      the same, as a Markdown table, best first
+    <sweep_dir>/pareto.png      G-FL against P-FL (PM), one point per trial, the Pareto front marked
+    <sweep_dir>/best.yaml       the best trial's experiment config, for ``fedrod-ray train --config``
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from fedrod_ray.config import ConfigError, ExperimentConfig, dump_config
+
+from .space import SweepSpec, load_sweep, param_space
+from .trial import run_trial
+
+TRIALS = "trials"
+SPEC_FILE = "sweep.yaml"
+COLUMNS = ("rounds", "status", "objective", "gfl_gm", "pfl_gm", "pfl_pm", "best_objective", "best_round")
+
+
+def run_sweep(spec: SweepSpec, sweep_dir: Path, resume: bool = False, log: Callable[[str], None] = print) -> list[dict]:
+    """Run (or resume) the sweep; returns its rows, best first."""
+    import ray
+    from ray import tune
+
+    from fedrod_ray.ray_runtime import connect
+
+    sweep_dir = sweep_dir.resolve()
+    if not resume:
+        if (sweep_dir / TRIALS).exists():
+            raise ConfigError(f"{sweep_dir} already holds a sweep; continue it with --resume {sweep_dir} "
+                              "or choose another --sweep-dir")
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        (sweep_dir / SPEC_FILE).write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+    # Tune saves the experiment's state (which checkpoint each trial is at) after every step, not every
+    # few seconds: a sweep killed between two saves would otherwise redo the rounds in between.
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "0")
+    started = connect(_base(spec))
+    try:
+        trainable = tune.with_resources(tune.with_parameters(run_trial, sweep=spec),
+                                        tune.PlacementGroupFactory(spec.bundles()))
+        if resume:
+            tuner = tune.Tuner.restore(str(sweep_dir / TRIALS), trainable=trainable, resume_unfinished=True,
+                                       resume_errored=True)
+        else:
+            scheduler = None
+            if spec.scheduler == "asha":
+                scheduler = tune.schedulers.ASHAScheduler(max_t=_base(spec).train.rounds, **spec.asha)
+            tuner = tune.Tuner(
+                trainable, param_space=param_space(spec),
+                tune_config=tune.TuneConfig(metric="objective", mode="max", scheduler=scheduler,
+                                            num_samples=spec.num_samples, reuse_actors=False),
+                run_config=tune.RunConfig(name=TRIALS, storage_path=str(sweep_dir), verbose=0,
+                                          callbacks=[TrialLines(spec, log)],
+                                          checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
+            )
+        grid = tuner.fit()
+    finally:
+        if started:
+            ray.shutdown()
+    rows = result_rows(spec, grid)
+    write_results(spec, rows, sweep_dir)
+    return rows
+
+
+def _base(spec: SweepSpec) -> ExperimentConfig:
+    return spec.trial_config({})
+
+
+def resume_spec(sweep_dir: Path) -> SweepSpec:
+    if not (sweep_dir / SPEC_FILE).is_file() or not (sweep_dir / TRIALS).is_dir():
+        raise ConfigError(f"--resume: {sweep_dir} holds no sweep ({SPEC_FILE} and {TRIALS}/ are missing)")
+    return load_sweep(sweep_dir / SPEC_FILE)
+
+
+class TrialLines:
+    """A line on the console per finished trial."""
+
+    def __new__(cls, spec: SweepSpec, log: Callable[[str], None]):
+        from ray import tune
+
+        class _Lines(tune.Callback):
+            def on_trial_complete(self, iteration, trials, trial, **info):
+                log(trial_line(spec, trial.config, trial.last_result, "finished"))
+
+            def on_trial_error(self, iteration, trials, trial, **info):
+                log(trial_line(spec, trial.config, trial.last_result, "error"))
+
+        return _Lines()
+
+
+def trial_line(spec: SweepSpec, params: dict, last: dict, status: str) -> str:
+    rounds = _base(spec).train.rounds
+    done = last.get("round", 0)
+    if status == "finished" and done < rounds:
+        status = f"stopped after round {done} of {rounds}"
+    values = ", ".join(f"{k}={_fmt(v)}" for k, v in params.items())
+    if "objective" not in last:
+        return f"trial {values}: {status}"
+    return (f"trial {values}: {status}; round {done}: G-FL {100 * last['gfl_gm']:.2f}  P-FL PM "
+            f"{100 * last['pfl_pm']:.2f}  {spec.metric} {100 * last['objective']:.2f}")
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def result_rows(spec: SweepSpec, grid) -> list[dict]:
+    """One row per trial: its searched values, then COLUMNS; sorted best (final objective) first."""
+    rounds = _base(spec).train.rounds
+    rows = []
+    for result in grid:
+        history = result.metrics_dataframe
+        last = result.metrics or {}
+        row = {k: result.config[k] for k in spec.search}
+        done = int(last.get("round", 0))
+        row.update(rounds=done, status="error" if result.error else "finished" if done == rounds else "stopped")
+        for key in ("objective", "gfl_gm", "pfl_gm", "pfl_pm"):
+            row[key] = last.get(key, math.nan)
+        if history is not None and len(history) and "objective" in history:
+            best = history.loc[history["objective"].idxmax()]
+            row.update(best_objective=float(best["objective"]), best_round=int(best["round"]))
+        else:
+            row.update(best_objective=math.nan, best_round=0)
+        rows.append(row)
+    return sorted(rows, key=lambda r: -r["objective"] if not math.isnan(r["objective"]) else math.inf)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both coordinates (ties do not dominate)."""
+    return [i for i, (x, y) in enumerate(points)
+            if not any(a >= x and b >= y and (a, b) != (x, y) for a, b in points)]
+
+
+def write_results(spec: SweepSpec, rows: list[dict], sweep_dir: Path) -> None:
+    keys = [*spec.search, *COLUMNS]
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=keys, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    (sweep_dir / "results.csv").write_text(out.getvalue())
+    lines = [f"Sweep {spec.name}: {len(rows)} trials, maximising {spec.metric}; accuracies in %.", "",
+             "| " + " | ".join(keys) + " |", "|" + "|".join("---:" for _ in keys) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(k, row[k]) for k in keys) + " |")
+    (sweep_dir / "results.md").write_text("\n".join(lines) + "\n")
+    _plot_pareto(spec, rows, sweep_dir / "pareto.png")
+    scored = [r for r in rows if not math.isnan(r["objective"])]
+    if scored:
+        best = spec.experiment_config({k: scored[0][k] for k in spec.search})
+        best.name = f"{spec.name}_best"
+        (sweep_dir / "best.yaml").write_text(
+            f"# The best trial of sweep {spec.name} ({spec.metric} {100 * scored[0]['objective']:.2f}):\n"
+            + dump_config(best))
+
+
+def _cell(key: str, value) -> str:
+    if key in ("objective", "gfl_gm", "pfl_gm", "pfl_pm", "best_objective"):
+        return "-" if math.isnan(value) else f"{100 * value:.2f}"
+    return _fmt(value)
+
+
+def _plot_pareto(spec: SweepSpec, rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scored = [r for r in rows if not math.isnan(r["objective"])]
+    points = [(100 * r["pfl_pm"], 100 * r["gfl_gm"]) for r in scored]
+    front = set(pareto_front(points))
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    ax.scatter([p[0] for i, p in enumerate(points) if i not in front],
+               [p[1] for i, p in enumerate(points) if i not in front], color="0.6", label="trial")
+    order = sorted(front, key=lambda i: points[i][0])
+    ax.plot([points[i][0] for i in order], [points[i][1] for i in order], "o-", color="C3", label="Pareto front")
+    for i in order:
+        label = ", ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(scored[i][k])}" for k in spec.search)
+        ax.annotate(label, points[i], textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("P-FL (PM), %")
+    ax.set_ylabel("G-FL (GM), %")
+    ax.set_title(f"{spec.name}: final round of each trial")
+    ax.legend(loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

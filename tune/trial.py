@@ -1,0 +1,60 @@
+"""One trial: a whole federation inside the trial's placement group, reporting after every round.
+
+The trial function is the federation's coordinator (it runs in the placement group's first bundle);
+the client actors it starts are captured into the group's other bundles, one pooled actor per client
+slot. After each round it reports the round's metrics with a checkpoint holding the federation's full
+snapshot, so a stopped sweep resumes a trial after its last reported round.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+
+from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
+from fedrod_ray.coordinator import RayExecutor, plan_layout
+from fedrod_ray.federation import Federation, prepare
+from fedrod_ray.storage import RunStorage
+
+from .space import SweepSpec
+
+REPORTED = ("round", "gfl_gm", "pfl_gm", "pfl_pm", "pfl_gm_new", "pfl_pm_new", "train_loss", "personal_loss",
+            "clients_failed")
+
+
+def objective(record: dict, metric: str) -> float:
+    """The value the sweep maximises: G-FL, P-FL (PM), or their harmonic mean."""
+    gfl, pfl = record["gfl_gm"], record["pfl_pm"]
+    if metric == "gfl":
+        return gfl
+    if metric == "pfl_pm":
+        return pfl
+    return 2 * gfl * pfl / (gfl + pfl) if gfl + pfl > 0 else 0.0
+
+
+def run_trial(params: dict, sweep: SweepSpec) -> None:
+    from ray import tune
+
+    cfg = sweep.trial_config(params)
+    torch.set_num_threads(1)
+    setup = prepare(cfg)
+    # The trial's own resources, not the cluster's: its client slots.
+    slots = {{"num_cpus": "CPU", "num_gpus": "GPU"}.get(k, k): v * sweep.client_slots
+             for k, v in sweep.client_resources.items()}
+    executor = RayExecutor(setup, plan_layout(cfg.runtime, len(setup.all_client_ids), slots))
+    try:
+        fed = Federation(setup, executor, log=print)
+        checkpoint = tune.get_checkpoint()
+        if checkpoint is not None:
+            with checkpoint.as_directory() as folder:
+                fed.restore(load_checkpoint(RunStorage(folder)))
+        for r in range(fed.next_round, cfg.train.rounds):
+            record = fed.step(r)
+            metrics = {k: record[k] for k in REPORTED if record.get(k) is not None}
+            metrics["objective"] = objective(record, sweep.metric)
+            with tempfile.TemporaryDirectory() as folder:
+                save_checkpoint(RunStorage(folder), fed.snapshot())
+                tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
+    finally:
+        executor.close()
