@@ -80,7 +80,7 @@ class EvalConfig:
 class RuntimeConfig:
     # auto: ray where Ray is (inside a Ray job, with RAY_ADDRESS set, or with an address), else local
     mode: str = "auto"  # auto | local (in-process) | ray
-    address: str | None = None  # ray only: None starts local Ray, "auto" joins a running cluster
+    address: str | None = None  # ray only: None starts a private local Ray, "auto" joins a running cluster
     torch_threads: int = 0  # 0: all cores of this process (in-process) / the actor's CPUs (Ray)
     device: str = "cpu"  # in-process only; Ray actors use a GPU when their resources hold one
     clients_per_actor: int = 0  # 0: sized from the cluster's resources

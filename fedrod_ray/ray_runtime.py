@@ -22,19 +22,23 @@ PROGRESS_POLL_S = 1.0
 
 
 def connect(cfg: ExperimentConfig) -> bool:
-    """Join ``runtime.address`` (``auto``: the running cluster), or start a local Ray; True if we started it.
-
-    With no address, ``ray.init()`` joins ``RAY_ADDRESS`` (in a Ray job, the job's cluster) or a cluster
-    already running on this machine, else starts one.
+    """Join the cluster of ``runtime.address`` (``auto``: the one running on this machine) or, in a Ray
+    job, the job's (``RAY_ADDRESS``); with no address, start a private local Ray. True if we started it.
     """
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = cfg.runtime.address
-    joining = address not in (None, "local") or (address is None and bool(os.environ.get("RAY_ADDRESS")))
-    # Options of a Ray we start; a cluster being joined takes none.
-    kwargs = {} if joining else {"include_dashboard": False}
-    ray.init(address=address, log_to_driver=True, **kwargs)
+    job = os.environ.get("RAY_ADDRESS", "")
+    if address is None and job and not job.startswith(("http://", "https://")):
+        ray.init(log_to_driver=True)
+    elif address not in (None, "local"):
+        ray.init(address=address, log_to_driver=True)
+    else:
+        # Nothing but this run connects to its private Ray, so it needs no token auth; and a token Ray
+        # wrote to ~/.ray would switch auth on for the user's own `ray start` (deploy/README.md).
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", include_dashboard=False, log_to_driver=True)
     return True
 
 
