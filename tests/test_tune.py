@@ -58,6 +58,12 @@ def test_a_bad_sweep_fails_before_any_trial_naming_the_key(tmp_path, fields, mes
         load_sweep(sweep_file(tmp_path, **fields))
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "tune").glob("*.yaml")), ids=lambda p: p.name)
+def test_the_shipped_sweep_files_load(path):
+    spec = load_sweep(path)
+    assert spec.search and spec.name == path.stem
+
+
 def test_a_sweep_file_gives_trial_configs_and_the_plain_experiment_config(tmp_path):
     spec = load_sweep(sweep_file(tmp_path, set={"train.rounds": 2, "eval.eval_every": 2},
                                  search={"train.generic_rule": {"choice": ["fedprox"]},

@@ -35,6 +35,13 @@ def tune_command(args) -> int:
             raise ConfigError("tune needs --config SWEEP_FILE (or --resume SWEEP_DIR)")
         spec = load_sweep(args.config, args.set)
         sweep_dir = Path(args.sweep_dir or f"runs/sweeps/{spec.name}")
+        base = spec.experiment_config({})
+        if base.data.dataset != "synthetic" and base.data.data_dir is None:
+            # Found here ($FEDROD_DATA_DIR or the cache), so that every trial, and a resumed sweep, reads
+            # the same directory whatever its worker's environment.
+            from fedrod_ray.data import resolve_data_dir
+
+            spec.fixed["data.data_dir"] = str(resolve_data_dir(None).resolve())
     t0 = time.perf_counter()
     rows = run_sweep(spec, sweep_dir, resume=bool(args.resume))
     print(f"done: {len(rows)} trials in {time.perf_counter() - t0:.0f} s; sweep directory {sweep_dir}: "
