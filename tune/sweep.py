@@ -14,10 +14,10 @@ import csv
 import io
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import yaml
+from ray.tune import Callback
 
 from fedrod_ray.config import ConfigError, ExperimentConfig, dump_config
 
@@ -29,7 +29,7 @@ SPEC_FILE = "sweep.yaml"
 COLUMNS = ("rounds", "status", "objective", "gfl_gm", "pfl_gm", "pfl_pm", "best_objective", "best_round")
 
 
-def run_sweep(spec: SweepSpec, sweep_dir: Path, resume: bool = False, log: Callable[[str], None] = print) -> list[dict]:
+def run_sweep(spec: SweepSpec, sweep_dir: Path, resume: bool = False) -> list[dict]:
     """Run (or resume) the sweep; returns its rows, best first."""
     import ray
     from ray import tune
@@ -62,7 +62,7 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, resume: bool = False, log: Calla
                 tune_config=tune.TuneConfig(metric="objective", mode="max", scheduler=scheduler,
                                             num_samples=spec.num_samples, reuse_actors=False),
                 run_config=tune.RunConfig(name=TRIALS, storage_path=str(sweep_dir), verbose=0,
-                                          callbacks=[TrialLines(spec, log)],
+                                          callbacks=[TrialLines(spec)],
                                           checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
             )
         grid = tuner.fit()
@@ -84,20 +84,18 @@ def resume_spec(sweep_dir: Path) -> SweepSpec:
     return load_sweep(sweep_dir / SPEC_FILE)
 
 
-class TrialLines:
-    """A line on the console per finished trial."""
+class TrialLines(Callback):
+    """A line on the console per finished trial. Tune saves its callbacks with the experiment's state,
+    so this holds nothing but the sweep (printing through ``print`` looked up when called)."""
 
-    def __new__(cls, spec: SweepSpec, log: Callable[[str], None]):
-        from ray import tune
+    def __init__(self, spec: SweepSpec):
+        self.spec = spec
 
-        class _Lines(tune.Callback):
-            def on_trial_complete(self, iteration, trials, trial, **info):
-                log(trial_line(spec, trial.config, trial.last_result, "finished"))
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        print(trial_line(self.spec, trial.config, trial.last_result, "finished"), flush=True)
 
-            def on_trial_error(self, iteration, trials, trial, **info):
-                log(trial_line(spec, trial.config, trial.last_result, "error"))
-
-        return _Lines()
+    def on_trial_error(self, iteration, trials, trial, **info):
+        print(trial_line(self.spec, trial.config, trial.last_result, "error"), flush=True)
 
 
 def trial_line(spec: SweepSpec, params: dict, last: dict, status: str) -> str:
