@@ -46,6 +46,8 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, resume: bool = False) -> list[di
     # Tune saves the experiment's state (which checkpoint each trial is at) after every step, not every
     # few seconds: a sweep killed between two saves would otherwise redo the rounds in between.
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "0")
+    # ... which is by design here, so Tune's warning about frequent snapshots would only be noise.
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     started = connect(_base(spec))
     try:
         trainable = tune.with_resources(tune.with_parameters(run_trial, sweep=spec),
@@ -189,7 +191,7 @@ def _plot_pareto(spec: SweepSpec, rows: list[dict], path: Path) -> None:
     ax.set_xlabel("P-FL (PM), %")
     ax.set_ylabel("G-FL (GM), %")
     ax.set_title(f"{spec.name}: final round of each trial")
-    ax.legend(loc="lower left")
+    ax.legend(loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
