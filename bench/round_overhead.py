@@ -107,7 +107,7 @@ def run_measured_floor(setup: Setup, messages: list[RoundInput], cores: int) -> 
     try:
         for _ in procs:
             outbox.get(timeout=300)
-        sizes = setup.partition.counts.sum(1)
+        sizes = setup.partition.sizes
         walls = []
         for r, message in enumerate(messages):  # round 0 warms the processes up, as it does the others
             ids = sorted(sample_clients(setup.cfg.seed, r, setup.num_clients, setup.cfg.train.client_fraction),
@@ -168,7 +168,7 @@ def main() -> int:
         for alpha in args.alphas:
             setup = prepare(bench_config(args, data, alpha))
             ids = [sample_clients(args.seed, r, args.clients, args.fraction) for r in range(1, args.rounds + 1)]
-            sizes = setup.partition.counts.sum(1)
+            sizes = setup.partition.sizes
             print(f"Dir({alpha}): sampled shard sizes per round (min / max): "
                   + ", ".join(f"{min(sizes[c] for c in i)}/{max(sizes[c] for c in i)}" for i in ids), flush=True)
             walls, compute, messages = run_in_process(setup, args.rounds)

@@ -94,7 +94,7 @@ class RayExecutor:
     def __init__(self, setup: Setup, layout: Layout):
         cfg, ds, part = setup.cfg, setup.dataset, setup.partition
         self.layout = layout
-        self.sizes = part.counts.sum(axis=1)  # sample counts: the longest updates go first
+        self.sizes = part.sizes  # sample counts: the longest updates go first
         meta = {"num_classes": ds.num_classes, "mean": list(ds.mean), "std": list(ds.std), "augment": setup.augment}
         res = layout.actor_resources
         options = {

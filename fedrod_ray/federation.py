@@ -25,7 +25,7 @@ from .config import ExperimentConfig
 from .data import ImageDataset, class_names, load_dataset
 from .data.transforms import normalize
 from .export import ModelMeta
-from .local import LocalResult, RoundInput, round_lr
+from .local import LocalResult, RoundInput, class_distribution, round_lr
 from .metrics import TestSet, accuracy, class_correct, features_and_logits, pfl_accuracy
 from .models import FedModel, build_model, resolve_arch
 from .partition import Partition, make_partition
@@ -263,7 +263,7 @@ class Federation:
     def evaluate(self) -> dict:
         """G-FL (GM), and P-FL of the GM and the PMs, for training clients and held-out new clients."""
         test, dists = self.setup.test, self.setup.class_dists
-        stale, fresh_clients = self._pm_jobs()
+        pm, stale, fresh_clients = self._pm_jobs()
         # The executor (on Ray, the client actors) evaluates the PMs that changed while this thread
         # scores the GM and the clients whose PM follows from it.
         with ThreadPoolExecutor(1) as pool:
@@ -271,7 +271,7 @@ class Federation:
             self.model.load_partial(self.global_shared)
             z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
             correct, total = class_correct(logits.argmax(1), test.y, test.num_classes)
-            pm = self._untrained_pms(fresh_clients, z, logits, correct, total)
+            pm.merge(self._untrained_pms(fresh_clients, z, logits, correct, total))
             if pending is not None:
                 evaluated = pending.result()
                 pm.merge(evaluated)
@@ -298,28 +298,26 @@ class Federation:
             out["pfl_pm_new"] = _mean([pfl_pm[c] for c in ok if c >= m])
         return out
 
-    def _pm_jobs(self) -> tuple[list[Job], list[int]]:
-        """The clients whose PM must be evaluated afresh (trained since their last evaluation), and those
-        that never trained. A PM changes only when its client trains, so the others' counts are cached."""
-        stale, fresh = [], []
+    def _pm_jobs(self) -> tuple[EvalCounts, list[Job], list[int]]:
+        """The cached PM counts still valid, the clients whose PM must be evaluated afresh (trained since
+        their last evaluation), and those that never trained. A PM changes only when its client trains."""
+        cached, stale, fresh = EvalCounts(), [], []
         for cid, state in self.clients.items():
             if state.local_model is None and state.personal is None:
                 fresh.append(cid)
-            elif cid not in self._pm_counts or self._pm_counts[cid][0] != state.rounds_trained:
+            elif cid in self._pm_counts and self._pm_counts[cid][0] == state.rounds_trained:
+                _, cached.correct[cid], cached.total[cid] = self._pm_counts[cid]
+            else:
                 stale.append((cid, state))
-        return stale, fresh
+        return cached, stale, fresh
 
     @torch.inference_mode()
     def _untrained_pms(self, fresh: list[int], z: torch.Tensor, logits: torch.Tensor, correct: torch.Tensor,
                        total: torch.Tensor) -> EvalCounts:
-        """Per-class test counts of the PMs that need no model of their own: the cached ones, and those of
-        clients that never trained, whose model is the global one. With no P-head (or the linear head's
-        zeros) such a PM *is* the GM; a hyper head adds H(a_m; nu) to the GM's logits, which one pass of
-        the GM's features serves for all of them, a batch of clients at a time."""
+        """Per-class test counts of the PMs of clients that never trained, whose model is the global one.
+        With no P-head (or the linear head's zeros) such a PM *is* the GM; a hyper head adds H(a_m; nu) to
+        the GM's logits, which one pass of the GM's features serves for all of them, a batch at a time."""
         out = EvalCounts()
-        for cid, (version, c, t) in self._pm_counts.items():
-            if self.clients[cid].rounds_trained == version:
-                out.correct[cid], out.total[cid] = c, t
         if self.model.variant != "hyper":
             out.correct.update(dict.fromkeys(fresh, correct))
             out.total.update(dict.fromkeys(fresh, total))
@@ -329,8 +327,7 @@ class Federation:
         for start in range(0, len(fresh), PM_BATCH):
             ids = fresh[start:start + PM_BATCH]
             counts = torch.as_tensor(self.setup.partition.counts[ids], dtype=torch.long)
-            dists = counts.to(torch.float32) / counts.sum(1, keepdim=True).clamp_min(1)  # a_m, row by row
-            heads = self.model.hypernet(dists)
+            heads = self.model.hypernet(class_distribution(counts))
             preds = (logits + torch.einsum("nd,mcd->mnc", z, heads)).argmax(-1)
             hits = (preds == y).to(torch.float64) @ onehot
             for i, cid in enumerate(ids):

@@ -31,8 +31,8 @@ class LocalTrainingError(RuntimeError):
 
 
 def class_distribution(counts: torch.Tensor) -> torch.Tensor:
-    """a_m[c] = N_{m,c} / sum_c' N_{m,c'} from integer class counts."""
-    return counts.to(torch.float32) / counts.sum().clamp_min(1)
+    """a_m[c] = N_{m,c} / sum_c' N_{m,c'} from integer class counts (C,), or row by row from (M, C)."""
+    return counts.to(torch.float32) / counts.sum(-1, keepdim=True).clamp_min(1)
 
 
 @dataclass

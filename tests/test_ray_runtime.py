@@ -168,7 +168,7 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
 
     # Results arrived out of the sampled order, which the ordered average must not see: where the first
     # sampled client is the smallest, largest-first dispatch starts it last, so it cannot arrive first.
-    sizes = setup.partition.counts.sum(1)
+    sizes = setup.partition.sizes
     for r, order in enumerate(arrivals):
         ids = sample_clients(setup.cfg.seed, r, setup.num_clients, setup.cfg.train.client_fraction)
         assert sizes[ids[0]] < min(sizes[c] for c in ids[1:]) and len(ids) > executor.layout.max_in_flight
