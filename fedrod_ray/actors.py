@@ -38,7 +38,7 @@ class ClientActorImpl:
         self.host: ClientHost | None = None
 
     def attach(self, train_x: np.ndarray, train_y: np.ndarray, indices: dict[int, np.ndarray] | list[np.ndarray],
-               counts: np.ndarray, test_x: np.ndarray, test_y: np.ndarray) -> None:
+               counts: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, meta_indices: np.ndarray) -> None:
         """Take the dataset: arrays from the object store arrive as zero-copy read-only views, shared by
         every actor on the node; a client's examples are copied out per call."""
         meta = self.meta
@@ -48,7 +48,7 @@ class ClientActorImpl:
             test = TestSet(torch.from_numpy(test_x), torch.from_numpy(test_y), meta["num_classes"])
             self.host = ClientHost(self.cfg, torch.from_numpy(train_x), torch.from_numpy(train_y), indices, counts,
                                    test, tuple(meta["mean"]), tuple(meta["std"]), meta["augment"],
-                                   meta["num_classes"], self.device)
+                                   meta["num_classes"], self.device, meta_indices)
 
     def ready(self) -> dict:
         return {"attached": self.host is not None, "device": self.device, "threads": torch.get_num_threads(),
@@ -64,6 +64,10 @@ class ClientActorImpl:
 
     def evaluate(self, jobs: list[tuple[int, ClientState]]) -> EvalCounts:
         return self._host().evaluate(jobs)
+
+    def finetune(self, jobs: list[tuple[int, ClientState]], message: RoundInput, epochs: int,
+                 round_idx: int) -> EvalCounts:
+        return self._host().finetune(jobs, message, epochs, round_idx)
 
 
 ClientActor = ray.remote(ClientActorImpl)

@@ -117,7 +117,8 @@ def cmd_partition(args) -> int:
 
     cfg = load_config(args.config, _overrides(args))
     ds = load_dataset(cfg.data, seed=cfg.seed)
-    print(format_partition(make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed)))
+    print(format_partition(make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed,
+                                          cfg.train.meta_per_class)))
     return 0
 
 
@@ -135,7 +136,8 @@ def cmd_list(args) -> int:
     print("heads (train.head): " + ", ".join(HEADS))
     print("generic rules (train.generic_rule): " + ", ".join(n + params(r) for n, r in sorted(RULES.items())))
     print("balanced losses (train.balanced_loss): " + ", ".join(
-        n + (" (train.gamma)" if n in GAMMA_LOSSES else "") for n in sorted(BALANCED_LOSSES)))
+        n + (" (train.gamma)" if n in GAMMA_LOSSES else "") for n in sorted(BALANCED_LOSSES))
+        + ", meta_bsm (train.gamma, train.meta_bsm)")
     return 0
 
 

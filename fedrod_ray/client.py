@@ -20,9 +20,11 @@ import torch
 from .aggregate import StateDict
 from .algorithms import build_rule
 from .config import ExperimentConfig
-from .local import ClientData, LocalResult, RoundInput, class_distribution, local_update
+from .local import ClientData, LocalResult, RoundInput, class_distribution, derived_seed, local_update
 from .metrics import TestSet, personal_class_correct
 from .models import FedModel, build_model
+
+FINETUNE_TAG = 2  # seeds fine-tuning's data order apart from every training round's
 
 
 @dataclass
@@ -33,8 +35,9 @@ class ClientState:
     local_model: StateDict | None = None  # shared weights after its last local update, for P-FL (PM)
     rule_state: StateDict = field(default_factory=dict)  # owned by the generic rule (empty: its initial state)
     rounds_trained: int = 0
+    meta_bsm: StateDict = field(default_factory=dict)  # Meta-BSM: gamma_m (empty: its initial value)
 
-    _PARTS = ("personal", "local_model", "rule_state")
+    _PARTS = ("personal", "local_model", "rule_state", "meta_bsm")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor, keyed ``<part>/<name>``."""
@@ -50,9 +53,10 @@ class ClientState:
             parts.setdefault(part, {})[name] = v
         return cls(rounds_trained=rounds_trained, **parts)
 
-    def for_training(self) -> ClientState:
-        """What a local update reads: the last local model only matters to evaluation, so it stays home."""
-        return dataclasses.replace(self, local_model=None)
+    def for_training(self, keep_local_model: bool = False) -> ClientState:
+        """What a local update reads: the last local model only matters to evaluation (and to rules whose
+        clients start from it), so it stays home otherwise."""
+        return self if keep_local_model else dataclasses.replace(self, local_model=None)
 
     @property
     def nbytes(self) -> int:
@@ -84,9 +88,10 @@ class ClientHost:
     def __init__(self, cfg: ExperimentConfig, train_x: torch.Tensor, train_y: torch.Tensor,
                  indices: dict[int, np.ndarray] | list[np.ndarray], counts: np.ndarray, test: TestSet,
                  mean: tuple[float, ...], std: tuple[float, ...], augment: bool, num_classes: int,
-                 device: str = "cpu"):
+                 device: str = "cpu", meta_indices: np.ndarray | None = None):
         """``indices[c]`` are client c's rows of ``train_x`` and ``counts[c]`` its class counts; a host
-        given a dict of indices serves only those clients."""
+        given a dict of indices serves only those clients. ``meta_indices`` are the rows of Meta-BSM's
+        meta set (``Partition.meta_indices``), which every client's update reads."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.mean, self.std, self.augment = mean, std, augment
@@ -95,9 +100,16 @@ class ClientHost:
         # examples are gathered per call, which costs far less than one local epoch.
         self.train_x, self.train_y = train_x, train_y
         self.indices, self.counts = indices, counts
+        self.meta_set: ClientData | None = None
+        if meta_indices is not None and len(meta_indices):
+            idx = torch.as_tensor(meta_indices, dtype=torch.long)
+            self.meta_set = ClientData(x=train_x[idx], y=train_y[idx],
+                                       counts=torch.bincount(train_y[idx], minlength=num_classes))
         self.rule = build_rule(cfg.train.generic_rule, cfg.train.rule_params)
         self.model: FedModel = build_model(cfg.model.arch, num_classes, tuple(train_x.shape[1:]),
-                                           cfg.train.variant, cfg.hyper_hidden, cfg.seed).to(self.device)
+                                           cfg.train.variant, cfg.hyper_hidden, cfg.seed,
+                                           cfg.train.mwn_hidden).to(self.device)
+        self._finetune_model: FedModel | None = None
 
     def data(self, client_id: int) -> ClientData:
         if isinstance(self.indices, dict) and client_id not in self.indices:
@@ -114,12 +126,14 @@ class ClientHost:
             result, personal, rule_state = local_update(
                 self.model, message, self.data(client_id), self.cfg.train, self.rule,
                 round_idx=round_idx, seed=self.cfg.seed, client_id=client_id, mean=self.mean, std=self.std,
-                augment=self.augment, personal=state.personal, rule_state=state.rule_state, device=self.device,
+                augment=self.augment, personal=state.personal, rule_state=state.rule_state,
+                initial=state.local_model if self.rule.starts_from_local_model else None,
+                meta_set=self.meta_set, meta_state=state.meta_bsm or None, device=self.device,
             )
         except Exception as e:  # noqa: BLE001 - any client error is reported, never fatal to the round
             return ClientFailure(client_id, f"{type(e).__name__}: {e}", traceback.format_exc())
         # The new local model *is* the upload: the same tensors, pickled once on the way back.
-        return result, ClientState(personal, result.shared, rule_state, state.rounds_trained + 1)
+        return result, ClientState(personal, result.shared, rule_state, state.rounds_trained + 1, result.meta_bsm)
 
     def evaluate(self, jobs: list[tuple[int, ClientState]]) -> EvalCounts:
         """Per-class test counts of trained clients' personalized models (FEDROD.md's PM).
@@ -146,3 +160,52 @@ class ClientHost:
             except Exception as e:  # noqa: BLE001 - one broken client must not stop the evaluation
                 out.failed[cid] = f"{type(e).__name__}: {e}"
         return out
+
+    def finetune(self, jobs: list[tuple[int, ClientState]], message: RoundInput, epochs: int,
+                 round_idx: int) -> EvalCounts:
+        """Per-class test counts of each client's model after ``epochs`` epochs of fine-tuning on its own data,
+        starting from the global model ``message.weights`` (FEDROD.md, the FT baseline and new clients).
+
+        One head (FedAvg and its kin): the whole model, with ERM (cross-entropy). Fed-RoD: its own local
+        objective, from the global theta and psi and the client's head: its phi_m (zeros for a client that
+        never trained) or, for hyper, the zero-shot head H(a_m; nu_bar), which is then tuned as a linear head.
+        Plain SGD (no generic rule's term) at round ``round_idx``'s learning rate; nothing is kept.
+        """
+        out = EvalCounts()
+        model = self._finetuner()
+        t = self.cfg.train
+        cfg = dataclasses.replace(
+            t, head="none" if t.head == "none" else "linear", local_epochs=epochs, generic_rule="fedavg",
+            rule_params={}, balanced_loss="ce" if t.head == "none" else ("bsm" if t.balanced_loss == "meta_bsm"
+                                                                          else t.balanced_loss))
+        plain = build_rule("fedavg")
+        own = model.state_dict()  # a tuned hyper model has no hypernetwork to load
+        start = {k: v for k, v in message.weights.items() if k in own}
+        if t.head == "hyper":
+            self.model.load_partial(message.weights)
+        for cid, state in jobs:
+            try:
+                data = self.data(cid)
+                personal = state.personal
+                if t.head == "hyper":
+                    with torch.no_grad():
+                        personal = {"personal_head.weight": self.model.personal_weight(data.class_dist.to(self.device))}
+                local_update(model, RoundInput(start), data, cfg, plain, round_idx=round_idx,
+                             seed=derived_seed(self.cfg.seed, FINETUNE_TAG), client_id=cid, mean=self.mean,
+                             std=self.std, augment=self.augment, personal=personal, device=self.device)
+                out.correct[cid], out.total[cid] = personal_class_correct(
+                    model, self.test, data.class_dist, self.cfg.eval.batch_size, model.variant is not None)
+            except Exception as e:  # noqa: BLE001 - one client's failure must not stop the others'
+                out.failed[cid] = f"{type(e).__name__}: {e}"
+        return out
+
+    def _finetuner(self) -> FedModel:
+        """The model fine-tuning trains: this host's, except that a generated (hyper) head is tuned as a
+        linear one."""
+        if self.model.variant != "hyper":
+            return self.model
+        if self._finetune_model is None:
+            m = self.model
+            self._finetune_model = build_model(m.arch, m.num_classes, tuple(self.train_x.shape[1:]), "linear",
+                                               seed=self.cfg.seed).to(self.device)
+        return self._finetune_model

@@ -48,10 +48,20 @@ class ModelConfig:
 
 
 @dataclass
+class MetaBSMConfig:
+    """Fed-RoD (Meta-BSM), ``train.balanced_loss: meta_bsm`` only (fedrod_ray.meta_bsm)."""
+
+    meta_lr: float = 1.0  # SGD step size of gamma_m and the Meta-Weight-Net on the meta loss, once per mini-batch
+    meta_per_class: int = 10  # the server's balanced meta set: examples per class taken out of the training set
+    hidden: int = 100  # Meta-Weight-Net width: loss -> hidden -> weight (Shu et al., 2019)
+
+
+@dataclass
 class TrainConfig:
     head: str = "linear"  # personalized head: none (one-head model) | linear (phi_m) | hyper (H(a_m; nu))
-    balanced_loss: str = "bsm"  # the generic head's loss: bsm | ce | reweight | ldam | cdt
-    gamma: float | None = None  # bsm, ldam, cdt only; None: 1.0
+    balanced_loss: str = "bsm"  # the generic head's loss: bsm | ce | reweight | ldam | cdt | meta_bsm
+    gamma: float | None = None  # bsm, ldam, cdt, meta_bsm (gamma_m's initial value) only; None: 1.0
+    meta_bsm: MetaBSMConfig = field(default_factory=MetaBSMConfig)
     generic_rule: str = "fedavg"  # a rule registered in fedrod_ray.algorithms
     rule_params: dict[str, Any] = field(default_factory=dict)  # the rule's hyperparameters, e.g. {mu: 0.01}
     rounds: int = 100
@@ -69,11 +79,25 @@ class TrainConfig:
         """The model's personalized part (``FedModel.variant``): None for the one-head model."""
         return None if self.head == "none" else self.head
 
+    @property
+    def mwn_hidden(self) -> int | None:
+        """The model's Meta-Weight-Net width (``FedModel.mwn``): None without Meta-BSM."""
+        return self.meta_bsm.hidden if self.balanced_loss == "meta_bsm" else None
+
+    @property
+    def meta_per_class(self) -> int:
+        """Examples per class of the server's meta set (0: no meta set, the training set is all the clients')."""
+        return self.meta_bsm.meta_per_class if self.balanced_loss == "meta_bsm" else 0
+
 
 @dataclass
 class EvalConfig:
     eval_every: int = 1
     batch_size: int = 1000
+    # At the last round's evaluation: k epochs of fine-tuning on each held-out new client's own data, starting
+    # from the global model (hyper: with its zero-shot head), then its P-FL (pfl_new_after); 0: none.
+    finetune_epochs: int = 0
+    finetune_train: bool = False  # fine-tune every training client that way too (pfl_ft: the FT baseline)
 
 
 @dataclass
@@ -83,6 +107,9 @@ class RuntimeConfig:
     address: str | None = None  # ray only: None starts a private local Ray, "auto" joins a running cluster
     torch_threads: int = 0  # 0: all cores of this process (in-process) / the actor's CPUs (Ray)
     device: str = "cpu"  # in-process only; Ray actors use a GPU when their resources hold one
+    # in-process only: 0 trains a round's clients one after another; k > 0 trains up to k of them at once in
+    # one batched computation (fedrod_ray.batched; for a GPU: on CPU it is slower)
+    batched_clients: int = 0
     clients_per_actor: int = 0  # 0: sized from the cluster's resources
     client_resources: dict[str, float] = field(default_factory=lambda: {"num_cpus": 1.0})
     max_restarts: int = 3
@@ -115,7 +142,8 @@ class ExperimentConfig:
 
 
 DEFAULT_GAMMA = 1.0
-GAMMA_LOSSES = {"bsm", "ldam", "cdt"}  # the balanced losses that have an exponent or margin gamma
+# The balanced losses that have an exponent or margin gamma (Meta-BSM: gamma_m's initial value).
+GAMMA_LOSSES = {"bsm", "ldam", "cdt", "meta_bsm"}
 HEADS = ("none", "linear", "hyper")
 # Keys of earlier versions, with what replaced them.
 _RENAMED = {
@@ -134,7 +162,7 @@ _CHOICES = {
     "data.partition": {"dirichlet", "iid"},
     "model.arch": {"auto", "mnist_cnn", "cifar_cnn"},
     "train.head": set(HEADS),
-    "train.balanced_loss": {"bsm", "ce", "reweight", "ldam", "cdt"},
+    "train.balanced_loss": {"bsm", "ce", "reweight", "ldam", "cdt", "meta_bsm"},
     "runtime.mode": {"auto", "local", "ray"},
 }
 _POSITIVE = {
@@ -142,11 +170,12 @@ _POSITIVE = {
     "data.synthetic_test_per_class", "model.hyper_hidden", "train.rounds", "train.client_fraction",
     "train.local_epochs", "train.batch_size", "train.lr", "train.lr_decay", "eval.eval_every",
     "eval.batch_size", "runtime.checkpoint_every", "runtime.min_clients_per_round",
+    "train.meta_bsm.meta_lr", "train.meta_bsm.meta_per_class", "train.meta_bsm.hidden",
 }
 _NON_NEGATIVE = {
     "data.new_clients", "data.min_per_client", "train.gamma",
-    "train.momentum", "train.weight_decay", "runtime.progress_seconds", "runtime.torch_threads",
-    "runtime.clients_per_actor",
+    "train.momentum", "train.weight_decay", "eval.finetune_epochs", "runtime.progress_seconds",
+    "runtime.torch_threads", "runtime.clients_per_actor", "runtime.batched_clients",
     "runtime.max_restarts", "runtime.max_failed_fraction",
 }
 
@@ -268,15 +297,36 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     if t.gamma is not None and t.balanced_loss not in GAMMA_LOSSES:
         raise ConfigError(f"train.gamma: has no effect with train.balanced_loss={t.balanced_loss} "
                           f"(gamma is used by {', '.join(sorted(GAMMA_LOSSES))}); remove it")
+    if t.balanced_loss != "meta_bsm":
+        for f in dataclasses.fields(MetaBSMConfig):
+            if getattr(t.meta_bsm, f.name) != f.default:
+                raise ConfigError(f"train.meta_bsm.{f.name}: has no effect with train.balanced_loss="
+                                  f"{t.balanced_loss} (only meta_bsm uses it); remove it")
     if cfg.model.hyper_hidden is not None and t.head != "hyper":
         raise ConfigError(f"model.hyper_hidden: has no effect with train.head={t.head} "
                           "(only the hyper head has a hypernetwork); remove it")
+    ev = cfg.eval
+    if ev.finetune_train and ev.finetune_epochs == 0:
+        raise ConfigError("eval.finetune_train: has no effect with eval.finetune_epochs=0; set the number of "
+                          "fine-tuning epochs")
+    if ev.finetune_epochs > 0 and not ev.finetune_train and cfg.data.new_clients == 0:
+        raise ConfigError("eval.finetune_epochs: has no effect without held-out clients (data.new_clients) or "
+                          "eval.finetune_train=true")
+    if t.generic_rule == "local" and t.head == "hyper":
+        raise ConfigError("train.generic_rule: local (local-only training) cannot use train.head=hyper, whose "
+                          "hypernetwork the server averages; use train.head=none or linear")
     rt = cfg.runtime
     if rt.mode == "local" and rt.address is not None:
         raise ConfigError("runtime.address: has no effect with runtime.mode=local; set runtime.mode=ray")
     if rt.mode == "ray" and rt.device != "cpu":
         raise ConfigError("runtime.device: has no effect with runtime.mode=ray (actors use a GPU when "
                           "runtime.client_resources asks for num_gpus); remove it")
+    if rt.batched_clients and rt.mode == "ray":
+        raise ConfigError("runtime.batched_clients: has no effect with runtime.mode=ray (each actor trains its "
+                          "clients one at a time); set runtime.mode=local or remove it")
+    if rt.batched_clients and t.balanced_loss == "meta_bsm":
+        raise ConfigError("runtime.batched_clients: the batched local update does not support "
+                          "train.balanced_loss=meta_bsm; set runtime.batched_clients=0")
 
 
 def check_resume(saved: ExperimentConfig, new: ExperimentConfig, rounds_done: int) -> None:

@@ -114,13 +114,14 @@ class RayExecutor:
         self.actors = [ClientActor.options(**options).remote(cfg.to_dict(), meta) for _ in range(layout.num_actors)]
         self.home: dict[int, int] = {}
         if layout.pooled:
-            self._attach_args = [[train_x, train_y, ray.put(part.client_indices), counts, test_x, test_y]]
+            self._attach_args = [[train_x, train_y, ray.put(part.client_indices), counts, test_x, test_y,
+                                  part.meta_indices]]
         else:
             self._attach_args = []
             for a, ids in enumerate(layout.assignment(setup.all_client_ids)):
                 self.home.update({c: a for c in ids})
                 own = ray.put({c: part.client_indices[c] for c in ids})
-                self._attach_args.append([train_x, train_y, own, counts, test_x, test_y])
+                self._attach_args.append([train_x, train_y, own, counts, test_x, test_y, part.meta_indices])
         self.dead: set[int] = set()  # actors that did not come back within RESTART_TIMEOUT_S
         self.calls_done = [0] * layout.num_actors  # completed calls per actor: how the work was spread
         ray.get([self._attach(a) for a in range(len(self.actors))])
@@ -208,6 +209,14 @@ class RayExecutor:
             yield slot, value
 
     def evaluate(self, jobs: list[Job]) -> EvalCounts:
+        return self._spread(jobs, lambda actor, chunk: actor.evaluate.remote(chunk))
+
+    def finetune(self, jobs: list[Job], message: RoundInput, epochs: int, round_idx: int) -> EvalCounts:
+        message_ref = ray.put(message)
+        return self._spread(jobs, lambda actor, chunk: actor.finetune.remote(chunk, message_ref, epochs, round_idx))
+
+    def _spread(self, jobs: list[Job], submit: Callable) -> EvalCounts:
+        """Per-client counts from calls that are safe to repeat, in chunks over the actors."""
         if self.layout.pooled:
             n = min(len(jobs), EVAL_CHUNKS_PER_ACTOR * len(self.actors))
             chunks = [jobs[i::n] for i in range(n)]
@@ -218,7 +227,7 @@ class RayExecutor:
             chunks = list(by_home.values())
         policy = self._policy(chunks, lambda chunk: [cid for cid, _ in chunk])
         merged = EvalCounts()
-        for chunk, value in self._run(policy, lambda actor, chunk: actor.evaluate.remote(chunk), retry_lost=True):
+        for chunk, value in self._run(policy, submit, retry_lost=True):
             if isinstance(value, Exception):
                 merged.failed.update({cid: f"{type(value).__name__}: {value}" for cid, _ in chunk})
             else:

@@ -81,7 +81,7 @@ class ServedModel:
         # The hypernetwork would fail with an opaque matmul error on a wrong-sized input.
         if a.shape != (self.meta.num_classes,):
             raise ValueError(f"class_dist must have shape ({self.meta.num_classes},), got {tuple(a.shape)}")
-        return self.model.hypernet(a)
+        return self.model.personal_weight(a)  # what training's global-reading PMs use
 
     def personal_head(self, client_id: int) -> torch.Tensor:
         """The stored phi_m of a training client (linear head only)."""

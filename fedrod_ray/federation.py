@@ -27,13 +27,14 @@ from .data.transforms import normalize
 from .export import ModelMeta
 from .local import LocalResult, RoundInput, class_distribution, round_lr
 from .metrics import TestSet, accuracy, class_correct, features_and_logits, pfl_accuracy
-from .models import FedModel, build_model, resolve_arch
+from .models import MWN, FedModel, build_model, resolve_arch
 from .partition import Partition, make_partition
 from .server import sample_clients
 
-PM_BATCH = 64  # never-trained hyper clients scored at once: (64, test size, classes) logits
+PM_BATCH = 64  # clients whose global-reading PM is scored at once: (64, test size, classes) logits
 # The evaluation fields of a round record (what final/meta.json keeps of the last evaluation).
-METRIC_KEYS = ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_gm_new", "pfl_pm_new", "pm_eval_failed")
+METRIC_KEYS = ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_ft", "pfl_gm_new", "pfl_new_before",
+               "pfl_new_after", "pm_eval_failed", "finetune_failed")
 
 
 class RoundFailedError(RuntimeError):
@@ -68,7 +69,7 @@ class Setup:
     def build_model(self) -> FedModel:
         ds = self.dataset
         return build_model(self.cfg.model.arch, ds.num_classes, ds.image_shape, self.cfg.train.variant,
-                           self.cfg.hyper_hidden, self.cfg.seed)
+                           self.cfg.hyper_hidden, self.cfg.seed, self.cfg.train.mwn_hidden)
 
     def model_meta(self, rounds_done: int, metrics: dict[str, float]) -> ModelMeta:
         ds, cfg = self.dataset, self.cfg
@@ -82,7 +83,7 @@ class Setup:
 
 def prepare(cfg: ExperimentConfig) -> Setup:
     ds = load_dataset(cfg.data, seed=cfg.seed)
-    partition = make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed)
+    partition = make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed, cfg.train.meta_per_class)
     test = TestSet(normalize(ds.test_x, ds.mean, ds.std), ds.test_y, ds.num_classes)
     augment = ds.augment if cfg.train.augment is None else cfg.train.augment
     return Setup(cfg, ds, partition, test, augment)
@@ -91,7 +92,7 @@ def prepare(cfg: ExperimentConfig) -> Setup:
 def make_host(setup: Setup, device: str = "cpu") -> ClientHost:
     ds, part = setup.dataset, setup.partition
     return ClientHost(setup.cfg, ds.train_x, ds.train_y, part.client_indices, part.counts, setup.test,
-                      ds.mean, ds.std, setup.augment, ds.num_classes, device)
+                      ds.mean, ds.std, setup.augment, ds.num_classes, device, part.meta_indices)
 
 
 Job = tuple[int, ClientState]  # a client id and the state its call starts from
@@ -104,6 +105,9 @@ class Executor(Protocol):
 
     def evaluate(self, jobs: list[Job]) -> EvalCounts:
         """PM test counts of clients that have trained (``ClientHost.evaluate``)."""
+
+    def finetune(self, jobs: list[Job], message: RoundInput, epochs: int, round_idx: int) -> EvalCounts:
+        """PM test counts after fine-tuning from the global model (``ClientHost.finetune``)."""
 
     def close(self) -> None: ...
 
@@ -120,6 +124,9 @@ class InProcessExecutor:
 
     def evaluate(self, jobs):
         return self.host.evaluate(jobs)
+
+    def finetune(self, jobs, message, epochs, round_idx):
+        return self.host.finetune(jobs, message, epochs, round_idx)
 
     def close(self) -> None:
         pass
@@ -183,7 +190,7 @@ class Federation:
         cfg = self.cfg
         t0 = time.perf_counter()
         ids = sample_clients(cfg.seed, r, self.setup.num_clients, cfg.train.client_fraction)
-        jobs = [(cid, self.clients[cid].for_training()) for cid in ids]
+        jobs = [(cid, self.clients[cid].for_training(self.rule.starts_from_local_model)) for cid in ids]
         message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state))
         # theta, psi under the rule's weights; nu (hyper) by sample count whatever the rule; the rule's
         # uploads unweighted. Each folds in the order of ``ids``, so the runtimes agree bitwise.
@@ -230,7 +237,7 @@ class Federation:
             "train_seconds": round(train_seconds, 4),
         }
         if (r + 1) % cfg.eval.eval_every == 0 or r + 1 == cfg.train.rounds:
-            record.update(self.evaluate())
+            record.update(self.evaluate(final=r + 1 == cfg.train.rounds))
         record["seconds"] = round(time.perf_counter() - t0, 4)
         return record
 
@@ -248,7 +255,8 @@ class Federation:
             heads = {cid: st.personal["personal_head.weight"] if st.personal else torch.zeros(shape)
                      for cid, st in sorted(self.clients.items())}
         meta = self.setup.model_meta(self.next_round, {k: v for k, v in metrics.items() if k in METRIC_KEYS})
-        return meta, dict(self.global_shared), heads
+        # Meta-BSM's Meta-Weight-Net only trains: the served model has none.
+        return meta, {k: v for k, v in self.global_shared.items() if not k.startswith(MWN)}, heads
 
     def _check_failures(self, r: int, sampled: int, failures: list[ClientFailure]) -> None:
         rt = self.cfg.runtime
@@ -260,43 +268,74 @@ class Federation:
                 f"runtime.max_failed_fraction={rt.max_failed_fraction} and "
                 f"runtime.min_clients_per_round={rt.min_clients_per_round}. First error: {failures[0].error}")
 
-    def evaluate(self) -> dict:
-        """G-FL (GM), and P-FL of the GM and the PMs, for training clients and held-out new clients."""
+    def evaluate(self, final: bool = False) -> dict:
+        """G-FL (GM), and P-FL of the GM and of both readings of the PMs, for training clients and held-out
+        new clients; ``final`` adds the fine-tuned P-FL of ``eval.finetune_epochs`` (the last round's)."""
         test, dists = self.setup.test, self.setup.class_dists
         pm, stale, fresh_clients = self._pm_jobs()
-        # The executor (on Ray, the client actors) evaluates the PMs that changed while this thread
-        # scores the GM and the clients whose PM follows from it.
+        ft_jobs = self._finetune_jobs() if final else []
+        message = RoundInput(self.global_shared)
+        # The executor (on Ray, the client actors) evaluates the PMs that changed, and fine-tunes, while
+        # this thread scores the GM and every client's global-reading PM from one pass of the GM.
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(self.executor.evaluate, stale) if stale else None
+            pending = pool.submit(self._executor_evaluation, stale, ft_jobs, message) if stale or ft_jobs else None
             self.model.load_partial(self.global_shared)
             z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
             correct, total = class_correct(logits.argmax(1), test.y, test.num_classes)
-            pm.merge(self._untrained_pms(fresh_clients, z, logits, correct, total))
-            if pending is not None:
-                evaluated = pending.result()
-                pm.merge(evaluated)
-                for cid, state in stale:
-                    if cid in evaluated.correct:
-                        self._pm_counts[cid] = (state.rounds_trained, evaluated.correct[cid], evaluated.total[cid])
+            ids = self.setup.all_client_ids
+            pm_global = self._global_reading_pms(ids, z, logits, correct, total)
+            # A client that never trained has no model of its own: its PM is the global reading.
+            pm.correct.update({cid: pm_global.correct[cid] for cid in fresh_clients})
+            pm.total.update(dict.fromkeys(fresh_clients, total))
+            evaluated, tuned = pending.result() if pending is not None else (EvalCounts(), EvalCounts())
+        pm.merge(evaluated)
+        for cid, state in stale:
+            if cid in evaluated.correct:
+                self._pm_counts[cid] = (state.rounds_trained, evaluated.correct[cid], evaluated.total[cid])
+        pm.failed.update({cid: e for cid, e in pm_global.failed.items() if cid not in pm.failed})
         for cid, error in sorted(pm.failed.items()):
             self.log(f"client {cid}: personalized model not evaluated: {error}")
-        ids = self.setup.all_client_ids
-        pfl_gm = pfl_accuracy(correct, total, dists)
+        for cid, error in sorted(tuned.failed.items()):
+            self.log(f"client {cid}: not fine-tuned: {error}")
         m = self.setup.num_clients
-        ok = [c for c in ids if c in pm.correct]
-        pfl_pm = dict(zip(ok, pfl_accuracy(torch.stack([pm.correct[c] for c in ok]),
-                                           torch.stack([pm.total[c] for c in ok]), dists[ok]).tolist()))
+        pfl_gm = pfl_accuracy(correct, total, dists)
+        pfl_pm = _pfl(pm, dists)
+        pfl_global = _pfl(pm_global, dists)
         out = {
             "gfl_gm": accuracy(correct, total),
             "pfl_gm": float(pfl_gm[:m].mean()),
             # Over the clients whose PM could be evaluated (pm_eval_failed counts the others).
-            "pfl_pm": _mean([pfl_pm[c] for c in ok if c < m]),
+            "pfl_pm": _mean([v for c, v in pfl_pm.items() if c < m]),
+            "pfl_pm_global": _mean([v for c, v in pfl_global.items() if c < m]),
             "pm_eval_failed": len(pm.failed),
         }
         if len(ids) > m:
             out["pfl_gm_new"] = float(pfl_gm[m:].mean())
-            out["pfl_pm_new"] = _mean([pfl_pm[c] for c in ok if c >= m])
+            # New clients never train, so both readings of their PM are the global model (hyper: with H(a; nu)).
+            out["pfl_new_before"] = _mean([v for c, v in pfl_global.items() if c >= m])
+        if ft_jobs:
+            pfl_ft = _pfl(tuned, dists)
+            if self.cfg.eval.finetune_train:
+                out["pfl_ft"] = _mean([v for c, v in pfl_ft.items() if c < m])
+            if len(ids) > m:
+                out["pfl_new_after"] = _mean([v for c, v in pfl_ft.items() if c >= m])
+            out["finetune_failed"] = len(tuned.failed)
         return out
+
+    def _executor_evaluation(self, stale: list[Job], ft_jobs: list[Job],
+                             message: RoundInput) -> tuple[EvalCounts, EvalCounts]:
+        evaluated = self.executor.evaluate(stale) if stale else EvalCounts()
+        tuned = (self.executor.finetune(ft_jobs, message, self.cfg.eval.finetune_epochs, self.next_round - 1)
+                 if ft_jobs else EvalCounts())
+        return evaluated, tuned
+
+    def _finetune_jobs(self) -> list[Job]:
+        """Held-out new clients, and every training client with ``eval.finetune_train``, when fine-tuning is on."""
+        ev = self.cfg.eval
+        if ev.finetune_epochs == 0:
+            return []
+        ids = self.setup.all_client_ids if ev.finetune_train else self.setup.all_client_ids[self.setup.num_clients:]
+        return [(cid, self.clients[cid].for_training()) for cid in ids]
 
     def _pm_jobs(self) -> tuple[EvalCounts, list[Job], list[int]]:
         """The cached PM counts still valid, the clients whose PM must be evaluated afresh (trained since
@@ -312,27 +351,48 @@ class Federation:
         return cached, stale, fresh
 
     @torch.inference_mode()
-    def _untrained_pms(self, fresh: list[int], z: torch.Tensor, logits: torch.Tensor, correct: torch.Tensor,
-                       total: torch.Tensor) -> EvalCounts:
-        """Per-class test counts of the PMs of clients that never trained, whose model is the global one.
-        With no P-head (or the linear head's zeros) such a PM *is* the GM; a hyper head adds H(a_m; nu) to
-        the GM's logits, which one pass of the GM's features serves for all of them, a batch at a time."""
-        out = EvalCounts()
-        if self.model.variant != "hyper":
-            out.correct.update(dict.fromkeys(fresh, correct))
-            out.total.update(dict.fromkeys(fresh, total))
+    def _global_reading_pms(self, ids: list[int], z: torch.Tensor, logits: torch.Tensor, correct: torch.Tensor,
+                            total: torch.Tensor) -> EvalCounts:
+        """Per-class correct test counts of each client's PM in the appendix's reading: the global theta and
+        psi with the client's own head (phi_m, or H(a_m; nu) for hyper). The GM's features z and logits
+        serve every client; a head's logits are added a batch of PM_BATCH clients at a time. With no P-head,
+        or a linear head still at its initial zeros, that PM is the GM."""
+        heads = self.model.variant
+        out = EvalCounts(total=dict.fromkeys(ids, total))
+        if heads is None:
+            out.correct = dict.fromkeys(ids, correct)
             return out
+        if heads == "linear":
+            shape = self.model.personal_head.weight.shape
+            out.correct = {cid: correct for cid in ids if self.clients[cid].personal is None}
+            for cid in ids:
+                head = (self.clients[cid].personal or {}).get("personal_head.weight")
+                if cid not in out.correct and (head is None or head.shape != shape):
+                    out.failed[cid] = f"ValueError: its personal head is not a {tuple(shape)} personal_head.weight"
+            ids = [cid for cid in ids if cid not in out.correct and cid not in out.failed]
         y, num_classes = self.setup.test.y, self.setup.test.num_classes
         onehot = torch.nn.functional.one_hot(y, num_classes).to(torch.float64)
-        for start in range(0, len(fresh), PM_BATCH):
-            ids = fresh[start:start + PM_BATCH]
-            counts = torch.as_tensor(self.setup.partition.counts[ids], dtype=torch.long)
-            heads = self.model.hypernet(class_distribution(counts))
-            preds = (logits + torch.einsum("nd,mcd->mnc", z, heads)).argmax(-1)
+        for start in range(0, len(ids), PM_BATCH):
+            batch = ids[start:start + PM_BATCH]
+            if heads == "hyper":
+                counts = torch.as_tensor(self.setup.partition.counts[batch], dtype=torch.long)
+                phi = self.model.personal_weight(class_distribution(counts))
+            else:
+                phi = torch.stack([self.clients[cid].personal["personal_head.weight"] for cid in batch])
+            preds = (logits + torch.einsum("nd,mcd->mnc", z, phi)).argmax(-1)
             hits = (preds == y).to(torch.float64) @ onehot
-            for i, cid in enumerate(ids):
-                out.correct[cid], out.total[cid] = hits[i], total
+            out.correct.update(zip(batch, hits))
         return out
+
+
+def _pfl(counts: EvalCounts, dists: torch.Tensor) -> dict[int, float]:
+    """P-FL of each client with per-client counts, keyed by client id."""
+    ids = sorted(counts.correct)
+    if not ids:
+        return {}
+    values = pfl_accuracy(torch.stack([counts.correct[c] for c in ids]), torch.stack([counts.total[c] for c in ids]),
+                          dists[ids])
+    return dict(zip(ids, values.tolist()))
 
 
 def _mean(values: list[float]) -> float:

@@ -23,6 +23,7 @@ from .algorithms import GenericRule
 from .config import DEFAULT_GAMMA, TrainConfig
 from .data.transforms import augment_batch, normalize
 from .losses import get_loss
+from .meta_bsm import MetaBSM
 from .models import FedModel
 
 
@@ -58,6 +59,7 @@ class LocalResult:
     steps: int
     seconds: float  # wall time of the update, so that callers (benchmarks) need not time it again
     upload: StateDict = field(default_factory=dict)  # the rule's per-client message to the server
+    meta_bsm: StateDict = field(default_factory=dict)  # Meta-BSM: the client's new gamma_m, which it keeps
 
 
 @dataclass
@@ -93,13 +95,18 @@ def effective_step_sum(steps: int, momentum: float) -> float:
 def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: TrainConfig, rule: GenericRule, *,
                  round_idx: int, seed: int, client_id: int, mean, std, augment: bool,
                  personal: StateDict | None = None, rule_state: StateDict | None = None,
+                 initial: StateDict | None = None, meta_set: ClientData | None = None,
+                 meta_state: StateDict | None = None,
                  device: torch.device | str = "cpu") -> tuple[LocalResult, StateDict | None, StateDict]:
     """Train ``model`` from the round's global weights on one client's data.
 
     ``personal`` is the client's stored P-head (linear head; None means freshly initialised) and
-    ``rule_state`` its state under the generic rule (empty: the rule's initial state). Returns the
+    ``rule_state`` its state under the generic rule (empty: the rule's initial state). ``initial``, if
+    given, replaces the global weights as the starting point (a rule whose clients keep their own model).
+    Returns the
     result for the server, the new P-head and the new rule state; ``model`` is left holding the
-    client's local model.
+    client's local model. Meta-BSM (``cfg.balanced_loss == "meta_bsm"``) takes the server's meta set and
+    the client's state (gamma_m; None: its initial value) and returns the new state in ``result.meta_bsm``.
     """
     t0 = time.perf_counter()
     n = len(data)
@@ -107,7 +114,7 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
         raise LocalTrainingError("the client has no training examples")
     device = torch.device(device)
     model.to(device)
-    model.load_partial(message.weights)
+    model.load_partial(message.weights if initial is None else initial)
     if model.variant == "linear":
         if personal is None:
             torch.nn.init.zeros_(model.personal_head.weight)
@@ -122,7 +129,8 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
     dist = data.class_dist.to(device)
     # Zero-padding of the raw image, expressed after normalisation.
     black = [-m / s for m, s in zip(mean, std)] if augment else None
-    br_loss = get_loss(cfg.balanced_loss)
+    meta = MetaBSM(cfg, meta_set, meta_state, mean, std, device) if cfg.balanced_loss == "meta_bsm" else None
+    br_loss = get_loss(cfg.balanced_loss) if meta is None else None
     gamma = DEFAULT_GAMMA if cfg.gamma is None else cfg.gamma
 
     lr = round_lr(cfg, round_idx)
@@ -142,12 +150,16 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
             xb, yb = x_all[idx].contiguous(memory_format=torch.channels_last), y_all[idx]
             if augment:
                 xb = augment_batch(xb, gen, fill=black)
-            z = model.features(xb)
-            g = model.generic_head(z)
-            loss_g = br_loss(g, yb, counts, gamma)
+            if meta is not None:
+                loss_g, loss_p = meta.step(model, xb, yb, counts, dist, lr)
+            else:
+                z = model.features(xb)
+                g = model.generic_head(z)
+                loss_g = br_loss(g, yb, counts, gamma)
+                if model.variant is not None:
+                    loss_p = F.cross_entropy(model.personal_logits(z.detach(), g.detach(), dist), yb)
             loss = loss_g
             if model.variant is not None:
-                loss_p = F.cross_entropy(model.personal_logits(z.detach(), g.detach(), dist), yb)
                 loss = loss + loss_p
                 ploss_sum += loss_p.detach()
             opt.zero_grad(set_to_none=True)
@@ -179,6 +191,7 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
         steps=steps,
         seconds=time.perf_counter() - t0,
         upload=_to(upload, "cpu"),
+        meta_bsm=meta.state() if meta is not None else {},
     )
     return result, new_personal, _to(new_rule_state, "cpu")
 

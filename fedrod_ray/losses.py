@@ -21,19 +21,23 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, counts: torch.Tens
 
 
 def balanced_softmax(logits: torch.Tensor, labels: torch.Tensor, counts: torch.Tensor,
-                     gamma: float = 1.0) -> torch.Tensor:
+                     gamma: float | torch.Tensor = 1.0, reduction: str = "mean") -> torch.Tensor:
     """-log( N_y^gamma e^{g_y} / sum_c N_c^gamma e^{g_c} ): cross-entropy on g + gamma * log N.
 
-    A class with N_c = 0 gets an offset of -inf, i.e. probability exactly 0; masked_fill keeps both the
-    value and the gradient finite (a -inf offset times a zero softmax weight would give NaN).
+    A class with N_c = 0 gets an offset of -inf, i.e. probability exactly 0 (for gamma > 0; gamma = 0 is
+    plain cross-entropy); masked_fill keeps both the value and the gradient finite (a -inf offset times a
+    zero softmax weight would give NaN). ``gamma`` may be a 0-d tensor that requires grad (Meta-BSM's
+    learned gamma_m); ``reduction`` is cross-entropy's (``"none"``: one loss per example).
     """
-    if gamma == 0:
-        return F.cross_entropy(logits, labels)
+    if not torch.is_tensor(gamma) and gamma == 0:
+        return F.cross_entropy(logits, labels, reduction=reduction)
     counts = counts.to(logits.dtype)
     present = counts > 0
     log_counts = torch.log(torch.where(present, counts, torch.ones_like(counts)))
-    adjusted = (logits + gamma * log_counts).masked_fill(~present, float("-inf"))
-    return F.cross_entropy(adjusted, labels)
+    # A tensor gamma's value is not branched on in Python (that would need its value on the host).
+    absent = ~present & (gamma > 0) if torch.is_tensor(gamma) else ~present
+    adjusted = (logits + gamma * log_counts).masked_fill(absent, float("-inf"))
+    return F.cross_entropy(adjusted, labels, reduction=reduction)
 
 
 def importance_reweighting(logits: torch.Tensor, labels: torch.Tensor, counts: torch.Tensor,

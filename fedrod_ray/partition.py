@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -96,6 +96,20 @@ def long_tail_indices(labels: np.ndarray, num_classes: int, imbalance_ratio: flo
     return np.sort(np.concatenate(keep).astype(np.int64)) if keep else np.empty(0, np.int64)
 
 
+def meta_set_indices(labels: np.ndarray, num_classes: int, per_class: int, seed: int) -> np.ndarray:
+    """Sorted indices of a balanced random subset: ``per_class`` examples of every class (Meta-BSM's D_meta)."""
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    picked = []
+    for c in range(num_classes):
+        idx = np.flatnonzero(labels == c)
+        if len(idx) < per_class:
+            raise ValueError(f"train.meta_bsm.meta_per_class={per_class}: class {c} has only {len(idx)} "
+                             "training examples")
+        picked.append(rng.choice(idx, size=per_class, replace=False))
+    return np.sort(np.concatenate(picked).astype(np.int64))
+
+
 def class_counts(labels: np.ndarray, client_indices: list[np.ndarray], num_classes: int) -> np.ndarray:
     """M x C int64 matrix of how many examples of each class each client holds."""
     labels = np.asarray(labels)
@@ -110,6 +124,8 @@ class Partition:
     client_indices: list[np.ndarray]  # into the training set; training clients first, then new clients
     counts: np.ndarray  # (num_train_clients + new clients) x C
     num_train_clients: int
+    # Meta-BSM's balanced meta set, held by the server: training-set rows that no client holds.
+    meta_indices: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
     @property
     def num_clients(self) -> int:
@@ -128,17 +144,24 @@ class Partition:
         return self.counts.sum(axis=1)
 
 
-def make_partition(cfg: DataConfig, train_labels: np.ndarray, num_classes: int, seed: int) -> Partition:
-    """Long-tail (if ``cfg.imbalance_ratio > 1``), split over ``num_clients + new_clients``, hold some out.
+def make_partition(cfg: DataConfig, train_labels: np.ndarray, num_classes: int, seed: int,
+                   meta_per_class: int = 0) -> Partition:
+    """Take out the meta set (``meta_per_class`` > 0: Meta-BSM), long-tail (if ``cfg.imbalance_ratio > 1``),
+    split over ``num_clients + new_clients``, hold some out.
 
     Which clients are held out is a seeded random choice, so new clients are not systematically the
-    last (or first) pieces of the split.
+    last (or first) pieces of the split. The meta set is balanced whatever the long tail does to the rest;
+    without one, the partition is exactly what it would be without this step.
     """
     labels = np.asarray(train_labels)
     total = cfg.num_clients + cfg.new_clients
     pool = np.arange(len(labels), dtype=np.int64)
+    meta = np.empty(0, np.int64)
+    if meta_per_class > 0:
+        meta = meta_set_indices(labels, num_classes, meta_per_class, _subseed(seed, 3))
+        pool = np.setdiff1d(pool, meta)
     if cfg.imbalance_ratio > 1:
-        pool = long_tail_indices(labels, num_classes, cfg.imbalance_ratio, _subseed(seed, 0))
+        pool = pool[long_tail_indices(labels[pool], num_classes, cfg.imbalance_ratio, _subseed(seed, 0))]
     if cfg.partition == "dirichlet":
         parts = dirichlet_partition(
             labels[pool], total, cfg.alpha, num_classes, _subseed(seed, 1), cfg.min_per_client
@@ -152,7 +175,7 @@ def make_partition(cfg: DataConfig, train_labels: np.ndarray, num_classes: int, 
     is_new[held_out] = True
     order = np.concatenate([np.flatnonzero(~is_new), np.flatnonzero(is_new)])
     client_indices = [pool[parts[m]] for m in order]
-    return Partition(client_indices, class_counts(labels, client_indices, num_classes), cfg.num_clients)
+    return Partition(client_indices, class_counts(labels, client_indices, num_classes), cfg.num_clients, meta)
 
 
 def format_partition(p: Partition) -> str:
@@ -179,4 +202,7 @@ def format_partition(p: Partition) -> str:
         f"global class counts: {' '.join(str(int(v)) for v in p.counts.sum(axis=0))}",
         f"new clients: {', '.join(map(str, new)) if new else 'none'}",
     ]
+    if len(p.meta_indices):
+        lines.append(f"meta set (Meta-BSM, held by the server): {len(p.meta_indices)} examples, "
+                     f"{len(p.meta_indices) // num_classes} per class")
     return "\n".join(lines)

@@ -17,7 +17,8 @@ CURVES = [
     ("gfl_gm", "G-FL (GM)"),
     ("pfl_gm", "P-FL (GM)"),
     ("pfl_pm", "P-FL (PM)"),
-    ("pfl_pm_new", "P-FL new clients (PM, zero-shot)"),
+    ("pfl_pm_global", "P-FL (PM, global reading)"),
+    ("pfl_new_before", "P-FL new clients (before training)"),
 ]
 
 

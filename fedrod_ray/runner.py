@@ -15,10 +15,11 @@ from typing import TextIO
 
 import torch
 
+from .batched import in_process_executor
 from .checkpoint import CheckpointWriter, Snapshot
 from .config import ExperimentConfig, dump_config
 from .export import save_final
-from .federation import Federation, InProcessExecutor, make_host, prepare
+from .federation import Federation, make_host, prepare
 from .results import MetricsLog
 from .storage import RunStorage
 
@@ -99,12 +100,13 @@ class RoundProgress:
 def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
               log: Callable[[str], None] = print,
               progress: Callable[[int, int, int], None] | None = None) -> list[dict]:
-    """Train in this process, every client sequentially (``runtime.mode: local``)."""
+    """Train in this process (``runtime.mode: local``), the clients one after another or, with
+    ``runtime.batched_clients``, several at once in one batched pass."""
     if cfg.runtime.torch_threads:
         torch.set_num_threads(cfg.runtime.torch_threads)
     setup = prepare(cfg)
-    fed = Federation(setup, InProcessExecutor(make_host(setup, cfg.runtime.device)), log,
-                     progress)
+    executor = in_process_executor(make_host(setup, cfg.runtime.device), cfg.runtime.batched_clients)
+    fed = Federation(setup, executor, log, progress)
     if snapshot is not None:
         fed.restore(snapshot)
     writer = CheckpointWriter(storage)
@@ -136,7 +138,11 @@ def format_record(rec: dict, rounds: int) -> str:
             f"loss {rec['train_loss']:.3f}")
     if "gfl_gm" in rec:
         line += (f"  |  G-FL {100 * rec['gfl_gm']:.2f}  P-FL GM {100 * rec['pfl_gm']:.2f}"
-                 f"  PM {100 * rec['pfl_pm']:.2f}")
-        if "pfl_pm_new" in rec:
-            line += f"  new GM {100 * rec['pfl_gm_new']:.2f} PM {100 * rec['pfl_pm_new']:.2f}"
+                 f"  PM {100 * rec['pfl_pm']:.2f} (global {100 * rec['pfl_pm_global']:.2f})")
+        if "pfl_new_before" in rec:
+            line += f"  new GM {100 * rec['pfl_gm_new']:.2f} PM {100 * rec['pfl_new_before']:.2f}"
+        if "pfl_new_after" in rec:
+            line += f" -> {100 * rec['pfl_new_after']:.2f} fine-tuned"
+        if "pfl_ft" in rec:
+            line += f"  FT {100 * rec['pfl_ft']:.2f}"
     return line

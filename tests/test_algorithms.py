@@ -78,9 +78,9 @@ def assert_close(actual, expected, atol=1e-6, rtol=1e-5):
 # --- 1. registry and parameters -------------------------------------------------------------------------
 
 
-def test_registry_holds_the_four_rules_with_their_params():
+def test_registry_holds_the_five_rules_with_their_params():
     """Each name builds its own class; parameters reach Params; defaults apply when none are given."""
-    assert set(RULES) == {"fedavg", "fedprox", "feddyn", "scaffold"}
+    assert set(RULES) == {"fedavg", "fedprox", "feddyn", "scaffold", "local"}
     for name in RULES:
         rule = build_rule(name, {})
         assert type(rule) is RULES[name] and rule.name == name

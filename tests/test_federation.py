@@ -58,10 +58,11 @@ def test_evaluation_reports_train_and_new_clients(tmp_path):
     fed = make_federation()
     fed.step(0)
     metrics = fed.evaluate()
-    for key in ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_gm_new", "pfl_pm_new"):
+    for key in ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before"):
         assert 0.0 <= metrics[key] <= 1.0, key
     # A new client never trains; with a zero-initialised linear head its PM is exactly the GM.
-    assert metrics["pfl_pm_new"] == pytest.approx(metrics["pfl_gm_new"])
+    assert metrics["pfl_new_before"] == pytest.approx(metrics["pfl_gm_new"])
+    assert "pfl_new_after" not in metrics and "pfl_ft" not in metrics
 
 
 class CountingExecutor(InProcessExecutor):
@@ -97,24 +98,31 @@ def test_pm_evaluation_runs_only_clients_that_trained_since_the_last(tmp_path):
 
 
 @pytest.mark.parametrize("head", ["hyper", "linear", "none"])
-def test_an_untrained_clients_pm_is_the_global_model_with_its_zero_shot_head(head):
+def test_global_reading_pm_is_the_global_model_with_the_clients_own_head(head):
     """Scored from one pass of the GM over the test set: the same counts, on the classes the client has,
-    as its own model evaluated alone (the global weights and H(a_m; nu), or the GM itself)."""
+    as the global weights with the client's head evaluated alone (phi_m, H(a_m; nu), or the GM itself),
+    for trained clients, untrained ones and new ones."""
     fed = make_federation(f"train.head={head}", *(["train.balanced_loss=ce"] if head == "none" else []))
     fed.step(0)
     untrained = [c for c, st in fed.clients.items() if st.local_model is None]
-    assert untrained
+    assert untrained and len(untrained) < len(fed.clients)
+    fed.model.load_partial(fed.global_shared)
     z, logits = features_and_logits(fed.model, fed.setup.test, 7)
     correct, total = class_correct(logits.argmax(1), fed.setup.test.y, fed.setup.test.num_classes)
-    counts = fed._untrained_pms(untrained, z, logits, correct, total)
-    model = fed.setup.build_model()
-    model.load_partial(fed.global_shared)
-    for cid in untrained:
+    counts = fed._global_reading_pms(fed.setup.all_client_ids, z, logits, correct, total).correct
+    for cid, state in fed.clients.items():
+        model = fed.setup.build_model()
+        model.load_partial(fed.global_shared)
+        if state.personal is not None:
+            model.load_partial(state.personal)
         dist = fed.setup.class_dists[cid].to(torch.float32)
         own_correct, own_total = personal_class_correct(model, fed.setup.test, dist, 7, head != "none")
         has = dist > 0
-        assert torch.equal(counts.correct[cid][has], own_correct[has]), cid
-        assert torch.equal(counts.total[cid][has], own_total[has]), cid
+        assert torch.equal(counts[cid][has], own_correct[has]), cid
+        assert torch.equal(total[has], own_total[has]), cid
+    if head == "linear":  # the trained clients' heads were used, and they are not the zeros of the GM
+        assert all(fed.clients[c].personal["personal_head.weight"].abs().sum() > 0
+                   for c in fed.clients if c not in untrained)
 
 
 def test_failed_client_is_reported_and_skipped():

@@ -106,8 +106,11 @@ def run_with_timeout(fn, seconds: float):
 
 VARIANTS = {
     "linear": (),
-    "hyper": ("train.head=hyper",),
-    "fedavg_feddyn": ("train.head=none", "train.balanced_loss=ce", "train.generic_rule=feddyn"),
+    # Fine-tuning at the last evaluation runs on the actors too: new clients from the zero-shot head ...
+    "hyper": ("train.head=hyper", "eval.finetune_epochs=1"),
+    # ... and every client (the FT baseline).
+    "fedavg_feddyn": ("train.head=none", "train.balanced_loss=ce", "train.generic_rule=feddyn",
+                      "eval.finetune_epochs=1", "eval.finetune_train=true"),
     "hyper_scaffold": ("train.head=hyper", "train.generic_rule=scaffold"),
     # One actor per client: fewer clients, since every actor is a process of its own.
     "linear_small": ("data.num_clients=3", "train.client_fraction=1.0"),
@@ -180,8 +183,10 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     assert len(records) == 3
     assert without_time(records) == without_time(records_ref)
     for rec in records:
-        assert {"gfl_gm", "pfl_gm", "pfl_pm", "pfl_gm_new", "pfl_pm_new"} <= set(rec)
+        assert {"gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before"} <= set(rec)
         assert rec["clients_failed"] == 0
+    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn"))
+    assert ("pfl_ft" in records[-1]) == (variant == "fedavg_feddyn")
     # The checkpoint of the Ray run's snapshot holds the same weights and states.
     ckpt = load_checkpoint(storage)
     assert ckpt.rounds_done == 3

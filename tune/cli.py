@@ -1,8 +1,10 @@
-"""``fedrod-ray tune``: registered with the library's CLI through the ``fedrod_ray.commands`` entry point."""
+"""``fedrod-ray tune`` and ``fedrod-ray reproduce``: registered with the library's CLI through the
+``fedrod_ray.commands`` entry point."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -35,17 +37,82 @@ def tune_command(args) -> int:
             raise ConfigError("tune needs --config SWEEP_FILE (or --resume SWEEP_DIR)")
         spec = load_sweep(args.config, args.set)
         sweep_dir = Path(args.sweep_dir or f"runs/sweeps/{spec.name}")
-        base = spec.experiment_config({})
-        if base.data.dataset != "synthetic" and base.data.data_dir is None:
-            # Found here ($FEDROD_DATA_DIR or the cache), so that every trial, and a resumed sweep, reads
-            # the same directory whatever its worker's environment.
-            from fedrod_ray.data import resolve_data_dir
-
-            spec.fixed["data.data_dir"] = str(resolve_data_dir(None).resolve())
+        _pin_data_dir(spec)
     t0 = time.perf_counter()
     rows = run_sweep(spec, sweep_dir, resume=bool(args.resume))
     print(f"done: {len(rows)} trials in {time.perf_counter() - t0:.0f} s; sweep directory {sweep_dir}: "
           "results.md, results.csv, pareto.png, best.yaml", flush=True)
     if rows:
         print((sweep_dir / "results.md").read_text(), flush=True)
+    return 0
+
+
+def _pin_data_dir(spec) -> None:
+    base = spec.experiment_config({})
+    if base.data.dataset != "synthetic" and base.data.data_dir is None:
+        # Found here ($FEDROD_DATA_DIR or the cache), so that every trial, and a resumed sweep, reads
+        # the same directory whatever its worker's environment.
+        from fedrod_ray.data import resolve_data_dir
+
+        spec.fixed["data.data_dir"] = str(resolve_data_dir(None).resolve())
+
+
+def register_reproduce(sub: argparse._SubParsersAction) -> None:
+    from .reproduce import TABLES
+
+    p = sub.add_parser("reproduce", help="run every row of one of the paper's tables over seeds, with Ray Tune")
+    p.add_argument("--table", help=f"which table: {', '.join(TABLES)}")
+    p.add_argument("--config", help="base experiment config (see configs/); the table's rows change the method")
+    p.add_argument("--row", action="append", default=[], metavar="LABEL",
+                   help="run only this row of the table, e.g. --row FedAvg --row 'Fed-RoD (linear)' (repeatable)")
+    p.add_argument("--seeds", help="a count (3: seeds 0, 1, 2) or a list (0,5,7; '7,' for seed 7 alone)")
+    p.add_argument("--rounds", type=int, help="rounds per trial (train.rounds; default: the base config's)")
+    p.add_argument("--finetune-epochs", type=int, default=None,
+                   help="epochs of fine-tuning in the rows that fine-tune (FT, new clients); default 5")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a base config field for every row, e.g. --set data.alpha=0.3 (repeatable); "
+                        "a field that a row sets is an error")
+    p.add_argument("--resources", metavar="YAML", help="per trial, as in a sweep file: "
+                                                        "'{client_slots: 2, client: {num_cpus: 1, num_gpus: 0.5}}'")
+    p.add_argument("--out", help="where trials and results go (default runs/reproduce/<table>_<config name>)")
+    p.add_argument("--resume", metavar="OUT_DIR", help="continue an interrupted reproduction")
+    p.set_defaults(handler=reproduce_command)
+
+
+def reproduce_command(args) -> int:
+    import yaml
+
+    from .reproduce import build_spec, load_spec, parse_seeds, parse_sets, reproduce
+
+    if args.resume:
+        given = [f for f in ("table", "row", "config", "seeds", "rounds", "finetune_epochs", "set", "resources", "out")
+                 if getattr(args, f) not in (None, [])]
+        if given:
+            raise ConfigError(f"--resume takes the reproduction saved in OUT_DIR; drop --{given[0].replace('_', '-')}")
+        out_dir = Path(args.resume)
+        spec = load_spec(out_dir)
+        print(f"resuming the reproduction in {out_dir}", flush=True)
+    else:
+        if not (args.table and args.config and args.seeds):
+            raise ConfigError("reproduce needs --table, --config and --seeds (or --resume OUT_DIR)")
+        try:
+            resources = yaml.safe_load(args.resources) if args.resources else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--resources: not YAML: {e}") from None
+        if resources is not None and not isinstance(resources, dict):
+            raise ConfigError(f"--resources: expected a mapping, got {args.resources!r}")
+        spec = build_spec(args.table, args.config, parse_seeds(args.seeds), args.rounds, parse_sets(args.set),
+                          resources, args.row, args.finetune_epochs)
+        _pin_data_dir(spec)
+        out_dir = Path(args.out or f"runs/reproduce/{spec.name}")
+    t0 = time.perf_counter()
+    records = reproduce(spec, out_dir, resume=bool(args.resume))
+    failed = [f"{r['row']} (seed {r['seed']})" for r in records if r["status"] != "finished"]
+    print(f"done: {len(records)} trials in {time.perf_counter() - t0:.0f} s; {out_dir}: table.md, results.csv, "
+          "curves.png", flush=True)
+    print((out_dir / "table.md").read_text(), flush=True)
+    if failed:
+        print(f"fedrod-ray: {len(failed)} trial(s) did not finish: {', '.join(failed)}; the table leaves them out. "
+              f"Continue with: fedrod-ray reproduce --resume {out_dir}", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -55,8 +55,12 @@ class SweepSpec:
             doc["asha"] = dict(self.asha)
         return doc
 
+    def base_data(self) -> dict:
+        """The base experiment config, as a dict to apply overrides to."""
+        return load_config(self.base).to_dict()
+
     def _data(self, params: dict[str, Any], trial: bool) -> dict:
-        data = load_config(self.base).to_dict()
+        data = self.base_data()
         for key, value in [*self.fixed.items(), *params.items()]:
             apply_override(data, f"{key}={json.dumps(value)}")  # JSON is YAML
         if trial:

@@ -31,18 +31,34 @@ COLUMNS = ("rounds", "status", "objective", "gfl_gm", "pfl_gm", "pfl_pm", "best_
 
 def run_sweep(spec: SweepSpec, sweep_dir: Path, resume: bool = False) -> list[dict]:
     """Run (or resume) the sweep; returns its rows, best first."""
+    sweep_dir = sweep_dir.resolve()
+    if not resume:
+        start_dir(sweep_dir, SPEC_FILE, spec.to_dict(), "a sweep", "--sweep-dir")
+    grid = fit(spec, sweep_dir, TrialLines(spec), resume)
+    rows = result_rows(spec, grid)
+    write_results(spec, rows, sweep_dir)
+    return rows
+
+
+def start_dir(out_dir: Path, spec_file: str, doc: dict, what: str, flag: str) -> None:
+    """Create ``out_dir`` for a new experiment, with its definition in ``spec_file``; refuse one that
+    already holds an experiment (that one is continued with --resume)."""
+    if (out_dir / TRIALS).exists():
+        raise ConfigError(f"{out_dir} already holds {what}; continue it with --resume {out_dir} "
+                          f"or choose another {flag}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / spec_file).write_text(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True))
+
+
+def fit(spec: SweepSpec, out_dir: Path, callback: Callback, resume: bool):
+    """Run every trial of ``spec`` with Ray Tune, into ``out_dir/trials``; with ``resume``, restore that
+    experiment and finish it (finished trials stay as they are, the others go on from their last
+    reported round). Returns Tune's ResultGrid. Sweeps and reproductions both run through here."""
     import ray
     from ray import tune
 
     from fedrod_ray.ray_runtime import connect
 
-    sweep_dir = sweep_dir.resolve()
-    if not resume:
-        if (sweep_dir / TRIALS).exists():
-            raise ConfigError(f"{sweep_dir} already holds a sweep; continue it with --resume {sweep_dir} "
-                              "or choose another --sweep-dir")
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        (sweep_dir / SPEC_FILE).write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
     # Tune saves the experiment's state (which checkpoint each trial is at) after every step, not every
     # few seconds: a sweep killed between two saves would otherwise redo the rounds in between.
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "0")
@@ -53,7 +69,7 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, resume: bool = False) -> list[di
         trainable = tune.with_resources(tune.with_parameters(run_trial, sweep=spec),
                                         tune.PlacementGroupFactory(spec.bundles()))
         if resume:
-            tuner = tune.Tuner.restore(str(sweep_dir / TRIALS), trainable=trainable, resume_unfinished=True,
+            tuner = tune.Tuner.restore(str(out_dir / TRIALS), trainable=trainable, resume_unfinished=True,
                                        resume_errored=True)
         else:
             scheduler = None
@@ -63,17 +79,14 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, resume: bool = False) -> list[di
                 trainable, param_space=param_space(spec),
                 tune_config=tune.TuneConfig(metric="objective", mode="max", scheduler=scheduler,
                                             num_samples=spec.num_samples, reuse_actors=False),
-                run_config=tune.RunConfig(name=TRIALS, storage_path=str(sweep_dir), verbose=0,
-                                          callbacks=[TrialLines(spec)],
+                run_config=tune.RunConfig(name=TRIALS, storage_path=str(out_dir), verbose=0,
+                                          callbacks=[callback],
                                           checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
             )
-        grid = tuner.fit()
+        return tuner.fit()
     finally:
         if started:
             ray.shutdown()
-    rows = result_rows(spec, grid)
-    write_results(spec, rows, sweep_dir)
-    return rows
 
 
 def _base(spec: SweepSpec) -> ExperimentConfig:

@@ -19,8 +19,9 @@ from fedrod_ray.storage import RunStorage
 
 from .space import SweepSpec
 
-REPORTED = ("round", "gfl_gm", "pfl_gm", "pfl_pm", "pfl_gm_new", "pfl_pm_new", "train_loss", "personal_loss",
-            "clients_failed")
+# Whatever of these the round's record has (the fine-tuned ones only at the last evaluation).
+REPORTED = ("round", "gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before", "pfl_new_after",
+            "pfl_ft", "train_loss", "personal_loss", "clients_failed")
 
 
 def objective(record: dict, metric: str) -> float:

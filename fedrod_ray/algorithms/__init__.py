@@ -52,6 +52,6 @@ def build_rule(name: str, params: dict[str, Any] | None = None) -> GenericRule:
 
 
 # Importing the rule modules registers them.
-from . import fedavg, feddyn, fedprox, scaffold  # noqa: F401
+from . import fedavg, feddyn, fedprox, local_only, scaffold  # noqa: F401
 
 __all__ = ["RULES", "GenericRule", "LocalCorrection", "NoParams", "build_rule", "get_rule_class", "register"]

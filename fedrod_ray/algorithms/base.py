@@ -55,6 +55,9 @@ class GenericRule:
 
     name: ClassVar[str] = ""
     Params: ClassVar[type] = NoParams
+    # True: a client starts its update from its own last local model (when it has one) instead of the
+    # global weights, so its calls carry that model (``ClientState.for_training(keep_local_model=True)``).
+    starts_from_local_model: ClassVar[bool] = False
 
     def __init__(self, params=None):
         self.params = params if params is not None else self.Params()

@@ -54,9 +54,14 @@ def augment_batch(x: Tensor, generator: torch.Generator, fill: float | Sequence[
     ``generator`` (on its own device) and are then moved to ``x``'s device, so a given generator state
     always gives the same augmentation.
     """
-    n = x.shape[0]
+    return shift_flip(x, *augment_draws(x.shape[0], generator), fill=fill)
+
+
+def augment_draws(n: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """``augment_batch``'s random draws for n examples, (dy, dx, flip), on the generator's device: apart so
+    that a batched update (``fedrod_ray.batched``) can draw each client's exactly as its own update does."""
     gdev = generator.device
     dy = torch.randint(-PAD, PAD + 1, (n,), generator=generator, device=gdev)
     dx = torch.randint(-PAD, PAD + 1, (n,), generator=generator, device=gdev)
     flip = torch.rand(n, generator=generator, device=gdev) < 0.5
-    return shift_flip(x, dy, dx, flip, fill=fill)
+    return dy, dx, flip

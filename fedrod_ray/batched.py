@@ -1,0 +1,399 @@
+"""Many clients' local updates in one pass: a round's clients share the architecture, so their updates run
+as one batched computation over stacked per-client weights (``runtime.batched_clients``).
+
+Every parameter is one tensor of shape (clients, ...) whose slice m is client m's. The model runs under
+``torch.func.functional_call`` inside ``vmap`` over the clients (its convolutions become grouped ones, its
+linear layers batched matrix products), and one backward pass of the summed losses gives each client its
+own gradients, since no client's loss depends on another client's weights. Everything else stays each
+client's own, as ``local.local_update`` has it:
+
+- its data order and augmentation, drawn up front from its own generator (same ``derived_seed``) in the
+  order ``local_update`` draws them, so it sees the same batches;
+- its losses: the balanced loss with its own class counts, the personalized one with its own head or, for
+  the hypernetwork, its own class distribution;
+- its momentum buffers (SGD as ``torch.optim.SGD`` computes it, on its rows of the stack) and its rule
+  state;
+- its number of steps: clients are stacked most steps first, so the clients still training at a step are
+  a prefix of the stack and a client whose shard has run out costs nothing; a last batch shorter than
+  ``batch_size`` is padded with rows that weigh zero in its losses.
+
+The results equal ``local_update``'s up to floating-point rounding (a grouped convolution sums in another
+order), not bitwise (tests/test_batched.py). Meant for a GPU, which tiny ConvNets trained one client at a
+time leave almost idle; on a CPU it is slower than one client at a time (bench/batched_round.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, vmap
+
+from .aggregate import StateDict
+from .algorithms import GenericRule, LocalCorrection
+from .client import ClientFailure, ClientHost, ClientState
+from .config import DEFAULT_GAMMA, ConfigError, TrainConfig
+from .data.transforms import augment_draws, normalize, shift_flip
+from .federation import InProcessExecutor, Job
+from .local import (
+    TRAIN_TAG,
+    ClientData,
+    LocalResult,
+    LocalTrainingError,
+    RoundInput,
+    _to,
+    derived_seed,
+    effective_step_sum,
+    round_lr,
+)
+from .losses import BALANCED_LOSSES
+from .models import FedModel
+
+Outcome = tuple[LocalResult, StateDict | None, StateDict]
+
+
+@dataclass
+class BatchJob:
+    """One client of a batched update: what ``local_update`` takes for it besides the shared arguments."""
+
+    client_id: int
+    data: ClientData
+    personal: StateDict | None = None  # linear head: phi_m (None: freshly initialised)
+    rule_state: StateDict = field(default_factory=dict)
+    initial: StateDict | None = None  # replaces the global weights as the start (``local_update``'s ``initial``)
+
+
+@dataclass
+class _Plan:
+    """A client's batches for the whole update, drawn as ``local_update`` draws them."""
+
+    rows: torch.Tensor  # (steps, batch_size) rows of its shard; a short batch padded with its first row
+    sizes: list[int]  # real examples per step
+    draws: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # augmentation (dy, dx, flip), (steps, B)
+
+
+class _Forward(nn.Module):
+    """One training forward pass (generic and personalized logits) as a module call, for functional_call."""
+
+    def __init__(self, model: FedModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.model
+        z = m.features(x)
+        g = m.generic_head(z)
+        # As in local_update: the personalized loss reaches neither theta nor psi.
+        p = m.personal_logits(z.detach(), g.detach(), dist) if m.variant is not None else g
+        return g, p
+
+
+def check_supported(cfg: TrainConfig) -> None:
+    """The batched update weighs every example of a batch on its own (a padded batch's padding weighs
+    zero), so the balanced loss must be a batch mean of per-example terms: those of ``losses``."""
+    if cfg.balanced_loss not in BALANCED_LOSSES:
+        raise ConfigError(f"train.balanced_loss: {cfg.balanced_loss} is not supported by the batched local "
+                          f"update (runtime.batched_clients), only {sorted(BALANCED_LOSSES)}; "
+                          "set runtime.batched_clients=0")
+
+
+def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJob], cfg: TrainConfig,
+                         rule: GenericRule, *, round_idx: int, seed: int, mean, std, augment: bool,
+                         device: torch.device | str = "cpu") -> list[Outcome | Exception]:
+    """``local_update`` for every client of ``jobs`` at once, in one batched computation on ``device``.
+
+    Returns, in the order of ``jobs``, what ``local_update`` returns for each client (the result for the
+    server, the new P-head, the new rule state), or the exception that client's own update would have
+    raised (no examples, a state that does not fit the model, a non-finite loss). ``model`` only lends its
+    architecture; its weights are left as some client's start.
+
+    The generic rule's correction is applied once per step to the stacked weights and gradients: it must
+    act elementwise (broadcasting over the leading client dimension) and keep no state between steps, as
+    every registered rule does (tests/test_batched.py runs each one); its ``finish`` runs per client.
+    """
+    check_supported(cfg)
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    model.to(device)
+    if any(True for _ in model.buffers()):
+        raise ValueError("the batched local update needs a model without buffers")
+    params = dict(model.named_parameters())
+    generic = [k for k in model.generic_keys() if k in params]
+    anchor = {k: message.weights[k].to(device) for k in generic}
+    broadcast = _to(message.broadcast, device)
+
+    outcomes: list[Outcome | Exception | None] = [None] * len(jobs)
+    starts: dict[int, tuple[StateDict, StateDict]] = {}
+    for i, job in enumerate(jobs):
+        try:
+            starts[i] = _start(model, message, job, anchor, device)
+        except Exception as e:  # noqa: BLE001 - this client fails alone, as its own update would
+            outcomes[i] = e
+    if not starts:
+        return outcomes
+    steps_per_epoch = {i: math.ceil(len(jobs[i].data) / cfg.batch_size) for i in starts}
+    # Most steps first: the clients still training at any step are then a prefix of the stack.
+    order = sorted(starts, key=lambda i: -steps_per_epoch[i])
+    steps = [cfg.local_epochs * steps_per_epoch[i] for i in order]
+    state_keys = sorted({k for i in order for k in starts[i][1]})
+    stacked_state = {k: torch.stack([starts[i][1].get(k, torch.zeros_like(anchor[k])) for i in order])
+                     for k in state_keys}
+    correction = rule.start_local(anchor, stacked_state, broadcast)
+    weights, history = _train(model, [jobs[i] for i in order], [starts[i][0] for i in order], steps, correction,
+                              cfg, seed=seed, round_idx=round_idx, mean=mean, std=std, augment=augment,
+                              device=device)
+
+    lr = round_lr(cfg, round_idx)
+    seconds = time.perf_counter() - t0
+    stacked = {k: w.cpu() for k, w in weights.items()}
+    for pos, i in enumerate(order):
+        k_steps = steps[pos]
+        per_step = history[:k_steps, pos]
+        bad = (~torch.isfinite(per_step.sum(1))).nonzero()
+        if len(bad):
+            outcomes[i] = LocalTrainingError(
+                f"non-finite loss in local epoch {int(bad[0]) // steps_per_epoch[i] + 1} (lr={lr:g})")
+            continue
+        local = {k: stacked[k][pos].clone() for k in stacked}
+        new_rule_state, upload = {}, {}
+        if correction is not None:
+            # A correction of this client's own: the stacked one's finish cannot take per-client step sums.
+            new_rule_state, upload = rule.start_local(anchor, starts[i][1], broadcast).finish(
+                {k: weights[k][pos] for k in generic}, lr * effective_step_sum(k_steps, cfg.momentum))
+        result = LocalResult(
+            shared={k: local[k] for k in model.shared_keys()},
+            num_samples=len(jobs[i].data),
+            loss=float(per_step[:, 0].sum() / k_steps),
+            personal_loss=float(per_step[:, 1].sum() / k_steps) if model.variant is not None else None,
+            steps=k_steps,
+            # The pass's wall time, shared out by steps: the clients' seconds add up to it.
+            seconds=seconds * k_steps / sum(steps),
+            upload=_to(upload, "cpu"),
+        )
+        new_personal = {k: local[k] for k in model.personal_keys()} if model.variant == "linear" else None
+        outcomes[i] = (result, new_personal, _to(new_rule_state, "cpu"))
+    return outcomes
+
+
+def _train(model: FedModel, jobs: list[BatchJob], starts: list[StateDict], steps: list[int],
+           correction: LocalCorrection | None, cfg: TrainConfig, *, seed: int, round_idx: int, mean, std,
+           augment: bool, device: torch.device) -> tuple[StateDict, torch.Tensor]:
+    """Every client's SGD steps, clients ordered by ``steps`` (most first), from their ``starts``: the
+    stacked trained weights (detached, on ``device``) and each step's (l_BR, l_P) per client (steps x
+    clients x 2, on the CPU; zeros after a client's last step)."""
+    plans = [_plan(job, cfg, seed, round_idx, augment) for job in jobs]
+    batches = _Batches([job.data for job in jobs], plans, cfg.batch_size, mean, std, augment, device)
+    counts = torch.stack([job.data.counts for job in jobs]).to(device)
+    dists = torch.stack([job.data.class_dist for job in jobs]).to(device)
+    losses = _client_losses(model, cfg)
+    lr = round_lr(cfg, round_idx)
+    weights = {k: torch.stack([start[k] for start in starts]).requires_grad_() for k in starts[0]}
+    momentum = [torch.zeros_like(w) for w in weights.values()] if cfg.momentum else None
+    # One copy to the host at the end: a check per step would synchronise a GPU on every batch.
+    history = torch.zeros(steps[0], len(jobs), 2, device=device)
+    for s in range(steps[0]):
+        active = sum(k > s for k in steps)
+        x, y, weight = batches.step(s, active)
+        # Sliced only once a client is done: a slice's backward costs a zero fill and a copy per weight.
+        current = weights if active == len(jobs) else {k: w[:active] for k, w in weights.items()}
+        loss_g, loss_p = vmap(losses)(current, x, y, weight, counts[:active], dists[:active])
+        for w in weights.values():
+            w.grad = None
+        (loss_g.sum() + loss_p.sum()).backward()
+        with torch.no_grad():
+            if correction is not None:
+                correction.apply(weights)
+            _sgd_step(list(weights.values()), momentum, active, lr, cfg)
+            history[s, :active, 0] = loss_g
+            history[s, :active, 1] = loss_p
+    return {k: w.detach() for k, w in weights.items()}, history.cpu()
+
+
+def _start(model: FedModel, message: RoundInput, job: BatchJob, anchor: StateDict,
+           device: torch.device) -> tuple[StateDict, StateDict]:
+    """A client's starting weights and its rule state on ``device``, checked as ``local_update`` loads them."""
+    if len(job.data) == 0:
+        raise LocalTrainingError("the client has no training examples")
+    model.load_partial(message.weights if job.initial is None else job.initial)
+    if model.variant == "linear":
+        if job.personal is None:
+            torch.nn.init.zeros_(model.personal_head.weight)
+        else:
+            model.load_partial(job.personal)
+    start = {k: p.detach().clone() for k, p in model.named_parameters()}
+    # Stacked with the other clients', a state must have exactly the shape its rule gives it; the rule
+    # reads only the generic weights' keys.
+    state = {k: v.to(device) for k, v in job.rule_state.items() if k in anchor}
+    for k, v in state.items():
+        if v.shape != anchor[k].shape:
+            raise ValueError(f"rule state {k}: shape {tuple(v.shape)} does not match the model's "
+                             f"{tuple(anchor[k].shape)}")
+    return start, state
+
+
+def _plan(job: BatchJob, cfg: TrainConfig, seed: int, round_idx: int, augment: bool) -> _Plan:
+    """The client's batches, from its own generator, drawn in ``local_update``'s order: each epoch's
+    permutation, then each of its batches' augmentation."""
+    n, b = len(job.data), cfg.batch_size
+    gen = torch.Generator().manual_seed(derived_seed(seed, round_idx, job.client_id, TRAIN_TAG))
+    rows, sizes, draws = [], [], []
+    for _ in range(cfg.local_epochs):
+        order = torch.randperm(n, generator=gen)
+        for start in range(0, n, b):
+            idx = order[start:start + b]
+            sizes.append(len(idx))
+            rows.append(F.pad(idx, (0, b - len(idx)), value=int(idx[0])))
+            if augment:
+                # Padding rows are neither shifted nor flipped (and weigh nothing).
+                draws.append([F.pad(d.to(torch.long), (0, b - len(idx))) for d in augment_draws(len(idx), gen)])
+    stacked = None
+    if augment:
+        dy, dx, flip = (torch.stack(d) for d in zip(*draws))
+        stacked = (dy, dx, flip.bool())
+    return _Plan(torch.stack(rows), sizes, stacked)
+
+
+class _Batches:
+    """Every client's data on the device, and each step's batches of the active clients."""
+
+    def __init__(self, data: list[ClientData], plans: list[_Plan], batch_size: int, mean, std, augment: bool,
+                 device: torch.device):
+        # The shards one after another, normalised as local_update does (on the CPU, then moved).
+        self.x = torch.cat([normalize(d.x, mean, std) for d in data]).to(device)
+        self.y = torch.cat([d.y for d in data]).to(device)
+        offsets = torch.tensor([0] + [len(d) for d in data[:-1]]).cumsum(0)
+        total = len(plans[0].sizes)
+        # (steps, clients, batch_size): a client's rows past its last step are never read.
+        self.rows = torch.zeros(total, len(plans), batch_size, dtype=torch.long)
+        sizes = torch.zeros(total, len(plans))
+        for m, plan in enumerate(plans):
+            self.rows[:len(plan.sizes), m] = plan.rows + offsets[m]
+            sizes[:len(plan.sizes), m] = torch.tensor(plan.sizes, dtype=sizes.dtype)
+        self.rows = self.rows.to(device)
+        # Each real example weighs 1 / (its batch's size), padding 0: the per-client batch means.
+        real = torch.arange(batch_size) < sizes[..., None]
+        self.weight = (real / sizes.clamp_min(1)[..., None]).to(device)
+        self.draws = None
+        if augment:
+            self.draws = tuple(torch.zeros(total, len(plans), batch_size, dtype=d.dtype) for d in plans[0].draws)
+            for m, plan in enumerate(plans):
+                for full, d in zip(self.draws, plan.draws):
+                    full[:len(plan.sizes), m] = d
+            self.draws = tuple(d.to(device) for d in self.draws)
+            # Zero-padding of the raw image, expressed after normalisation.
+            self.fill = [-m / s for m, s in zip(mean, std)]
+
+    def step(self, s: int, active: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x, y, weight) of step s for the first ``active`` clients: (active, B, C, H, W), (active, B) twice."""
+        rows = self.rows[s, :active]
+        x = self.x[rows.reshape(-1)]
+        if self.draws is not None:
+            dy, dx, flip = (d[s, :active].reshape(-1) for d in self.draws)
+            x = shift_flip(x, dy, dx, flip, fill=self.fill)
+        return x.view(*rows.shape, *x.shape[1:]), self.y[rows], self.weight[s, :active]
+
+
+def _client_losses(model: FedModel, cfg: TrainConfig):
+    """One client's (l_BR, l_P) on its batch, as a function of its weights: what ``vmap`` maps over clients.
+
+    Each loss is the weighted sum of per-example losses (weights 1/size, zero for padding): the batch mean
+    of ``local_update`` for a full or a short batch alike.
+    """
+    forward = _Forward(model)
+    br_loss = BALANCED_LOSSES[cfg.balanced_loss]
+    gamma = DEFAULT_GAMMA if cfg.gamma is None else cfg.gamma
+
+    def losses(weights, x, y, weight, counts, dist):
+        g, p = functional_call(forward, {f"model.{k}": w for k, w in weights.items()}, (x, dist))
+        per_example = vmap(lambda logits, label: br_loss(logits[None], label[None], counts, gamma))(g, y)
+        loss_g = (per_example * weight).sum()
+        if model.variant is None:
+            return loss_g, torch.zeros_like(loss_g)
+        return loss_g, (F.cross_entropy(p, y, reduction="none") * weight).sum()
+
+    return losses
+
+
+def _sgd_step(weights: list[torch.Tensor], momentum: list[torch.Tensor] | None, active: int, lr: float,
+              cfg: TrainConfig) -> None:
+    """``torch.optim.SGD``'s step (weight decay, heavy-ball momentum, no dampening) on the rows of the first
+    ``active`` clients; a buffer starting at zero gives torch's first step (buffer = gradient) exactly.
+    The same arithmetic as torch's, as its multi-tensor (CUDA) path does it: a few kernels for all weights."""
+    params = [w[:active] for w in weights]  # a prefix of a contiguous stack is contiguous
+    steps = [w.grad[:active] for w in weights]
+    if cfg.weight_decay:
+        steps = torch._foreach_add(steps, params, alpha=cfg.weight_decay)
+    if momentum is not None:
+        buffers = [b[:active] for b in momentum]
+        torch._foreach_mul_(buffers, cfg.momentum)
+        torch._foreach_add_(buffers, steps)
+        steps = buffers
+    torch._foreach_add_(params, steps, alpha=-lr)
+
+
+class BatchedExecutor(InProcessExecutor):
+    """The in-process executor, training up to ``max_clients`` of a round's clients at a time in one
+    batched pass (``batched_local_update``) on the host's device; evaluation is the host's, as ever.
+
+    Clients are grouped by shard size, so that a group's clients run about as many steps. Should a pass
+    raise (say, out of GPU memory), its clients are trained one at a time instead, so that an error fails
+    only its own client.
+    """
+
+    def __init__(self, host: ClientHost, max_clients: int):
+        if max_clients < 1:
+            raise ValueError(f"max_clients must be >= 1, got {max_clients}")
+        check_supported(host.cfg.train)
+        super().__init__(host)
+        self.max_clients = max_clients
+
+    def train(self, round_idx, jobs: list[Job],
+              message: RoundInput) -> Iterator[tuple[int, tuple[LocalResult, ClientState] | ClientFailure]]:
+        host = self.host
+        batch_jobs: dict[int, BatchJob] = {}
+        for slot, (cid, state) in enumerate(jobs):
+            try:
+                batch_jobs[slot] = BatchJob(
+                    cid, host.data(cid), state.personal, state.rule_state,
+                    state.local_model if host.rule.starts_from_local_model else None)
+            except Exception as e:  # noqa: BLE001 - as ClientHost.train: reported, never fatal to the round
+                yield slot, _failure(cid, e)
+        slots = sorted(batch_jobs, key=lambda slot: -len(batch_jobs[slot].data))
+        for start in range(0, len(slots), self.max_clients):
+            group = slots[start:start + self.max_clients]
+            try:
+                outcomes = batched_local_update(
+                    host.model, message, [batch_jobs[slot] for slot in group], host.cfg.train, host.rule,
+                    round_idx=round_idx, seed=host.cfg.seed, mean=host.mean, std=host.std, augment=host.augment,
+                    device=host.device)
+            except Exception as e:  # noqa: BLE001 - fall back to one client at a time
+                warnings.warn(f"batched local update of {len(group)} clients failed ({type(e).__name__}: {e}); "
+                              "training them one at a time", RuntimeWarning, stacklevel=2)
+                for slot in group:
+                    yield slot, host.train(*jobs[slot], message, round_idx)
+                continue
+            for slot, out in zip(group, outcomes):
+                cid, state = jobs[slot]
+                if isinstance(out, Exception):
+                    yield slot, _failure(cid, out)
+                else:
+                    result, personal, rule_state = out
+                    yield slot, (result, ClientState(personal=personal, local_model=result.shared,
+                                                     rule_state=rule_state,
+                                                     rounds_trained=state.rounds_trained + 1))
+
+
+def _failure(client_id: int, e: BaseException) -> ClientFailure:
+    return ClientFailure(client_id, f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))
+
+
+def in_process_executor(host: ClientHost, batched_clients: int) -> InProcessExecutor:
+    """The in-process executor ``runtime.batched_clients`` asks for: 0, one client at a time."""
+    return BatchedExecutor(host, batched_clients) if batched_clients else InProcessExecutor(host)

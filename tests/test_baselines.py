@@ -1,0 +1,117 @@
+"""The paper's baselines as configurations of the method seam: local-only training, fine-tuning (FT) at
+evaluation, held-out clients before and after fine-tuning, and the config checks around them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fedrod_ray.algorithms import build_rule
+from fedrod_ray.client import FINETUNE_TAG, ClientState
+from fedrod_ray.config import ConfigError, config_from_dict
+from fedrod_ray.federation import Federation, InProcessExecutor, make_host, prepare
+from fedrod_ray.local import RoundInput, derived_seed, local_update
+from fedrod_ray.metrics import personal_class_correct
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BASE = {
+    "seed": 5,
+    "data": {"dataset": "synthetic", "num_clients": 4, "new_clients": 2, "alpha": 0.3,
+             "synthetic_train_per_class": 24, "synthetic_test_per_class": 10, "min_per_client": 4},
+    "train": {"rounds": 2, "client_fraction": 1.0, "local_epochs": 1, "batch_size": 16},
+}
+
+
+def federation(*overrides: str) -> Federation:
+    setup = prepare(config_from_dict(BASE, list(overrides)))
+    return Federation(setup, InProcessExecutor(make_host(setup)), log=lambda s: None)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_local_only_never_communicates_and_continues_from_each_clients_own_model():
+    fed = federation("train.head=none", "train.balanced_loss=ce", "train.generic_rule=local")
+    initial = dict(fed.global_shared)
+    fed.step(0)
+    after_one = dict(fed.clients)
+    fed.step(1)
+    # The server kept the initial weights: nothing any client learned reached it.
+    assert same(fed.global_shared, initial)
+    # Round 2 of a client is a plain local update whose starting point is the client's own round-1 model.
+    ref = federation("train.head=none", "train.balanced_loss=ce")  # FedAvg's host: starts from the message
+    for cid in range(fed.setup.num_clients):
+        first, _ = ref.executor.host.train(cid, ClientState(), RoundInput(initial), 0)
+        assert same(first.shared, after_one[cid].local_model), cid
+        second, _ = ref.executor.host.train(cid, ClientState(), RoundInput(after_one[cid].local_model), 1)
+        assert same(second.shared, fed.clients[cid].local_model), cid
+        assert fed.clients[cid].rounds_trained == 2
+
+
+def test_local_only_gm_is_the_initial_model_and_its_pms_are_the_clients_own():
+    fed = federation("train.head=none", "train.balanced_loss=ce", "train.generic_rule=local")
+    untrained = fed.evaluate()
+    fed.step(0)
+    trained = fed.evaluate()
+    assert trained["gfl_gm"] == untrained["gfl_gm"] and trained["pfl_gm"] == untrained["pfl_gm"]
+    assert trained["pfl_pm"] != trained["pfl_gm"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("eval.finetune_train=true",), "eval.finetune_train: has no effect with eval.finetune_epochs=0"),
+    (("data.new_clients=0", "eval.finetune_epochs=2"), "eval.finetune_epochs: has no effect without held-out"),
+    (("train.generic_rule=local", "train.head=hyper"), "train.generic_rule: local .* train.head=hyper"),
+    (("eval.finetune_epochs=-1",), "eval.finetune_epochs: must be >= 0"),
+])
+def test_baseline_settings_that_would_do_nothing_are_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(BASE, list(overrides))
+
+
+def test_ft_is_an_erm_update_of_the_global_model_on_the_clients_data():
+    """FedAvg (BRM, FT): trained with the balanced loss, fine-tuned with cross-entropy (ERM) for k epochs at
+    the last round's learning rate, from the global weights, whatever the client's own state."""
+    fed = federation("train.head=none", "train.balanced_loss=bsm", "eval.finetune_epochs=2",
+                     "eval.finetune_train=true")
+    fed.step(0)
+    host = fed.executor.host
+    jobs = [(cid, fed.clients[cid]) for cid in fed.setup.all_client_ids]
+    tuned = host.finetune(jobs, RoundInput(fed.global_shared), 2, 0)
+    assert not tuned.failed
+    erm = dataclasses.replace(fed.cfg.train, balanced_loss="ce", local_epochs=2)
+    for cid, _ in jobs:
+        model = fed.setup.build_model()
+        data = host.data(cid)
+        local_update(model, RoundInput(fed.global_shared), data, erm, build_rule("fedavg"), round_idx=0,
+                     seed=derived_seed(fed.cfg.seed, FINETUNE_TAG), client_id=cid, mean=host.mean, std=host.std,
+                     augment=False)
+        correct, total = personal_class_correct(model, fed.setup.test, data.class_dist, 100, False)
+        assert torch.equal(tuned.correct[cid], correct) and torch.equal(tuned.total[cid], total), cid
+
+
+@pytest.mark.parametrize("head", ["none", "linear", "hyper"])
+def test_fine_tuning_starts_from_the_global_model_with_the_zero_shot_head(head):
+    """At a vanishing learning rate fine-tuning moves nothing, so 'after' is exactly 'before': the global
+    model (hyper: with H(a; nu_bar)) is where it starts."""
+    loss = ["train.balanced_loss=ce"] if head == "none" else []
+    fed = federation(f"train.head={head}", *loss, "eval.finetune_epochs=1", "train.lr=1e-30", "train.rounds=1")
+    record = fed.step(0)
+    assert record["pfl_new_after"] == record["pfl_new_before"]
+    assert record["finetune_failed"] == 0 and "pfl_ft" not in record
+
+
+def test_fine_tuning_at_the_last_evaluation_changes_nothing_that_is_kept():
+    fed = federation("train.head=hyper", "eval.finetune_epochs=3", "eval.finetune_train=true", "train.lr=0.05")
+    first = fed.step(0)
+    assert "pfl_new_after" not in first and "pfl_ft" not in first  # only at the last round
+    clients, weights = dict(fed.clients), dict(fed.global_shared)
+    final = fed.evaluate(final=True)
+    assert fed.clients == clients and same(fed.global_shared, weights)
+    assert final["pfl_new_after"] != final["pfl_new_before"]  # it did train
+    assert 0 <= final["pfl_ft"] <= 1
+    again = fed.evaluate(final=True)
+    assert again == final  # and deterministically

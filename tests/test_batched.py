@@ -1,0 +1,245 @@
+"""The batched local update (many clients in one pass) against local_update run per client.
+
+Tolerance: the batched pass sums in another order (grouped convolutions, per-example loss weights), so
+its results equal local_update's up to float32 rounding, about 1e-8 on these weights; ATOL = 1e-5 leaves
+room for another CPU's kernels. Images with flat regions (shifted by augmentation, or synthetic digits on
+a blank ground) make near-ties in max-pooling windows, and a tie resolved the other way under that
+rounding sends one gradient to another pixel: about 1e-5 on one first-layer filter in the augmented case
+here, hence AUG_ATOL = 2e-4 there, still far below the updates (about 1e-2). Over several epochs such
+flips compound: two epochs of the Federation below differ by 4e-5 after a round, exactly as much as the
+same one-client-at-a-time run with 2 torch threads instead of 1 differs from itself, so that test runs one
+epoch per round.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import MEAN, STD, make_data, model_and_global
+
+from fedrod_ray.algorithms import RULES, build_rule
+from fedrod_ray.batched import (
+    BatchedExecutor,
+    BatchJob,
+    batched_local_update,
+    check_supported,
+    in_process_executor,
+)
+from fedrod_ray.client import ClientFailure, ClientState
+from fedrod_ray.config import ConfigError, TrainConfig, config_from_dict
+from fedrod_ray.federation import Federation, InProcessExecutor, make_host, prepare
+from fedrod_ray.local import ClientData, LocalTrainingError, RoundInput, local_update
+from fedrod_ray.losses import BALANCED_LOSSES
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ATOL, AUG_ATOL = 1e-5, 2e-4
+SEED, ROUND = 11, 1
+# Batch 10: 3, 1, 4 and 2 steps per epoch, last batches of 4, 9, 5 and 10 examples.
+SIZES = (24, 9, 35, 20)
+GENERIC = ("body.", "generic_head.")
+
+
+def train_cfg(head="linear", **kw) -> TrainConfig:
+    base = {"head": head, "local_epochs": 2, "batch_size": 10, "lr": 0.05, "lr_decay": 0.9, "momentum": 0.9,
+            "weight_decay": 1e-3}
+    return TrainConfig(**(base | kw))
+
+
+def random_like(t: torch.Tensor, seed: int, scale: float = 0.1) -> torch.Tensor:
+    return torch.randn(t.shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def make_jobs(variant, shared, rule_name, sizes=SIZES) -> list[BatchJob]:
+    """Clients of different sizes; every other one with a P-head, a rule state and its own starting model
+    of its own (the others start fresh), so both kinds share a pass."""
+    generic = {k: v for k, v in shared.items() if k.startswith(GENERIC)}
+    jobs = []
+    for i, n in enumerate(sizes):
+        job = BatchJob(20 + i, make_data(seed=i, n=n))
+        if i % 2:
+            if variant == "linear":
+                job.personal = {"personal_head.weight": random_like(torch.zeros(10, 50), 100 + i)}
+            if rule_name in ("scaffold", "feddyn"):
+                job.rule_state = {k: random_like(v, 200 + i, 0.01) for k, v in generic.items()}
+            job.initial = {k: v + random_like(v, 300 + i, 0.01) for k, v in shared.items()}
+        jobs.append(job)
+    return jobs
+
+
+def message_for(rule, shared) -> RoundInput:
+    generic = {k: v for k, v in shared.items() if k.startswith(GENERIC)}
+    server = {k: random_like(v, 7, 0.01) for k, v in rule.init_server_state(generic).items()}
+    return RoundInput(shared, rule.broadcast(server))
+
+
+def sequential(variant, message, jobs, cfg, rule, augment):
+    out = []
+    for job in jobs:
+        model, _ = model_and_global(variant)
+        try:
+            out.append(local_update(model, message, job.data, cfg, rule, round_idx=ROUND, seed=SEED,
+                                    client_id=job.client_id, mean=MEAN, std=STD, augment=augment,
+                                    personal=job.personal, rule_state=job.rule_state,
+                                    initial=job.initial if rule.starts_from_local_model else None))
+        except LocalTrainingError as e:
+            out.append(e)
+    return out
+
+
+def assert_same(got, expected, atol):
+    """One client's (result, P-head, rule state) from both paths."""
+    (res, personal, state), (ref, ref_personal, ref_state) = got, expected
+    assert (res.steps, res.num_samples) == (ref.steps, ref.num_samples)
+    assert res.loss == pytest.approx(ref.loss, rel=1e-5, abs=1e-6)
+    if ref.personal_loss is None:
+        assert res.personal_loss is None
+    else:
+        assert res.personal_loss == pytest.approx(ref.personal_loss, rel=1e-5, abs=1e-6)
+    for name, a, b in (("shared", res.shared, ref.shared), ("personal", personal or {}, ref_personal or {}),
+                       ("rule state", state, ref_state), ("upload", res.upload, ref.upload)):
+        assert a.keys() == b.keys(), name
+        for k in b:
+            assert a[k].device.type == "cpu"
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=f"{name} {k}")
+
+
+def run_both(variant, rule_name, augment=False, sizes=SIZES, **cfg_kw):
+    cfg = train_cfg("none" if variant is None else variant, generic_rule=rule_name, **cfg_kw)
+    rule = build_rule(rule_name)
+    model, shared = model_and_global(variant)
+    message = message_for(rule, shared)
+    jobs = make_jobs(variant, shared, rule_name, sizes)
+    if not rule.starts_from_local_model:
+        for job in jobs:
+            job.initial = None
+    got = batched_local_update(model, message, jobs, cfg, rule, round_idx=ROUND, seed=SEED, mean=MEAN, std=STD,
+                               augment=augment)
+    return got, sequential(variant, message, jobs, cfg, rule, augment), shared
+
+
+@pytest.mark.parametrize(("variant", "rule_name"), [(None, "fedavg"), ("linear", "scaffold"), ("hyper", "feddyn"),
+                                                    ("linear", "fedavg")])
+def test_batched_equals_per_client_updates(variant, rule_name):
+    got, expected, shared = run_both(variant, rule_name)
+    assert len(got) == len(expected) == len(SIZES)
+    for g, e in zip(got, expected):
+        assert_same(g, e, ATOL)
+    # Not trivially equal: every client moved, each its own way.
+    moved = [g[0].shared["generic_head.weight"] - shared["generic_head.weight"] for g in got]
+    assert all(m.abs().max() > 1e-3 for m in moved)
+    assert not torch.allclose(moved[0], moved[2])
+    if rule_name in ("scaffold", "feddyn"):
+        assert all(g[2] for g in got)  # a new rule state for every client
+
+
+def test_batched_equals_per_client_updates_with_augmentation():
+    got, expected, _ = run_both("linear", "scaffold", augment=True)
+    for g, e in zip(got, expected):
+        assert_same(g, e, AUG_ATOL)
+
+
+@pytest.mark.parametrize("rule_name", sorted(RULES))
+def test_every_rule_works_batched(rule_name):
+    """Holds every registered rule to what the batched pass assumes of its correction (elementwise over
+    stacked clients, no state between steps): a new rule is checked here without a test of its own."""
+    got, expected, _ = run_both("linear", rule_name, sizes=(24, 9, 20), local_epochs=1)
+    for g, e in zip(got, expected):
+        assert_same(g, e, ATOL)
+
+
+@pytest.mark.parametrize("loss", sorted(BALANCED_LOSSES))
+def test_every_balanced_loss_works_batched(loss):
+    """Padded batches weigh each example on its own: right for every loss that is a mean of per-example
+    terms, as each of losses.py is."""
+    got, expected, _ = run_both(None, "fedavg", sizes=(24, 9), local_epochs=1, balanced_loss=loss)
+    for g, e in zip(got, expected):
+        assert_same(g, e, ATOL)
+
+
+def test_a_failing_client_fails_alone():
+    """No examples, a rule state of the wrong shape, a non-finite loss: that client's own error, as its own
+    update would raise it; the others train as if it were not there."""
+    cfg = train_cfg("linear", generic_rule="feddyn", local_epochs=1)
+    rule = build_rule("feddyn")
+    model, shared = model_and_global("linear")
+    message = message_for(rule, shared)
+    jobs = make_jobs("linear", shared, "feddyn", sizes=(24, 20, 7, 35))
+    for job in jobs:
+        job.initial = None
+    empty = make_data(n=0)
+    jobs[0].data = ClientData(empty.x, empty.y, torch.zeros(10, dtype=torch.long))
+    jobs[1].rule_state = {"generic_head.weight": torch.zeros(3)}
+    jobs[2].personal = {"personal_head.weight": torch.full((10, 50), float("inf"))}
+    got = batched_local_update(model, message, jobs, cfg, rule, round_idx=ROUND, seed=SEED, mean=MEAN, std=STD,
+                               augment=False)
+    assert isinstance(got[0], LocalTrainingError) and "no training examples" in str(got[0])
+    assert isinstance(got[1], ValueError) and "generic_head.weight" in str(got[1])
+    assert isinstance(got[2], LocalTrainingError) and "non-finite loss in local epoch 1" in str(got[2])
+    expected = sequential("linear", message, jobs[2:], cfg, rule, False)
+    assert isinstance(expected[0], LocalTrainingError) and str(expected[0]) == str(got[2])
+    assert_same(got[3], expected[1], ATOL)
+
+
+def test_meta_bsm_is_refused():
+    with pytest.raises(ConfigError, match="train.balanced_loss"):
+        check_supported(TrainConfig(balanced_loss="meta_bsm"))
+    with pytest.raises(ConfigError, match="runtime.batched_clients: .* meta_bsm"):
+        config_from_dict(BASE, ["runtime.batched_clients=4", "train.balanced_loss=meta_bsm"])
+
+
+BASE = {
+    "seed": 3,
+    "data": {"dataset": "synthetic", "num_clients": 6, "alpha": 0.3, "synthetic_train_per_class": 24,
+             "synthetic_test_per_class": 10, "min_per_client": 4},
+    "train": {"rounds": 2, "client_fraction": 0.7, "local_epochs": 1, "batch_size": 16, "head": "hyper",
+              "generic_rule": "scaffold"},
+}
+
+
+def test_federation_round_batched_equals_in_process():
+    """A round of a Federation with the batched executor (groups of at most 2 clients) against the
+    in-process one: the same records, global weights, server state and client states."""
+    cfg = config_from_dict(BASE, ["runtime.batched_clients=2"])
+    assert cfg.runtime.mode == "local"
+    setup = prepare(cfg)
+    batched = Federation(setup, in_process_executor(make_host(setup), cfg.runtime.batched_clients), log=print)
+    plain = Federation(setup, InProcessExecutor(make_host(setup)), log=print)
+    assert isinstance(batched.executor, BatchedExecutor) and type(plain.executor) is InProcessExecutor
+    for r in range(2):
+        a, b = batched.step(r), plain.step(r)
+        assert a["clients_done"] == b["clients_done"] == a["clients"] > 2
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert a["gfl_gm"] == pytest.approx(b["gfl_gm"], abs=0.02)
+    for part_a, part_b in ((batched.global_shared, plain.global_shared), (batched.server_state, plain.server_state)):
+        assert part_a.keys() == part_b.keys()
+        for k in part_b:
+            torch.testing.assert_close(part_a[k], part_b[k], rtol=0, atol=ATOL)
+    for cid, state in plain.clients.items():
+        mine = batched.clients[cid]
+        assert mine.rounds_trained == state.rounds_trained
+        assert mine.tensors().keys() == state.tensors().keys()
+        for k, v in state.tensors().items():
+            torch.testing.assert_close(mine.tensors()[k], v, rtol=0, atol=ATOL)
+
+
+def test_executor_reports_a_client_it_cannot_train():
+    cfg = config_from_dict(BASE, ["runtime.batched_clients=4"])
+    setup = prepare(cfg)
+    executor = in_process_executor(make_host(setup), cfg.runtime.batched_clients)
+    bad = ClientState(rule_state={"generic_head.weight": torch.zeros(2)})
+    message = RoundInput(Federation(setup, executor).global_shared, {})
+    out = dict(executor.train(0, [(0, ClientState()), (1, bad), (2, ClientState())], message))
+    assert sorted(out) == [0, 1, 2]
+    assert isinstance(out[1], ClientFailure) and out[1].client_id == 1 and "ValueError" in out[1].error
+    for slot in (0, 2):
+        result, state = out[slot]
+        assert state.rounds_trained == 1 and state.local_model is result.shared
+
+
+def test_config_switch():
+    assert config_from_dict(BASE).runtime.batched_clients == 0
+    with pytest.raises(ConfigError, match="runtime.batched_clients: must be >= 0"):
+        config_from_dict(BASE, ["runtime.batched_clients=-1"])
+    with pytest.raises(ConfigError, match="runtime.batched_clients: has no effect with runtime.mode=ray"):
+        config_from_dict(BASE, ["runtime.batched_clients=4", "runtime.mode=ray"])

@@ -1,0 +1,256 @@
+"""``fedrod-ray reproduce``: every table's rows are valid configs, the checks before any trial (conflicting
+--set, seeds, rows), mean ± std and the table by hand, and a tiny reproduction on the session's Ray
+(2 rows x 2 seeds x 2 rounds) with its table, results and curves, then resumed without rerunning."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedrod_ray.cli import main
+from fedrod_ray.config import ConfigError
+from tune.reproduce import (
+    FINETUNE_EPOCHS,
+    TABLES,
+    build_spec,
+    format_table,
+    load_spec,
+    mean_std,
+    parse_seeds,
+    parse_sets,
+    reproduce,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "synthetic_tiny.yaml"
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+
+MAIN_ROWS = ["FedAvg", "FedProx", "SCAFFOLD", "FedDyn", "local-only", "Fed-RoD (linear)", "Fed-RoD (hyper)",
+             "Fed-RoD (hyper) + FedDyn", "Fed-RoD (Meta-BSM)"]
+
+
+# --- the tables: every row a valid config -----------------------------------------------------------
+
+
+def test_the_tables_have_the_papers_rows():
+    assert list(TABLES["main"]) == MAIN_ROWS
+    assert list(TABLES["ablation"]) == ["FedAvg", "FedAvg (BRM)", "FedAvg (BRM, FT)", "Fed-RoD (linear)",
+                                        "Fed-RoD (hyper)"]
+    assert list(TABLES["losses"]) == ["CE", "IR", "LDAM", "CDT", "BSM"]
+    assert list(TABLES["new-clients"]) == ["FedAvg", "FedDyn", "Fed-RoD (linear)", "Fed-RoD (hyper)"]
+    assert list(TABLES["imbalanced"]) == [f"{r}, IM {im}" for im in (10, 100) for r in MAIN_ROWS]
+
+
+@pytest.mark.parametrize("base", [TINY, QUICKSTART], ids=lambda p: p.name)
+@pytest.mark.parametrize("table", list(TABLES))
+def test_every_row_of_every_table_is_a_valid_config(table, base):
+    spec = build_spec(table, base, seeds=[0, 3], rounds=2)
+    assert list(spec.rows) == list(TABLES[table])
+    for label, overrides in TABLES[table].items():
+        for seed in (0, 3):
+            cfg = spec.row_config(label, seed)
+            flat = {"seed": cfg.seed, "train.rounds": cfg.train.rounds, "eval.eval_every": cfg.eval.eval_every,
+                    **{f"{s}.{k}": v for s in ("data", "train", "eval") for k, v in vars(getattr(cfg, s)).items()}}
+            assert (flat["seed"], flat["train.rounds"], flat["eval.eval_every"]) == (seed, 2, 1)
+            assert cfg.runtime.mode == "ray"
+            for key, value in overrides.items():
+                if key != "train.rule_params":  # {}: the rule's defaults, filled in by validation
+                    assert flat[key] == value, (label, key)
+
+
+def test_the_rows_say_what_the_contract_says():
+    main, ablation, losses = TABLES["main"], TABLES["ablation"], TABLES["losses"]
+    assert main["FedAvg"] == {"train.head": "none", "train.balanced_loss": "ce", "train.generic_rule": "fedavg",
+                              "train.rule_params": {}}
+    assert main["local-only"]["train.generic_rule"] == "local" and main["local-only"]["train.head"] == "none"
+    assert main["Fed-RoD (hyper) + FedDyn"]["train.generic_rule"] == "feddyn"
+    assert (main["Fed-RoD (Meta-BSM)"]["train.head"], main["Fed-RoD (Meta-BSM)"]["train.balanced_loss"]) == (
+        "linear", "meta_bsm")
+    ft = ablation["FedAvg (BRM, FT)"]
+    assert ft["eval.finetune_train"] is True and ft["eval.finetune_epochs"] == FINETUNE_EPOCHS
+    assert ft["train.balanced_loss"] == "bsm" and ft["train.head"] == "none"
+    assert [r["train.balanced_loss"] for r in losses.values()] == ["ce", "reweight", "ldam", "cdt", "bsm"]
+    assert all(r["train.head"] == "linear" for r in losses.values())
+    assert all(r["eval.finetune_epochs"] == FINETUNE_EPOCHS for r in TABLES["new-clients"].values())
+    assert TABLES["imbalanced"]["FedAvg, IM 100"] == {**main["FedAvg"], "data.imbalance_ratio": 100}
+
+
+# --- checks before any trial ------------------------------------------------------------------------
+
+
+def test_seeds_are_a_count_or_a_list():
+    assert parse_seeds("3") == [0, 1, 2]
+    assert parse_seeds("0,5,7") == [0, 5, 7]
+    assert parse_seeds("7,") == [7]
+    for bad in ("0", "x", "1,1", "-1,", ""):
+        with pytest.raises(ConfigError, match="--seeds"):
+            parse_seeds(bad)
+
+
+@pytest.mark.parametrize("table, sets, kwargs, message", [
+    ("main", ["train.head=linear"], {},
+     r"--set train\.head: conflicts with row 'FedAvg' of table main, which sets train\.head='none'"),
+    ("main", ["train.rule_params.mu=0.1"], {}, r"--set train\.rule_params\.mu: conflicts with row 'FedAvg'"),
+    ("imbalanced", ["data.imbalance_ratio=5"], {}, r"--set data\.imbalance_ratio: conflicts with row 'FedAvg, IM 10'"),
+    ("ablation", ["eval.finetune_train=true"], {"rows": ["FedAvg (BRM, FT)"]},
+     r"--set eval\.finetune_train: conflicts with row 'FedAvg \(BRM, FT\)'"),
+    ("main", ["seed=3"], {}, r"--set seed: the seeds come from --seeds"),
+    ("main", ["eval.eval_every=5"], {}, r"--set eval\.eval_every: has no effect"),
+    ("main", ["runtime.mode=local"], {}, r"--set runtime\.mode: has no effect"),
+    ("main", ["train.rounds=3"], {"rounds": 2}, r"--set train\.rounds: given twice"),
+    ("main", ["train.gama=1"], {}, r"--set: unknown config key train\.gama \(did you mean train\.gamma\?\)"),
+    ("main", ["train.lr=fast"], {}, r"--set: train\.lr: expected a number"),
+    ("main", ["train.gamma=0.5"], {}, r"row 'FedAvg' of table main: train\.gamma: has no effect"),
+    ("main", ["train.lr=-1"], {}, r"row 'FedAvg' of table main: train\.lr: must be > 0"),
+    ("new-clients", ["data.new_clients=0"], {}, r"data\.new_clients: the new-clients table needs held-out clients"),
+    ("mian", [], {}, r"--table: 'mian' is not one of \['main'"),
+    ("main", [], {"rows": ["FedAvg", "FedAVG"]}, r"--row: 'FedAVG' is not a row of table main"),
+    ("main", [], {"finetune_epochs": 2}, r"--finetune-epochs: has no effect"),
+    ("ablation", [], {"finetune_epochs": 0}, r"--finetune-epochs: must be an integer >= 1"),
+    ("main", [], {"resources": {"slots": 2}}, r"--resources: slots is not one of"),
+    ("main", [], {"resources": {"client": {"num_cpus": 0.5}}}, r"--resources: client\.num_cpus: a CPU training"),
+])
+def test_a_bad_reproduction_fails_before_any_trial_naming_it(table, sets, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        build_spec(table, TINY, [0], overrides=parse_sets(sets), **kwargs)
+
+
+def test_set_rows_finetune_epochs_and_resources_reach_the_trials():
+    spec = build_spec("ablation", TINY, [0, 1], rounds=4, overrides=parse_sets(["data.alpha=0.5"]),
+                      rows=["Fed-RoD (linear)", "FedAvg (BRM, FT)"], finetune_epochs=2,
+                      resources={"client_slots": 2, "client": {"num_cpus": 1}})
+    assert list(spec.rows) == ["FedAvg (BRM, FT)", "Fed-RoD (linear)"]  # the table's order
+    assert spec.search == {"row": {"grid": list(spec.rows)}, "seed": {"grid": [0, 1]}}
+    ft = spec.row_config("FedAvg (BRM, FT)", 1)
+    assert (ft.data.alpha, ft.train.rounds, ft.eval.finetune_epochs, ft.eval.finetune_train, ft.seed) == (
+        0.5, 4, 2, True, 1)
+    assert spec.bundles() == [{"memory": 512 * 2**20}, {"CPU": 1.0}, {"CPU": 1.0}]
+
+
+def test_mean_std_by_hand():
+    # mean 0.85; sample std sqrt((0.05**2 + 0.05**2) / 1) = 0.070711
+    assert mean_std([0.9, 0.8]) == "85.00 ± 7.07"
+    # mean 0.5; sample std sqrt((0.1**2 + 0 + 0.1**2) / 2) = 0.1
+    assert mean_std([0.4, 0.5, 0.6]) == "50.00 ± 10.00"
+    assert mean_std([0.123456]) == "12.35"  # one seed: no spread to speak of
+    assert mean_std([0.9, math.nan, 0.8]) == "85.00 ± 7.07"  # a seed without the metric is left out
+    assert mean_std([]) == "-" and mean_std([math.nan]) == "-"
+
+
+def record(row: str, seed: int, status: str = "finished", **metrics) -> dict:
+    base = {k: math.nan for k in ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before",
+                                  "pfl_new_after", "pfl_ft")}
+    return {"row": row, "seed": seed, "rounds": 2, "status": status, **base, **metrics}
+
+
+def test_the_table_by_hand():
+    spec = build_spec("ablation", TINY, [0, 1], rounds=2, rows=["FedAvg", "FedAvg (BRM, FT)", "Fed-RoD (linear)"])
+    records = [
+        record("FedAvg", 0, gfl_gm=0.5, pfl_gm=0.4, pfl_pm=0.9, pfl_pm_global=0.4),
+        record("FedAvg", 1, gfl_gm=0.7, pfl_gm=0.6, pfl_pm=0.7, pfl_pm_global=0.6),
+        record("FedAvg (BRM, FT)", 0, gfl_gm=0.6, pfl_gm=0.6, pfl_pm=0.1, pfl_pm_global=0.6, pfl_ft=0.8),
+        record("FedAvg (BRM, FT)", 1, gfl_gm=0.6, pfl_gm=0.6, pfl_pm=0.1, pfl_pm_global=0.6, pfl_ft=0.9),
+        record("Fed-RoD (linear)", 0, gfl_gm=0.25, pfl_gm=0.5, pfl_pm=0.75),
+        record("Fed-RoD (linear)", 1, "error"),
+    ]
+    lines = format_table(spec, records).splitlines()
+    assert lines[0].startswith("Table ablation: base synthetic_tiny.yaml, 2 rounds, seeds 0, 1; mean ± std")
+    assert lines[2] == "| method | G-FL (GM) | P-FL (GM) | P-FL (PM) | P-FL (PM, global) |"
+    assert lines[4] == "| FedAvg | 60.00 ± 14.14 | 50.00 ± 14.14 | 80.00 ± 14.14 | 50.00 ± 14.14 |"
+    # The FT row's P-FL (PM) is pfl_ft, marked, with a footnote.
+    assert lines[5] == "| FedAvg (BRM, FT) | 60.00 ± 0.00 | 60.00 ± 0.00 | 85.00 ± 7.07 † | 60.00 ± 0.00 |"
+    # An errored seed is left out and said so; a metric no seed has is "-".
+    assert lines[6] == "| Fed-RoD (linear) (1 of 2 seeds) | 25.00 | 50.00 | 75.00 | - |"
+    assert lines[8].startswith(f"† FedAvg (BRM, FT): P-FL (PM) is `pfl_ft`, the global model fine-tuned for "
+                               f"{FINETUNE_EPOCHS} epochs")
+
+    new = build_spec("new-clients", TINY, [0], rounds=2, rows=["Fed-RoD (hyper)"], finetune_epochs=3)
+    lines = format_table(new, [record("Fed-RoD (hyper)", 0, gfl_gm=0.5, pfl_new_before=0.6, pfl_new_after=0.8)])
+    lines = lines.splitlines()
+    assert lines[2] == "| method | G-FL (GM) | new clients, before | new clients, after |"
+    assert lines[4] == "| Fed-RoD (hyper) | 50.00 | 60.00 | 80.00 |"
+    assert "fine-tuning it on their own data for 3 epochs" in lines[6]
+
+
+def test_cli_errors_exit_2_naming_the_problem(tmp_path, capsys):
+    args = ["reproduce", "--config", str(TINY), "--seeds", "2", "--out", str(tmp_path / "r")]
+    assert main([*args, "--table", "mian"]) == 2
+    assert "--table: 'mian' is not one of" in capsys.readouterr().err
+    assert main([*args, "--table", "main", "--set", "train.gama=1"]) == 2
+    assert "train.gama (did you mean train.gamma?)" in capsys.readouterr().err
+    assert main([*args, "--table", "main", "--set", "train.head=linear"]) == 2
+    assert "conflicts with row 'FedAvg'" in capsys.readouterr().err
+    assert main(["reproduce", "--table", "main", "--config", str(TINY)]) == 2
+    assert "reproduce needs --table, --config and --seeds" in capsys.readouterr().err
+    assert main(["reproduce", "--resume", str(tmp_path), "--seeds", "3"]) == 2
+    assert "drop --seeds" in capsys.readouterr().err
+    assert main(["reproduce", "--resume", str(tmp_path)]) == 2
+    assert "holds no reproduction" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+# --- a real reproduction on the session's Ray -------------------------------------------------------
+
+
+def trial_rounds(out: Path) -> dict[str, list[int]]:
+    return {p.parent.name: [json.loads(line)["round"] for line in p.read_text().splitlines()]
+            for p in (out / "trials").glob("*/result.json")}
+
+
+@pytest.mark.slow
+def test_a_tiny_reproduction_writes_its_table_results_and_curves_and_resumes(ray_session, tmp_path, capsys):
+    out = tmp_path / "repro"
+    rows = ["FedAvg (BRM, FT)", "Fed-RoD (linear)"]
+    assert main(["reproduce", "--table", "ablation", "--config", str(TINY), "--seeds", "2", "--rounds", "2",
+                 "--finetune-epochs", "1", "--row", rows[0], "--row", rows[1], "--out", str(out)]) == 0
+    console = capsys.readouterr().out
+    # A line per finished trial, counted.
+    assert sum(f"/4] {r}, seed {s}: finished, round 2/2: G-FL " in console for r in rows for s in (0, 1)) == 4
+
+    with open(out / "results.csv") as f:
+        results = list(csv.DictReader(f))
+    assert [(r["row"], r["seed"], r["rounds"], r["status"]) for r in results] == [
+        (row, str(seed), "2", "finished") for row in rows for seed in (0, 1)]
+    for r in results:
+        for key in ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before"):
+            assert 0 <= float(r[key]) <= 1, (r["row"], key)
+        # Fine-tuned (training clients: pfl_ft; new clients: pfl_new_after) only where the row asks.
+        finetuned = r["row"] == rows[0]
+        assert (r["pfl_ft"] != "") == finetuned and (r["pfl_new_after"] != "") == finetuned
+        # Fed-RoD's generic model is FedAvg (BRM)'s: the personalized loss never reaches theta, psi.
+        twin = next(t for t in results if t["seed"] == r["seed"] and t["row"] != r["row"])
+        assert r["gfl_gm"] == twin["gfl_gm"]
+
+    table = (out / "table.md").read_text()
+    assert table in console  # printed at the end too
+    lines = table.splitlines()
+    for line, row in zip(lines[4:6], rows):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        mine = [r for r in results if r["row"] == row]
+        pm = "pfl_ft" if row == rows[0] else "pfl_pm"
+        expected = [mean_std([float(r[k]) for r in mine]) for k in ("gfl_gm", "pfl_gm", pm, "pfl_pm_global")]
+        expected[2] += " †" if row == rows[0] else ""
+        assert cells == [row, *expected]
+    assert "fine-tuned for 1 epoch (ERM)" in table
+
+    png = (out / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    saved = yaml.safe_load((out / "reproduce.yaml").read_text())
+    assert saved["table"] == "ablation" and list(saved["rows"]) == rows and saved["seeds"] == [0, 1]
+    assert saved["rows"][rows[0]]["eval.finetune_epochs"] == 1
+
+    # The directory holds a reproduction: a second run is refused; --resume finds everything finished,
+    # reruns nothing and writes the same table.
+    with pytest.raises(ConfigError, match="already holds a reproduction; continue it with --resume"):
+        reproduce(load_spec(out), out)
+    before = trial_rounds(out)
+    assert sorted(before.values()) == [[1, 2]] * 4
+    (out / "table.md").unlink()
+    assert main(["reproduce", "--resume", str(out)]) == 0
+    assert trial_rounds(out) == before
+    assert (out / "table.md").read_text() == table

@@ -1,0 +1,432 @@
+"""Reproduce the paper's tables: every row of a table for every seed, as the trials of one Tune experiment.
+
+A table is data: row label -> the config overrides (dotted keys) that make its method. The trials are
+the (row, seed) grid, run by the sweep machinery (``sweep.fit``): each one a whole federation in its own
+placement group, evaluated and checkpointed every round, so rows spread over a cluster like any sweep's
+trials and ``--resume`` finishes a killed reproduction. No scheduler: every trial runs to the end.
+
+    <out>/reproduce.yaml    the reproduction as run: table, base, --set, seeds, each row's overrides
+    <out>/trials/           Ray Tune's experiment
+    <out>/results.csv       one line per (row, seed): its final metrics
+    <out>/table.md          one line per row: mean ± std over the seeds, in %
+    <out>/curves.png        per row, G-FL and P-FL (PM) against rounds, mean over the seeds
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from ray.tune import Callback
+
+from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, build_dataclass, load_config
+
+from .space import SweepSpec
+from .sweep import TRIALS, fit, start_dir
+
+SPEC_FILE = "reproduce.yaml"
+FINETUNE_EPOCHS = 5  # FT: "a few epochs" of ERM on the client's own data, from the global model (--finetune-epochs)
+IMBALANCE_RATIOS = (10, 100)
+# What every trial sets for itself (SweepSpec.trial_config): a --set of these would change nothing.
+TRIAL_OWNED = ("seed", "eval.eval_every", "runtime.mode", "runtime.address", "runtime.clients_per_actor",
+               "runtime.client_resources")
+
+
+def _method(head: str, loss: str, rule: str = "fedavg") -> dict[str, Any]:
+    # Every row names all three axes and resets the rule's parameters to the rule's defaults, so a row
+    # is the same method whatever the base config says.
+    return {"train.head": head, "train.balanced_loss": loss, "train.generic_rule": rule, "train.rule_params": {}}
+
+
+FEDAVG = _method("none", "ce")
+FEDAVG_BRM = _method("none", "bsm")
+LINEAR = _method("linear", "bsm")
+HYPER = _method("hyper", "bsm")
+FINETUNE = {"eval.finetune_epochs": FINETUNE_EPOCHS}
+
+MAIN = {
+    "FedAvg": FEDAVG,
+    "FedProx": _method("none", "ce", "fedprox"),
+    "SCAFFOLD": _method("none", "ce", "scaffold"),
+    "FedDyn": _method("none", "ce", "feddyn"),
+    "local-only": _method("none", "ce", "local"),
+    "Fed-RoD (linear)": LINEAR,
+    "Fed-RoD (hyper)": HYPER,
+    "Fed-RoD (hyper) + FedDyn": _method("hyper", "bsm", "feddyn"),
+    "Fed-RoD (Meta-BSM)": _method("linear", "meta_bsm"),
+}
+TABLES: dict[str, dict[str, dict[str, Any]]] = {
+    "main": MAIN,
+    "ablation": {
+        "FedAvg": FEDAVG,
+        "FedAvg (BRM)": FEDAVG_BRM,
+        "FedAvg (BRM, FT)": {**FEDAVG_BRM, **FINETUNE, "eval.finetune_train": True},
+        "Fed-RoD (linear)": LINEAR,
+        "Fed-RoD (hyper)": HYPER,
+    },
+    # The generic head's loss inside Fed-RoD (linear).
+    "losses": {name: {**LINEAR, "train.balanced_loss": loss}
+               for name, loss in (("CE", "ce"), ("IR", "reweight"), ("LDAM", "ldam"), ("CDT", "cdt"), ("BSM", "bsm"))},
+    # Held-out clients (data.new_clients, from the base or --set) before and after fine-tuning.
+    "new-clients": {
+        "FedAvg": {**FEDAVG, **FINETUNE},
+        "FedDyn": {**_method("none", "ce", "feddyn"), **FINETUNE},
+        "Fed-RoD (linear)": {**LINEAR, **FINETUNE},
+        "Fed-RoD (hyper)": {**HYPER, **FINETUNE},
+    },
+    # The main rows with long-tailed global training data.
+    "imbalanced": {f"{label}, IM {ratio}": {**overrides, "data.imbalance_ratio": ratio}
+                   for ratio in IMBALANCE_RATIOS for label, overrides in MAIN.items()},
+}
+
+# The table's columns: header -> metric (fractions in the records, % in the table).
+COLUMNS = {"G-FL (GM)": "gfl_gm", "P-FL (GM)": "pfl_gm", "P-FL (PM)": "pfl_pm", "P-FL (PM, global)": "pfl_pm_global"}
+NEW_COLUMNS = {"G-FL (GM)": "gfl_gm", "new clients, before": "pfl_new_before", "new clients, after": "pfl_new_after"}
+METRICS = ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before", "pfl_new_after", "pfl_ft")
+CSV_COLUMNS = ("row", "seed", "rounds", "status", *METRICS)
+
+
+@dataclass
+class ReproSpec(SweepSpec):
+    """A reproduction as a sweep whose trials are the (row, seed) grid: ``row`` selects the row's
+    overrides, ``seed`` is the config's seed. ``fixed`` holds --set (and --rounds), applied to every row.
+    The base config travels as its content (``base_config``), so a trial on any node, and a resumed
+    reproduction, run what was read when it started."""
+
+    base_config: dict[str, Any] = field(default_factory=dict)
+    table: str = ""
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seeds: list[int] = field(default_factory=list)
+    scheduler: str = "none"
+
+    def base_data(self) -> dict:
+        return copy.deepcopy(self.base_config)
+
+    def _data(self, params: dict[str, Any], trial: bool) -> dict:
+        # Without a row (the sweep machinery's base config: where to connect), the first row's first seed.
+        row = params.get("row", next(iter(self.rows)))
+        return super()._data({**self.rows[row], "seed": params.get("seed", self.seeds[0])}, trial)
+
+    def row_config(self, row: str, seed: int) -> ExperimentConfig:
+        return self.trial_config({"row": row, "seed": seed})
+
+    @property
+    def rounds(self) -> int:
+        return self.trial_config({}).train.rounds
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "table": self.table, "base": self.base, "set": dict(self.fixed),
+                "seeds": list(self.seeds), "rows": {k: dict(v) for k, v in self.rows.items()},
+                "resources": {"client_slots": self.client_slots, "client": dict(self.client_resources)},
+                "base_config": self.base_data()}
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``3`` -> seeds 0, 1, 2; ``0,5,7`` (a comma: a list) -> those seeds; ``7,`` -> seed 7 alone."""
+    try:
+        if "," in text:
+            seeds = [int(s) for s in text.split(",") if s.strip()]
+        else:
+            seeds = list(range(int(text)))
+    except ValueError:
+        raise ConfigError(f"--seeds: expected a count (3: seeds 0, 1, 2) or a list (0,5,7), got {text!r}") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds: need at least one seed, all >= 0 and distinct, got {text!r}")
+    return seeds
+
+
+def parse_sets(assignments: list[str]) -> dict[str, Any]:
+    """``key=value`` (value as YAML) -> {dotted key: value}."""
+    out = {}
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects key=value, got {assignment!r}")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key}: cannot parse value {raw!r}: {e}") from None
+    return out
+
+
+def _overlap(a: str, b: str) -> bool:
+    """The two dotted keys name the same setting or one holds the other (train.rule_params, .mu)."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def build_spec(table: str, base: str | Path, seeds: list[int], rounds: int | None = None,
+               overrides: dict[str, Any] | None = None, resources: dict | None = None,
+               rows: list[str] | None = None, finetune_epochs: int | None = None) -> ReproSpec:
+    """The reproduction of ``table`` (or of its ``rows`` alone) on the ``base`` config, checked in full:
+    every row's config is built and validated before any trial starts. The rows that fine-tune do it for
+    ``finetune_epochs`` (default FINETUNE_EPOCHS)."""
+    if table not in TABLES:
+        raise ConfigError(f"--table: {table!r} is not one of {list(TABLES)}")
+    unknown = [r for r in rows or [] if r not in TABLES[table]]
+    if unknown:
+        raise ConfigError(f"--row: {unknown[0]!r} is not a row of table {table}: {list(TABLES[table])}")
+    fixed = dict(overrides or {})
+    if rounds is not None:
+        if "train.rounds" in fixed:
+            raise ConfigError("--set train.rounds: given twice, with --rounds; drop one")
+        fixed["train.rounds"] = rounds
+    base = Path(base)
+    if not base.is_file():
+        raise ConfigError(f"--config: {base} does not exist")
+    spec = ReproSpec(base=str(base.resolve()), search={}, fixed=fixed, base_config=load_config(base).to_dict(),
+                     table=table, rows=_finetuning(table, [r for r in TABLES[table] if not rows or r in rows],
+                                                   finetune_epochs),
+                     seeds=list(seeds), name=f"{table}_{base.stem}", **_resources(resources or {}))
+    check(spec)
+    return spec
+
+
+def _finetuning(table: str, rows: list[str], epochs: int | None) -> dict[str, dict[str, Any]]:
+    """The ``rows`` of ``table``, those that fine-tune doing it for ``epochs`` (None: as the table says)."""
+    chosen = {r: dict(TABLES[table][r]) for r in rows}
+    if epochs is None:
+        return chosen
+    if not (isinstance(epochs, int) and epochs >= 1):
+        raise ConfigError(f"--finetune-epochs: must be an integer >= 1, got {epochs!r}")
+    tuned = [row for row in chosen.values() if "eval.finetune_epochs" in row]
+    if not tuned:
+        raise ConfigError(f"--finetune-epochs: has no effect: no row of table {table} run here fine-tunes")
+    for row in tuned:
+        row["eval.finetune_epochs"] = epochs
+    return chosen
+
+
+def _resources(resources: dict) -> dict[str, Any]:
+    """A sweep file's ``resources`` section (client_slots, client) as ReproSpec's fields."""
+    unknown = sorted(set(resources) - {"client_slots", "client"})
+    if unknown:
+        raise ConfigError(f"--resources: {unknown[0]} is not one of client_slots, client")
+    client = resources.get("client") or {"num_cpus": 1}
+    if not isinstance(client, dict):
+        raise ConfigError(f"--resources: client must be a mapping such as {{num_cpus: 1}}, got {client!r}")
+    client = {k: float(v) for k, v in client.items()}
+    if 0 < client.get("num_cpus", 1) < 1 and not client.get("num_gpus"):
+        # plan_layout counts CPU trainings in whole cores: the trial would find no room for its client.
+        raise ConfigError(f"--resources: client.num_cpus: a CPU training takes a whole core; got "
+                          f"{client['num_cpus']} without num_gpus")
+    return {"client_slots": resources.get("client_slots", 1), "client_resources": client}
+
+
+def check(spec: ReproSpec) -> None:
+    spec.search = {"row": {"grid": list(spec.rows)}, "seed": {"grid": list(spec.seeds)}}
+    if not (isinstance(spec.client_slots, int) and spec.client_slots >= 1):
+        raise ConfigError(f"--resources: client_slots must be an integer >= 1, got {spec.client_slots!r}")
+    for key in spec.fixed:
+        owned = next((k for k in TRIAL_OWNED if _overlap(key, k)), None)
+        if owned == "seed":
+            raise ConfigError("--set seed: the seeds come from --seeds")
+        if owned:
+            raise ConfigError(f"--set {key}: has no effect: every trial sets {owned} itself (it is evaluated "
+                              "every round, on its placement group's actors; see --resources)")
+        for label, row in spec.rows.items():
+            clash = next((k for k in row if _overlap(key, k)), None)
+            if clash:
+                raise ConfigError(f"--set {key}: conflicts with row {label!r} of table {spec.table}, which sets "
+                                  f"{clash}={row[clash]!r}; a --set may change only what no row sets")
+    # Keys and types of the base with --set, before any row: an unknown key is the --set's, not a row's.
+    data = spec.base_data()
+    for key, value in spec.fixed.items():
+        apply_override(data, f"{key}={json.dumps(value)}")  # JSON is YAML
+    try:
+        build_dataclass(ExperimentConfig, data)
+    except ConfigError as e:
+        raise ConfigError(f"--set: {e}") from None
+    if spec.table == "new-clients" and data["data"]["new_clients"] < 1:
+        raise ConfigError("data.new_clients: the new-clients table needs held-out clients; the base config has "
+                          "none (e.g. --set data.new_clients=10)")
+    for label in spec.rows:
+        try:
+            spec.trial_config({"row": label})
+        except ConfigError as e:
+            raise ConfigError(f"row {label!r} of table {spec.table}: {e}") from None
+
+
+def load_spec(out_dir: Path) -> ReproSpec:
+    """The reproduction saved in ``out_dir`` (its rows as they were run, whatever TABLES says now)."""
+    path = out_dir / SPEC_FILE
+    if not path.is_file() or not (out_dir / TRIALS).is_dir():
+        raise ConfigError(f"--resume: {out_dir} holds no reproduction ({SPEC_FILE} and {TRIALS}/ are missing)")
+    doc = yaml.safe_load(path.read_text())
+    spec = ReproSpec(base=doc["base"], search={}, fixed=doc["set"], base_config=doc["base_config"],
+                     table=doc["table"], rows=doc["rows"], seeds=doc["seeds"], name=doc["name"],
+                     **_resources(doc["resources"]))
+    check(spec)
+    return spec
+
+
+# --- running it ---------------------------------------------------------------------------------------
+
+
+def reproduce(spec: ReproSpec, out_dir: Path, resume: bool = False) -> list[dict]:
+    """Run (or resume) the reproduction and write its results; returns one record per (row, seed)."""
+    out_dir = out_dir.resolve()
+    if not resume:
+        start_dir(out_dir, SPEC_FILE, spec.to_dict(), "a reproduction", "--out")
+    grid = fit(spec, out_dir, TrialLines(spec), resume)
+    records, curves = collect(spec, grid)
+    write_results(spec, records, curves, out_dir)
+    return records
+
+
+class TrialLines(Callback):
+    """A line per finished trial. Tune saves its callbacks with the experiment: this holds only the spec."""
+
+    def __init__(self, spec: ReproSpec):
+        self.spec = spec
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._line(trials, trial, "finished")
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._line(trials, trial, "error")
+
+    def _line(self, trials, trial, status: str) -> None:
+        done = 1 + sum(t.is_finished() for t in trials if t is not trial)
+        print(f"[{done}/{len(trials)}] {trial_line(self.spec, trial.config, trial.last_result, status)}", flush=True)
+
+
+def trial_line(spec: ReproSpec, params: dict, last: dict, status: str) -> str:
+    head = f"{params['row']}, seed {params['seed']}: {status}"
+    if "gfl_gm" not in last:
+        return head
+    values = "  ".join(f"{name} {100 * last[key]:.2f}" for name, key in (
+        ("G-FL", "gfl_gm"), ("P-FL GM", "pfl_gm"), ("PM", "pfl_pm"), ("PM global", "pfl_pm_global"),
+        ("new before", "pfl_new_before"), ("after", "pfl_new_after"), ("FT", "pfl_ft")) if key in last)
+    return f"{head}, round {last['round']}/{spec.rounds}: {values}"
+
+
+def collect(spec: ReproSpec, grid) -> tuple[list[dict], dict[tuple[str, int], dict[str, list[float]]]]:
+    """One record per (row, seed), in table order, and each finished trial's G-FL and P-FL (PM) per round."""
+    rounds = spec.rounds
+    records, curves = [], {}
+    for result in grid:
+        row, seed = result.config["row"], result.config["seed"]
+        last = result.metrics or {}
+        done = int(last.get("round", 0))
+        status = "error" if result.error else "finished" if done == rounds else "incomplete"
+        records.append({"row": row, "seed": seed, "rounds": done, "status": status,
+                        **{k: float(last[k]) if last.get(k) is not None else math.nan for k in METRICS}})
+        history = result.metrics_dataframe
+        if status == "finished":  # as in the table
+            curves[row, seed] = {k: [float(v) for v in history[k]] for k in ("round", "gfl_gm", "pfl_pm")}
+    order = {label: i for i, label in enumerate(spec.rows)}
+    records.sort(key=lambda r: (order[r["row"]], r["seed"]))
+    return records, curves
+
+
+def mean_std(values: list[float]) -> str:
+    """Fractions as ``mean ± std`` in % with 2 decimals, the sample std (n - 1) over the seeds; one value:
+    the value alone; none: ``-``."""
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "-"
+    mean = 100 * statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.2f}"
+    return f"{mean:.2f} ± {100 * statistics.stdev(values):.2f}"
+
+
+def pm_metric(overrides: dict[str, Any]) -> str:
+    """The row's P-FL (PM): for FT, the fine-tuned global model's (pfl_ft)."""
+    return "pfl_ft" if overrides.get("eval.finetune_train") else "pfl_pm"
+
+
+def format_table(spec: ReproSpec, records: list[dict]) -> str:
+    columns = NEW_COLUMNS if spec.table == "new-clients" else COLUMNS
+    seeds = ", ".join(map(str, spec.seeds))
+    title = (f"Table {spec.table}: base {Path(spec.base).name}, {spec.rounds} rounds, seeds {seeds}; "
+             "mean ± std over the seeds (sample std), accuracies in %.")
+    lines = [title, "",
+             "| method | " + " | ".join(columns) + " |", "|---|" + "|".join("---:" for _ in columns) + "|"]
+    footnotes = []
+    for label, overrides in spec.rows.items():
+        mine = [r for r in records if r["row"] == label and r["status"] == "finished"]
+        cells = []
+        for key in columns.values():
+            mark = ""
+            if key == "pfl_pm" and pm_metric(overrides) == "pfl_ft":
+                key, mark = "pfl_ft", " †"
+                footnote = (f"† {label}: P-FL (PM) is `pfl_ft`, the global model fine-tuned for "
+                            f"{_epochs(overrides['eval.finetune_epochs'])} (ERM) on each client's own data "
+                            "at the last round.")
+                footnotes += [footnote] if footnote not in footnotes else []
+            cells.append(mean_std([r[key] for r in mine]) + mark)
+        name = label if len(mine) == len(spec.seeds) else f"{label} ({len(mine)} of {len(spec.seeds)} seeds)"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if spec.table == "new-clients":
+        epochs = sorted({row["eval.finetune_epochs"] for row in spec.rows.values()})
+        footnotes.append("New clients never train: P-FL of the held-out clients with the global model (hyper: "
+                         "+ its zero-shot head) before, and after fine-tuning it on their own data for "
+                         f"{' or '.join(map(_epochs, epochs))} at the last round.")
+    if footnotes:
+        lines += ["", *footnotes]
+    return "\n".join(lines) + "\n"
+
+
+def _epochs(n: int) -> str:
+    return f"{n} epoch" + ("s" if n != 1 else "")
+
+
+def write_results(spec: ReproSpec, records: list[dict], curves: dict, out_dir: Path) -> None:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for record in records:
+        writer.writerow({k: "" if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()})
+    (out_dir / "results.csv").write_text(out.getvalue())
+    (out_dir / "table.md").write_text(format_table(spec, records))
+    plot_curves(spec, curves, out_dir / "curves.png")
+
+
+def mean_curve(runs: list[dict[str, list[float]]], key: str) -> tuple[list[float], list[float], list[float]]:
+    """Rounds, mean and std (sample std, as in the table; 0 for one run) over the runs of ``key``, at the
+    rounds every run reached."""
+    n = min(len(run["round"]) for run in runs)
+    values = [[run[key][i] for run in runs] for i in range(n)]
+    return (runs[0]["round"][:n], [statistics.fmean(v) for v in values],
+            [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values])
+
+
+def plot_curves(spec: ReproSpec, curves: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharex=True)
+    colors = plt.get_cmap("tab20" if len(spec.rows) > 10 else "tab10")
+    for i, label in enumerate(spec.rows):
+        runs = [c for (row, _), c in sorted(curves.items()) if row == label]
+        if not runs:
+            continue
+        for ax, key in zip(axes, ("gfl_gm", "pfl_pm")):
+            rounds, mean, std = mean_curve(runs, key)
+            ax.plot(rounds, [100 * m for m in mean], color=colors(i), label=label,
+                    marker="." if len(rounds) < 20 else None)
+            ax.fill_between(rounds, [100 * (m - s) for m, s in zip(mean, std)],
+                            [100 * (m + s) for m, s in zip(mean, std)], color=colors(i), alpha=0.15, linewidth=0)
+    for ax, title in zip(axes, ("G-FL (GM)", "P-FL (PM)")):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("round")
+        ax.set_ylabel(f"{title}, %")
+        ax.set_title(f"{title}: mean ± std over {len(spec.seeds)} seed(s)")
+        ax.grid(alpha=0.3)
+    axes[1].legend(loc="best", fontsize=7)
+    fig.suptitle(f"table {spec.table}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
