@@ -10,8 +10,11 @@ per-client seeds, on ``--device``:
 
 Each path gets one untimed warm-up round (2 clients), then ``--repeats`` timed rounds; the table gives the
 median seconds, samples/s (examples x epochs / s) and the speed-up of batched over one after another,
-plus the largest difference between the two paths' trained weights (float rounding, see
-tests/test_batched.py). Run by hand, with nothing else heavy running:
+plus the largest differences between the two paths' trained weights and mean losses over the clients.
+Those are float rounding (another summation order) grown over the update: a near-tie in a max-pooling
+window that rounding resolves the other way sends one gradient to another pixel, and SGD carries the
+difference on (tests/test_batched.py); in float64 the two paths agree to 1e-9. Run by hand, with nothing
+else heavy running:
 
     FEDROD_DATA_DIR=../shared/data python bench/batched_round.py                   # CPU, ~3 minutes on 2 cores
     FEDROD_DATA_DIR=../shared/data python bench/batched_round.py --device cuda --heads none linear hyper
@@ -83,21 +86,22 @@ def bench_head(args, data: dict, head: str) -> tuple[list, list]:
     device = torch.device(args.device)
     paths = {"one after another": InProcessExecutor(host), f"batched (up to {args.group} per pass)":
              BatchedExecutor(host, args.group)}
-    seconds, results = {}, {}
-    for name, executor in paths.items():
+    for executor in paths.values():
         timed_round(executor, jobs[:2], message, device)  # warm-up: allocator, kernels, thread pool
-        times = []
-        for _ in range(args.repeats):
+    times, results = {name: [] for name in paths}, {}
+    for _ in range(args.repeats):  # the paths take turns, so that a change in the machine's load hits both
+        for name, executor in paths.items():
             t, results[name] = timed_round(executor, jobs, message, device)
-            times.append(t)
-        seconds[name] = median(times)
-        print(f"  {head} | {name}: " + ", ".join(f"{t:.2f}s" for t in times), flush=True)
+            times[name].append(t)
+            print(f"  {head} | {name}: {t:.2f}s", flush=True)
+    seconds = {name: median(ts) for name, ts in times.items()}
     (base, base_res), (other, other_res) = ((n, results[n]) for n in paths)
-    diff = max((other_res[c].shared[k] - base_res[c].shared[k]).abs().max().item()
-               for c in ids for k in base_res[c].shared)
+    weight_diff = max((other_res[c].shared[k] - base_res[c].shared[k]).abs().max().item()
+                      for c in ids for k in base_res[c].shared)
+    loss_diff = max(abs(other_res[c].loss - base_res[c].loss) for c in ids)
     rows = [[head, name, f"{seconds[name]:.2f}", f"{samples / seconds[name]:,.0f}",
              f"**{seconds[base] / seconds[name]:.2f}x**" if name == other else "1.00x (base)",
-             f"{diff:.1e}" if name == other else ""] for name in paths]
+             f"{weight_diff:.1e} / {loss_diff:.1e}" if name == other else ""] for name in paths]
     return rows, [len(ids), samples // args.epochs]
 
 
@@ -117,7 +121,7 @@ def main() -> int:
     print(f"\nOne round's local training on {args.device} ({torch.get_num_threads()} torch threads): {shape[0]} "
           f"clients, {shape[1]:,} examples in all, {args.epochs} local epochs, batch {args.batch_size}, rule "
           f"{args.rule}; median of {args.repeats} round(s) after a warm-up:\n")
-    print(md_table("head|path|s / round|samples/s|speed-up|max abs weight diff", rows,
+    print(md_table("head|path|s / round|samples/s|speed-up|max abs diff: weights / mean loss", rows,
                    [False, False, True, True, True, True]))
     return 0
 

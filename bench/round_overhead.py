@@ -3,7 +3,8 @@
 The round (issue 7's target): MNIST, 100 clients, 20 sampled per round, 5 local epochs, batch 40,
 Fed-RoD (linear head) unless ``--head``, evaluation and checkpoints off, one Dirichlet split per
 ``--alphas`` value (default 0.3 and 0.1: unequal and very unequal shards). Every configuration trains
-rounds 1..``--rounds`` after an untimed warm-up round 0, so all see the same sampled clients.
+rounds 1..``--rounds`` after an untimed warm-up round 0, so all see the same sampled clients. With
+``--step compiled`` (``train.step``) every process compiles during that warm-up round.
 
 - in-process: ``Federation`` + ``InProcessExecutor`` with 1 torch thread, every client in turn. Its
   updates' own seconds (``LocalResult.seconds``) are the round's single-thread compute.
@@ -42,7 +43,7 @@ import torch
 from _common import machine_note, make_config, md_table, median, mnist_data_section, ray_memory
 
 from fedrod_ray.client import ClientState
-from fedrod_ray.config import ExperimentConfig, config_from_dict
+from fedrod_ray.config import STEPS, ExperimentConfig, config_from_dict
 from fedrod_ray.coordinator import Coordinator
 from fedrod_ray.federation import Federation, InProcessExecutor, Setup, make_host, prepare
 from fedrod_ray.local import RoundInput
@@ -56,7 +57,7 @@ def bench_config(args, data: dict, alpha: float) -> ExperimentConfig:
         data | {"num_clients": args.clients, "partition": "dirichlet", "alpha": alpha},
         name="round_overhead", seed=args.seed,
         train={"head": args.head, "rounds": NEVER, "client_fraction": args.fraction,
-               "local_epochs": args.epochs, "batch_size": args.batch_size},
+               "local_epochs": args.epochs, "batch_size": args.batch_size, "step": args.step},
         eval={"eval_every": NEVER},
         runtime={"torch_threads": 1, "checkpoint_every": NEVER},
     )
@@ -153,6 +154,8 @@ def parse_args():
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=40)
     p.add_argument("--head", default="linear", choices=["none", "linear", "hyper"])
+    p.add_argument("--step", default="eager", choices=list(STEPS), help="train.step (compiled: every process "
+                   "compiles in its warm-up round)")
     p.add_argument("--cores", type=int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -186,7 +189,7 @@ def main() -> int:
     finally:
         ray.shutdown()
     print(f"\nSeconds per round (median of {args.rounds}), {args.clients} clients, {args.fraction:.0%} per round, "
-          f"{args.epochs} local epochs, batch {args.batch_size}, head {args.head}, {args.cores} cores; "
+          f"{args.epochs} local epochs, batch {args.batch_size}, head {args.head}, step {args.step}, {args.cores} cores; "
           "ratios to the ideal floor (single-thread compute / cores) and to the measured floor (one plain "
           "process per core, largest shard first):\n")
     print(md_table("split|ideal floor s|measured floor s|measured / ideal|in-process (1 thread) s|"

@@ -73,6 +73,8 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-5
     augment: bool | None = None  # None: the dataset's default (on for CIFAR)
+    # How a mini-batch's losses run (fedrod_ray.step): eager | compiled (torch.compile; slower on CPU)
+    step: str = "eager"
 
     @property
     def variant(self) -> str | None:
@@ -145,6 +147,7 @@ DEFAULT_GAMMA = 1.0
 # The balanced losses that have an exponent or margin gamma (Meta-BSM: gamma_m's initial value).
 GAMMA_LOSSES = {"bsm", "ldam", "cdt", "meta_bsm"}
 HEADS = ("none", "linear", "hyper")
+STEPS = ("eager", "compiled")  # train.step (fedrod_ray.step)
 # Keys of earlier versions, with what replaced them.
 _RENAMED = {
     "train.algorithm": "train.head (fedrod -> linear or hyper; fedavg -> none, with train.balanced_loss=ce "
@@ -163,6 +166,7 @@ _CHOICES = {
     "model.arch": {"auto", "mnist_cnn", "cifar_cnn"},
     "train.head": set(HEADS),
     "train.balanced_loss": {"bsm", "ce", "reweight", "ldam", "cdt", "meta_bsm"},
+    "train.step": set(STEPS),
     "runtime.mode": {"auto", "local", "ray"},
 }
 _POSITIVE = {
@@ -327,6 +331,12 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     if rt.batched_clients and t.balanced_loss == "meta_bsm":
         raise ConfigError("runtime.batched_clients: the batched local update does not support "
                           "train.balanced_loss=meta_bsm; set runtime.batched_clients=0")
+    if t.step == "compiled" and t.balanced_loss == "meta_bsm":
+        raise ConfigError("train.step: compiled has no effect with train.balanced_loss=meta_bsm (its meta step "
+                          "runs eagerly); remove it")
+    if t.step == "compiled" and rt.batched_clients:
+        raise ConfigError("train.step: compiled has no effect with runtime.batched_clients (the batched update "
+                          "has a step of its own); remove one of them")
 
 
 def check_resume(saved: ExperimentConfig, new: ExperimentConfig, rounds_done: int) -> None:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .aggregate import StateDict
 from .algorithms import GenericRule
@@ -25,6 +24,7 @@ from .data.transforms import augment_batch, normalize
 from .losses import get_loss
 from .meta_bsm import MetaBSM
 from .models import FedModel
+from .step import make_losses, make_train_step
 
 
 class LocalTrainingError(RuntimeError):
@@ -139,6 +139,12 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
     generic = [k for k in model.generic_keys() if k in params]
     anchor = {k: message.weights[k].to(device) for k in generic}
     correction = rule.start_local(anchor, _to(rule_state or {}, device), _to(message.broadcast, device))
+    if meta is not None:
+        def losses(xb, yb):
+            return meta.step(model, xb, yb, counts, dist, lr)
+    else:
+        losses = make_losses(model, br_loss, gamma, counts, dist, batch_size=cfg.batch_size, step=cfg.step)
+    train_step = make_train_step(model, opt, losses, correction)
 
     loss_sum = torch.zeros((), device=device)
     ploss_sum = torch.zeros((), device=device)
@@ -150,25 +156,10 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
             xb, yb = x_all[idx].contiguous(memory_format=torch.channels_last), y_all[idx]
             if augment:
                 xb = augment_batch(xb, gen, fill=black)
-            if meta is not None:
-                loss_g, loss_p = meta.step(model, xb, yb, counts, dist, lr)
-            else:
-                z = model.features(xb)
-                g = model.generic_head(z)
-                loss_g = br_loss(g, yb, counts, gamma)
-                if model.variant is not None:
-                    loss_p = F.cross_entropy(model.personal_logits(z.detach(), g.detach(), dist), yb)
-            loss = loss_g
-            if model.variant is not None:
-                loss = loss + loss_p
-                ploss_sum += loss_p.detach()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if correction is not None:
-                with torch.no_grad():
-                    correction.apply(params)
-            opt.step()
-            loss_sum += loss_g.detach()
+            loss_g, loss_p = train_step(xb, yb)
+            loss_sum += loss_g
+            if loss_p is not None:
+                ploss_sum += loss_p
             steps += 1
         # One check per epoch: a per-step .item() would synchronise a GPU on every batch.
         if not torch.isfinite(loss_sum + ploss_sum):

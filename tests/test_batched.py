@@ -181,13 +181,6 @@ def test_a_failing_client_fails_alone():
     assert_same(got[3], expected[1], ATOL)
 
 
-def test_meta_bsm_is_refused():
-    with pytest.raises(ConfigError, match="train.balanced_loss"):
-        check_supported(TrainConfig(balanced_loss="meta_bsm"))
-    with pytest.raises(ConfigError, match="runtime.batched_clients: .* meta_bsm"):
-        config_from_dict(BASE, ["runtime.batched_clients=4", "train.balanced_loss=meta_bsm"])
-
-
 BASE = {
     "seed": 3,
     "data": {"dataset": "synthetic", "num_clients": 6, "alpha": 0.3, "synthetic_train_per_class": 24,
@@ -243,3 +236,10 @@ def test_config_switch():
         config_from_dict(BASE, ["runtime.batched_clients=-1"])
     with pytest.raises(ConfigError, match="runtime.batched_clients: has no effect with runtime.mode=ray"):
         config_from_dict(BASE, ["runtime.batched_clients=4", "runtime.mode=ray"])
+
+
+def test_meta_bsm_is_refused():
+    with pytest.raises(ConfigError, match="train.balanced_loss"):
+        check_supported(TrainConfig(balanced_loss="meta_bsm"))
+    with pytest.raises(ConfigError, match="runtime.batched_clients: .*meta_bsm"):
+        config_from_dict(BASE, ["runtime.batched_clients=4", "train.balanced_loss=meta_bsm"])

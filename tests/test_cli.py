@@ -276,9 +276,9 @@ def test_version_and_list():
     assert lines["datasets (data.dataset)"] == "mnist, fmnist, emnist, cifar10, cifar100, synthetic"
     assert lines["heads (train.head)"] == "none, linear, hyper"
     assert lines["generic rules (train.generic_rule)"] == (
-        "fedavg, feddyn (train.rule_params: alpha=0.01), fedprox (train.rule_params: mu=0.01), scaffold")
+        "fedavg, feddyn (train.rule_params: alpha=0.01), fedprox (train.rule_params: mu=0.01), local, scaffold")
     assert lines["balanced losses (train.balanced_loss)"] == (
-        "bsm (train.gamma), cdt (train.gamma), ce, ldam (train.gamma), reweight")
+        "bsm (train.gamma), cdt (train.gamma), ce, ldam (train.gamma), reweight, meta_bsm (train.gamma, train.meta_bsm)")
 
 
 def test_a_near_miss_key_gets_a_suggestion(tmp_path):

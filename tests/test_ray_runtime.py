@@ -114,6 +114,9 @@ VARIANTS = {
     "hyper_scaffold": ("train.head=hyper", "train.generic_rule=scaffold"),
     # One actor per client: fewer clients, since every actor is a process of its own.
     "linear_small": ("data.num_clients=3", "train.client_fraction=1.0"),
+    # The compiled step (every actor compiles its own; batch 10 as in tests/test_step.py, whose graph the
+    # on-disk inductor cache then holds for whichever test compiles second).
+    "linear_compiled": ("train.step=compiled", "train.batch_size=10"),
 }
 _baselines: dict[str, tuple] = {}
 
@@ -134,8 +137,8 @@ ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources
 @pytest.mark.parametrize(
     "variant, layout_overrides",
     [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ()),
-     ("hyper_scaffold", ())],
-    ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold"],
+     ("hyper_scaffold", ()), ("linear_compiled", ())],
+    ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold", "linear-compiled"],
 )
 def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
                                                      variant, layout_overrides):

@@ -313,6 +313,8 @@ def collect(spec: ReproSpec, grid) -> tuple[list[dict], dict[tuple[str, int], di
     rounds = spec.rounds
     records, curves = [], {}
     for result in grid:
+        if result.config is None:  # a trial the run was stopped before it started: below, as "not started"
+            continue
         row, seed = result.config["row"], result.config["seed"]
         last = result.metrics or {}
         done = int(last.get("round", 0))
@@ -322,6 +324,9 @@ def collect(spec: ReproSpec, grid) -> tuple[list[dict], dict[tuple[str, int], di
         history = result.metrics_dataframe
         if status == "finished":  # as in the table
             curves[row, seed] = {k: [float(v) for v in history[k]] for k in ("round", "gfl_gm", "pfl_pm")}
+    seen = {(r["row"], r["seed"]) for r in records}
+    records += [{"row": row, "seed": seed, "rounds": 0, "status": "not started", **dict.fromkeys(METRICS, math.nan)}
+                for row in spec.rows for seed in spec.seeds if (row, seed) not in seen]
     order = {label: i for i, label in enumerate(spec.rows)}
     records.sort(key=lambda r: (order[r["row"]], r["seed"]))
     return records, curves
