@@ -13,10 +13,10 @@ median seconds, samples/s (examples x epochs / s) and the speed-up of batched ov
 plus the largest differences between the two paths' trained weights and mean losses over the clients.
 Those are float rounding (another summation order) grown over the update: a near-tie in a max-pooling
 window that rounding resolves the other way sends one gradient to another pixel, and SGD carries the
-difference on (tests/test_batched.py); in float64 the two paths agree to 1e-9. Run by hand, with nothing
+difference on (tests/test_batched.py); in float64 the two paths agree to 1e-8. Run by hand, with nothing
 else heavy running:
 
-    FEDROD_DATA_DIR=../shared/data python bench/batched_round.py                   # CPU, ~3 minutes on 2 cores
+    FEDROD_DATA_DIR=../shared/data python bench/batched_round.py --threads 1       # CPU, ~2 minutes per head
     FEDROD_DATA_DIR=../shared/data python bench/batched_round.py --device cuda --heads none linear hyper
 
 Without real MNIST it prints a note and uses synthetic 1x28x28 data of MNIST's size.

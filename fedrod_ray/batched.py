@@ -9,8 +9,8 @@ client's own, as ``local.local_update`` has it:
 
 - its data order and augmentation, drawn up front from its own generator (same ``derived_seed``) in the
   order ``local_update`` draws them, so it sees the same batches;
-- its losses: the balanced loss with its own class counts, the personalized one with its own head or, for
-  the hypernetwork, its own class distribution;
+- its losses, the step seam's ``fedrod_losses``: the balanced loss with its own class counts, the
+  personalized one with its own head or, for the hypernetwork, its own class distribution;
 - its momentum buffers (SGD as ``torch.optim.SGD`` computes it, on its rows of the stack) and its rule
   state;
 - its number of steps: clients are stacked most steps first, so the clients still training at a step are
@@ -53,8 +53,9 @@ from .local import (
     effective_step_sum,
     round_lr,
 )
-from .losses import BALANCED_LOSSES
+from .losses import BALANCED_LOSSES, LossFn
 from .models import FedModel
+from .step import fedrod_losses
 
 Outcome = tuple[LocalResult, StateDict | None, StateDict]
 
@@ -79,29 +80,30 @@ class _Plan:
     draws: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # augmentation (dy, dx, flip), (steps, B)
 
 
-class _Forward(nn.Module):
-    """One training forward pass (generic and personalized logits) as a module call, for functional_call."""
+class _Losses(nn.Module):
+    """The step seam's ``fedrod_losses`` as a module call, for ``functional_call``; (l_BR, 0) without a
+    personalized head, since ``vmap`` maps tensors only."""
 
-    def __init__(self, model: FedModel):
+    def __init__(self, model: FedModel, br_loss: LossFn, gamma: float):
         super().__init__()
-        self.model = model
+        self.model, self.br_loss, self.gamma = model, br_loss, gamma
 
-    def forward(self, x: torch.Tensor, dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        m = self.model
-        z = m.features(x)
-        g = m.generic_head(z)
-        # As in local_update: the personalized loss reaches neither theta nor psi.
-        p = m.personal_logits(z.detach(), g.detach(), dist) if m.variant is not None else g
-        return g, p
+    def forward(self, x, y, counts, dist) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_g, loss_p = fedrod_losses(self.model, self.br_loss, self.gamma, x, y, counts, dist)
+        return loss_g, torch.zeros_like(loss_g) if loss_p is None else loss_p
 
 
 def check_supported(cfg: TrainConfig) -> None:
     """The batched update weighs every example of a batch on its own (a padded batch's padding weighs
-    zero), so the balanced loss must be a batch mean of per-example terms: those of ``losses``."""
+    zero), so the balanced loss must be a batch mean of per-example terms: those of ``losses``. It runs
+    eagerly, as ``train.step: eager``."""
     if cfg.balanced_loss not in BALANCED_LOSSES:
         raise ConfigError(f"train.balanced_loss: {cfg.balanced_loss} is not supported by the batched local "
                           f"update (runtime.batched_clients), only {sorted(BALANCED_LOSSES)}; "
                           "set runtime.batched_clients=0")
+    if cfg.step != "eager":
+        raise ConfigError(f"train.step: {cfg.step} has no effect with the batched local update "
+                          "(runtime.batched_clients), which has a step of its own; remove one of them")
 
 
 def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJob], cfg: TrainConfig,
@@ -303,20 +305,16 @@ class _Batches:
 def _client_losses(model: FedModel, cfg: TrainConfig):
     """One client's (l_BR, l_P) on its batch, as a function of its weights: what ``vmap`` maps over clients.
 
-    Each loss is the weighted sum of per-example losses (weights 1/size, zero for padding): the batch mean
-    of ``local_update`` for a full or a short batch alike.
+    ``fedrod_losses`` runs per example (an inner ``vmap`` over the batch, each example a batch of one), and
+    each loss is the weighted sum of the per-example losses (weights 1/size, zero for padding): the batch
+    mean of ``local_update`` for a full or a short batch alike.
     """
-    forward = _Forward(model)
-    br_loss = BALANCED_LOSSES[cfg.balanced_loss]
-    gamma = DEFAULT_GAMMA if cfg.gamma is None else cfg.gamma
+    module = _Losses(model, BALANCED_LOSSES[cfg.balanced_loss], DEFAULT_GAMMA if cfg.gamma is None else cfg.gamma)
 
     def losses(weights, x, y, weight, counts, dist):
-        g, p = functional_call(forward, {f"model.{k}": w for k, w in weights.items()}, (x, dist))
-        per_example = vmap(lambda logits, label: br_loss(logits[None], label[None], counts, gamma))(g, y)
-        loss_g = (per_example * weight).sum()
-        if model.variant is None:
-            return loss_g, torch.zeros_like(loss_g)
-        return loss_g, (F.cross_entropy(p, y, reduction="none") * weight).sum()
+        named = {f"model.{k}": w for k, w in weights.items()}
+        loss_g, loss_p = vmap(lambda xi, yi: functional_call(module, named, (xi[None], yi[None], counts, dist)))(x, y)
+        return (loss_g * weight).sum(), (loss_p * weight).sum()
 
     return losses
 
