@@ -27,6 +27,11 @@ first update's time less a steady one's: with an empty inductor cache in the fir
 Ray actor, or the driver in-process); break-even = compile time / (eager's CPU time - compiled's per
 update), in updates and in in-process rounds of 20 updates.
 
+A last table puts eager against the arithmetic floor of the step: the multiply-adds of every convolution
+and linear layer (forward; backward twice that, once for the first layer, whose input needs no gradient)
+at the speed of this core's own float32 matrix multiply (MKL, 1 thread, on the largest layer's im2col
+shape). No step technique can beat that floor; eager / floor is the most any of them could give.
+
 Run by hand, with nothing else heavy running (about 25 minutes on 2 cores; ``--quick`` about 4):
 
     FEDROD_DATA_DIR=/work/shared/data python bench/local_throughput.py
@@ -119,6 +124,43 @@ def worker(spec: dict) -> dict:
             "faults": [r[2] for r in runs]}
 
 
+def floor_worker(spec: dict) -> dict:
+    """Multiply-adds of one update's steps and this core's float32 GEMM speed on the largest layer's shape."""
+    import torch
+    from torch import nn
+
+    from fedrod_ray.models import build_model
+
+    torch.set_num_threads(1)
+    arch, data, *_ = client_data(spec["shape"], spec["data_dir"])
+    model = build_model(arch, 10, tuple(data.x.shape[1:]), spec["head"], 32 if arch == "cifar_cnn" else 16, seed=0)
+    layers: list[tuple[int, int, int]] = []  # (rows, inner, columns) of each layer's GEMM
+
+    def hook(module, inputs, out):
+        if isinstance(module, nn.Conv2d):
+            inner = module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+            layers.append((out.numel() // module.out_channels, inner, module.out_channels))
+        else:
+            layers.append((out.numel() // module.out_features, module.in_features, module.out_features))
+
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            m.register_forward_hook(hook)
+    with torch.no_grad():
+        model.features(torch.zeros(BATCH, *data.x.shape[1:]))
+    macs = [r * k * c for r, k, c in layers]
+    step_macs = macs[0] * 2 + sum(macs[1:]) * 3  # forward + weight gradient (+ input gradient past layer 1)
+    r, k, c = layers[macs.index(max(macs))]
+    a, b = torch.randn(r, k), torch.randn(k, c)
+    best = float("inf")
+    for _ in range(100):
+        t0 = time.thread_time()
+        a @ b
+        best = min(best, time.thread_time() - t0)
+    steps = EPOCHS * -(-EXAMPLES // BATCH)
+    return {"flops": 2 * step_macs * steps, "gemm_flops_per_s": 2 * r * k * c / best}
+
+
 def run_worker(spec: dict, cache_dir: Path) -> dict:
     env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
     out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, check=True,
@@ -143,6 +185,10 @@ def measure(args) -> dict:
                         print(f"  round {rep + 1}: {shape} {head} {tech}: first {r['first']:.2f}s, then "
                               + ", ".join(f"{w:.2f}" for w in r["wall"]) + f" s, faults/update "
                               f"{median(r['faults']):,.0f}", flush=True)
+        for shape in args.shapes:
+            for head in args.heads:
+                spec = {"shape": shape, "head": head, "data_dir": args.data_dir, "floor": True}
+                results[shape, head, "floor"] = run_worker(spec, Path(tmp) / "floor")
     return results
 
 
@@ -180,6 +226,18 @@ def tables(args, results: dict) -> str:
                  "updates in-process)\n"),
                 md_table(["data / model", "head", "technique", "compile s (cold)", "compile s (warm)",
                           "CPU s saved / update", "break-even (cold)"], compile_rows, [False] * 3 + [True] * 4)]
+    floor_rows = []
+    for shape in args.shapes:
+        for head in args.heads:
+            f = results[shape, head, "floor"]
+            floor_s = f["flops"] / f["gemm_flops_per_s"]
+            eager_s = median([median(r["cpu"]) for r in results[shape, head, "eager"]])
+            floor_rows.append([SHAPES[shape], head, f"{f['flops'] / 1e9:.1f}", f"{f['gemm_flops_per_s'] / 1e9:.0f}",
+                               f"{floor_s:.2f}", f"{eager_s:.2f}", f"{eager_s / floor_s:.2f}x"])
+    out += [("\n### The arithmetic floor (multiply-adds of the convolutions and linear layers at this core's float32 "
+             "GEMM speed, 1 thread) against eager's CPU time per update\n"),
+            md_table(["data / model", "head", "GFLOP / update", "GEMM GFLOP/s", "floor s / update",
+                      "eager CPU s / update", "eager / floor"], floor_rows, [False] * 2 + [True] * 5)]
     return "\n".join(out)
 
 
@@ -195,7 +253,8 @@ def main() -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
+        spec = json.loads(args.worker)
+        print(json.dumps(floor_worker(spec) if spec.get("floor") else worker(spec)))
         return 0
     if args.quick:
         args.shapes, args.heads, args.techniques, args.repeats = ["mnist"], ["linear"], ["eager", "retain",

@@ -40,7 +40,7 @@ from .aggregate import StateDict
 from .algorithms import GenericRule, LocalCorrection
 from .client import ClientFailure, ClientHost, ClientState
 from .config import DEFAULT_GAMMA, ConfigError, TrainConfig
-from .data.transforms import augment_draws, normalize, shift_flip
+from .data.transforms import augment_draws, normalize, normalized_black, shift_flip
 from .federation import InProcessExecutor, Job
 from .local import (
     TRAIN_TAG,
@@ -289,8 +289,7 @@ class _Batches:
                 for full, d in zip(self.draws, plan.draws):
                     full[:len(plan.sizes), m] = d
             self.draws = tuple(d.to(device) for d in self.draws)
-            # Zero-padding of the raw image, expressed after normalisation.
-            self.fill = [-m / s for m, s in zip(mean, std)]
+            self.fill = normalized_black(mean, std)
 
     def step(self, s: int, active: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x, y, weight) of step s for the first ``active`` clients: (active, B, C, H, W), (active, B) twice."""

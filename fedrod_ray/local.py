@@ -20,7 +20,7 @@ import torch
 from .aggregate import StateDict
 from .algorithms import GenericRule
 from .config import DEFAULT_GAMMA, TrainConfig
-from .data.transforms import augment_batch, normalize
+from .data.transforms import augment_batch, normalize, normalized_black
 from .losses import get_loss
 from .meta_bsm import MetaBSM
 from .models import FedModel
@@ -127,8 +127,7 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
     y_all = data.y.to(device)
     counts = data.counts.to(device)
     dist = data.class_dist.to(device)
-    # Zero-padding of the raw image, expressed after normalisation.
-    black = [-m / s for m, s in zip(mean, std)] if augment else None
+    black = normalized_black(mean, std) if augment else None
     meta = MetaBSM(cfg, meta_set, meta_state, mean, std, device) if cfg.balanced_loss == "meta_bsm" else None
     br_loss = get_loss(cfg.balanced_loss) if meta is None else None
     gamma = DEFAULT_GAMMA if cfg.gamma is None else cfg.gamma

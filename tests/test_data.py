@@ -33,7 +33,7 @@ from fedrod_ray.data import (
     resolve_data_dir,
 )
 from fedrod_ray.data.idx import read_idx
-from fedrod_ray.data.transforms import shift_flip
+from fedrod_ray.data.transforms import normalized_black, shift_flip
 
 IDX_NAMES = (
     "train-images-idx3-ubyte.gz",
@@ -488,7 +488,8 @@ def test_augment_fill_matches_augmenting_before_normalize():
     x = torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)
     mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
     raw_first = normalize(augment_batch(x, torch.Generator().manual_seed(5)), mean, std)
-    fill = [-m / s for m, s in zip(mean, std)]
+    fill = normalized_black(mean, std)
+    assert torch.allclose(normalize(torch.zeros(1, 3, 1, 1, dtype=torch.uint8), mean, std).flatten(), torch.tensor(fill))
     norm_first = augment_batch(normalize(x, mean, std), torch.Generator().manual_seed(5), fill=fill)
     assert torch.allclose(raw_first, norm_first, atol=1e-5)
     assert not torch.allclose(raw_first, augment_batch(normalize(x, mean, std), torch.Generator().manual_seed(5)))

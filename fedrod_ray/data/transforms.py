@@ -17,6 +17,12 @@ def normalize(x_uint8: Tensor, mean: Sequence[float], std: Sequence[float]) -> T
     return (x_uint8.to(torch.float32) / 255.0 - m) / s
 
 
+def normalized_black(mean: Sequence[float], std: Sequence[float]) -> list[float]:
+    """The raw image's zero (black) per channel after ``normalize``: the padding value of an augmentation
+    applied to normalised images."""
+    return [-m / sd for m, sd in zip(mean, std)]
+
+
 def shift_flip(
     x: Tensor, dy: Tensor, dx: Tensor, flip: Tensor, pad: int = PAD, fill: float | Sequence[float] = 0.0
 ) -> Tensor:
@@ -50,7 +56,7 @@ def augment_batch(x: Tensor, generator: torch.Generator, fill: float | Sequence[
     """Pad 2, random H x W crop, random horizontal flip, each drawn per example.
 
     The usual pipeline pads the raw image with black: apply this to uint8 images before ``normalize``,
-    or to normalised images with ``fill = [-m / s for m, s in zip(mean, std)]``. The draws come from
+    or to normalised images with ``fill=normalized_black(mean, std)``. The draws come from
     ``generator`` (on its own device) and are then moved to ``x``'s device, so a given generator state
     always gives the same augmentation.
     """
