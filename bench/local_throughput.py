@@ -28,7 +28,7 @@ Ray actor, or the driver in-process); break-even = compile time / (eager's CPU t
 update), in updates and in in-process rounds of 20 updates.
 
 A last table puts eager against the arithmetic floor of the step: the multiply-adds of every convolution
-and linear layer (forward; backward twice that, once for the first layer, whose input needs no gradient)
+and linear layer of the feature extractor (the heads' are negligible; so the floor is one per shape) (forward; backward twice that, once for the first layer, whose input needs no gradient)
 at the speed of this core's own float32 matrix multiply (MKL, 1 thread, on the largest layer's im2col
 shape). No step technique can beat that floor; eager / floor is the most any of them could give.
 
@@ -125,7 +125,8 @@ def worker(spec: dict) -> dict:
 
 
 def floor_worker(spec: dict) -> dict:
-    """Multiply-adds of one update's steps and this core's float32 GEMM speed on the largest layer's shape."""
+    """Multiply-adds of one update's steps through the feature extractor, and this core's float32 GEMM speed
+    on its largest layer's shape."""
     import torch
     from torch import nn
 
@@ -133,7 +134,7 @@ def floor_worker(spec: dict) -> dict:
 
     torch.set_num_threads(1)
     arch, data, *_ = client_data(spec["shape"], spec["data_dir"])
-    model = build_model(arch, 10, tuple(data.x.shape[1:]), spec["head"], 32 if arch == "cifar_cnn" else 16, seed=0)
+    model = build_model(arch, 10, tuple(data.x.shape[1:]), None, 16, seed=0)
     layers: list[tuple[int, int, int]] = []  # (rows, inner, columns) of each layer's GEMM
 
     def hook(module, inputs, out):
@@ -143,7 +144,7 @@ def floor_worker(spec: dict) -> dict:
         else:
             layers.append((out.numel() // module.out_features, module.in_features, module.out_features))
 
-    for m in model.modules():
+    for m in model.body.modules():
         if isinstance(m, (nn.Conv2d, nn.Linear)):
             m.register_forward_hook(hook)
     with torch.no_grad():
@@ -186,9 +187,8 @@ def measure(args) -> dict:
                               + ", ".join(f"{w:.2f}" for w in r["wall"]) + f" s, faults/update "
                               f"{median(r['faults']):,.0f}", flush=True)
         for shape in args.shapes:
-            for head in args.heads:
-                spec = {"shape": shape, "head": head, "data_dir": args.data_dir, "floor": True}
-                results[shape, head, "floor"] = run_worker(spec, Path(tmp) / "floor")
+            spec = {"shape": shape, "data_dir": args.data_dir, "floor": True}
+            results[shape, "floor"] = run_worker(spec, Path(tmp) / "floor")
     return results
 
 
@@ -229,7 +229,7 @@ def tables(args, results: dict) -> str:
     floor_rows = []
     for shape in args.shapes:
         for head in args.heads:
-            f = results[shape, head, "floor"]
+            f = results[shape, "floor"]
             floor_s = f["flops"] / f["gemm_flops_per_s"]
             eager_s = median([median(r["cpu"]) for r in results[shape, head, "eager"]])
             floor_rows.append([SHAPES[shape], head, f"{f['flops'] / 1e9:.1f}", f"{f['gemm_flops_per_s'] / 1e9:.0f}",
