@@ -5,4 +5,4 @@ model) and a personalized head per client (for each client's own model), trained
 actors.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -108,7 +108,7 @@ class ClientHost:
         self.rule = build_rule(cfg.train.generic_rule, cfg.train.rule_params)
         self.model: FedModel = build_model(cfg.model.arch, num_classes, tuple(train_x.shape[1:]),
                                            cfg.train.variant, cfg.hyper_hidden, cfg.seed,
-                                           cfg.train.mwn_hidden).to(self.device)
+                                           cfg.train.mwn_hidden, cfg.model.init).to(self.device)
         self._finetune_model: FedModel | None = None
 
     def data(self, client_id: int) -> ClientData:

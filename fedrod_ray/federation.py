@@ -69,7 +69,7 @@ class Setup:
     def build_model(self) -> FedModel:
         ds = self.dataset
         return build_model(self.cfg.model.arch, ds.num_classes, ds.image_shape, self.cfg.train.variant,
-                           self.cfg.hyper_hidden, self.cfg.seed, self.cfg.train.mwn_hidden)
+                           self.cfg.hyper_hidden, self.cfg.seed, self.cfg.train.mwn_hidden, self.cfg.model.init)
 
     def model_meta(self, rounds_done: int, metrics: dict[str, float]) -> ModelMeta:
         ds, cfg = self.dataset, self.cfg

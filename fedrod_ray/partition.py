@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fedrod_ray.config import ConfigError
+
 if TYPE_CHECKING:
     from fedrod_ray.config import DataConfig
 
@@ -175,6 +177,11 @@ def make_partition(cfg: DataConfig, train_labels: np.ndarray, num_classes: int, 
     is_new[held_out] = True
     order = np.concatenate([np.flatnonzero(~is_new), np.flatnonzero(is_new)])
     client_indices = [pool[parts[m]] for m in order]
+    empty = [m for m, idx in enumerate(client_indices) if len(idx) == 0]
+    if empty:
+        # Its class distribution, its P-FL weights and its aggregation weight would all be 0/0.
+        raise ConfigError(f"data.min_per_client: this split leaves client(s) {empty[:10]} with no examples; "
+                          "set data.min_per_client to at least 1 (or use another seed or data.alpha)")
     return Partition(client_indices, class_counts(labels, client_indices, num_classes), cfg.num_clients, meta)
 
 

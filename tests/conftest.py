@@ -25,10 +25,11 @@ def shared_data_dir() -> Path:
     """The directory holding the verified real datasets (``../shared/data``).
 
     Absent, the tests that need it skip on a developer's machine, but fail in CI (``CI`` set), where the
-    data is always beside the clone: a CI run must never pass without decoding real MNIST.
+    data is always beside the clone: a CI run must never pass without decoding real MNIST and Fashion-MNIST.
     """
-    if not all((SHARED_DATA / "mnist" / f).is_file() for f in MNIST_FILES):
-        message = f"real MNIST not found under {SHARED_DATA}/mnist (set FEDROD_TEST_DATA)"
+    missing = [name for name in ("mnist", "fmnist") if not all((SHARED_DATA / name / f).is_file() for f in MNIST_FILES)]
+    if missing:
+        message = f"real {' and '.join(missing)} not found under {SHARED_DATA} (set FEDROD_TEST_DATA)"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)

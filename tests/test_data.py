@@ -148,6 +148,33 @@ def test_real_mnist(shared_data_dir):
     assert ds.train_y[:10].tolist() == [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]
 
 
+def test_real_fmnist(shared_data_dir):
+    ds = load_dataset(cfg("fmnist", shared_data_dir))
+    assert ds.train_x.shape == (60000, 1, 28, 28) and ds.test_x.shape == (10000, 1, 28, 28)
+    assert ds.train_x.dtype == torch.uint8 and ds.train_y.dtype == torch.int64 and ds.train_x.is_contiguous()
+    assert ds.train_y.bincount().tolist() == [6000] * 10 and ds.test_y.bincount().tolist() == [1000] * 10
+    assert ds.num_classes == 10 and not ds.augment
+    assert ds.mean == (0.2860,) and ds.std == (0.3530,)
+    # The first labels (9: ankle boot) and pixels of the official files, and the published statistics.
+    assert ds.train_y[:10].tolist() == [9, 0, 0, 3, 0, 2, 7, 2, 5, 5]
+    assert ds.test_y[:10].tolist() == [9, 2, 1, 1, 6, 1, 4, 6, 5, 7]
+    first = ds.train_x[0, 0]
+    assert first[:3].sum() == 0 and [int(first[3, c]) for c in (12, 15, 16)] == [1, 13, 73]
+    assert int(first.sum(dtype=torch.int64)) == 76247 and int(ds.test_x[0, 0].sum(dtype=torch.int64)) == 33456
+    hist = torch.bincount(ds.train_x.flatten(), minlength=256).double()
+    levels = torch.arange(256, dtype=torch.float64) / 255
+    mean = (hist * levels).sum() / hist.sum()
+    std = ((hist * (levels - mean) ** 2).sum() / hist.sum()).sqrt()
+    assert mean.item() == pytest.approx(0.2860, abs=1e-4) and std.item() == pytest.approx(0.3530, abs=1e-4)
+
+
+def test_normalize_false_is_plain_scaling(shared_data_dir):
+    """data.normalize: false makes every consumer of the dataset's statistics use x / 255."""
+    ds = load_dataset(cfg("fmnist", shared_data_dir, normalize=False))
+    assert ds.mean == (0.0,) and ds.std == (1.0,)
+    assert torch.equal(normalize(ds.test_x[:2], ds.mean, ds.std), ds.test_x[:2].float() / 255)
+
+
 # ---------------------------------------------------------------- IDX: Fashion-MNIST, EMNIST, corruption
 
 

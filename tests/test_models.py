@@ -150,3 +150,30 @@ def test_bad_arch_and_variant():
         FedModel("resnet", 10, 1)
     with pytest.raises(ValueError):
         FedModel("mnist_cnn", 10, 1, variant="mixture")
+
+
+@pytest.mark.parametrize("arch, shape", [("mnist_cnn", MNIST), ("cifar_cnn", (3, 32, 32))])
+def test_normal_init_is_he_normal_and_pytorch_init_is_uniform(arch, shape):
+    """model.init: normal draws every weight of theta, psi and nu's first layer from N(0, 2 / fan_in) (the
+    sample std within 4 of its standard errors, 1 / sqrt(2n)), biases 0; pytorch keeps PyTorch's uniform
+    U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    normal = build_model(arch, 10, shape, "hyper", init="normal").state_dict()
+    uniform = build_model(arch, 10, shape, "hyper", init="pytorch").state_dict()
+    for k, w in normal.items():
+        if k == "hypernet.net.2.weight":  # zero under both: a fresh PM is the GM
+            assert not w.any() and not uniform[k].any()
+        elif k.endswith("bias"):
+            assert not w.any() and uniform[k].any(), k
+        else:
+            fan_in = w[0].numel()
+            assert w.std().item() == pytest.approx((2 / fan_in) ** 0.5, rel=4 / (2 * w.numel()) ** 0.5), k
+            assert w.abs().max() > fan_in ** -0.5 >= uniform[k].abs().max(), k
+
+
+def test_normal_init_gives_every_variant_the_same_theta_and_psi():
+    models = [build_model("mnist_cnn", 10, MNIST, v, seed=3) for v in (None, "linear", "hyper")]
+    states = [m.state_dict() for m in models]
+    for k in models[0].generic_keys():
+        assert torch.equal(states[0][k], states[1][k]) and torch.equal(states[0][k], states[2][k]), k
+    with pytest.raises(ValueError, match="unknown init 'xavier'"):
+        build_model("mnist_cnn", 10, MNIST, None, init="xavier")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedrod_ray.config import DataConfig
+from fedrod_ray.config import ConfigError, DataConfig, config_from_dict
+from fedrod_ray.data import load_dataset
 from fedrod_ray.partition import (
     Partition,
     class_counts,
@@ -145,3 +146,29 @@ def test_format_partition_table_and_summary():
     assert f"min {sizes.min()}, median {float(np.median(sizes)):g}, max {sizes.max()}" in text
     assert f"classes per client: mean {(p.counts > 0).sum(1).mean():.2f} of 10" in text
     assert "new clients: 5, 6" in text
+
+
+def test_an_empty_client_is_an_error_naming_min_per_client():
+    y = np.repeat(np.arange(10), 5)
+    with pytest.raises(ConfigError, match=r"data.min_per_client: this split leaves client\(s\) \[.*\] with no examples"):
+        make_partition(DataConfig(num_clients=40, alpha=0.05), y, 10, 0)
+    assert make_partition(DataConfig(num_clients=40, alpha=0.05, min_per_client=1), y, 10, 0).sizes.min() == 1
+
+
+def test_min_per_client_has_no_effect_with_iid():
+    with pytest.raises(ConfigError, match="data.min_per_client: has no effect with data.partition=iid"):
+        config_from_dict({"data": {"partition": "iid", "min_per_client": 5}})
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fmnist_dir03_splits_never_need_the_top_up(shared_data_dir, seed):
+    """The protocol audit's claim: on Fashion-MNIST under Dir(0.3) (100 clients, or 50 + 50 new, with or
+    without Meta-BSM's meta set) every client already has >= 10 examples, so data.min_per_client 0 (the
+    paper's) and 10 (earlier versions') give the same split, and the main and new-client tables need no run
+    under both."""
+    labels = load_dataset(DataConfig(dataset="fmnist", data_dir=str(shared_data_dir), download=False)).train_y.numpy()
+    for clients, new in ((100, 0), (50, 50)):
+        for meta in (0, 10):
+            parts = [make_partition(DataConfig(dataset="fmnist", num_clients=clients, new_clients=new, alpha=0.3,
+                                               min_per_client=k), labels, 10, seed, meta) for k in (0, 10)]
+            assert all(np.array_equal(a, b) for a, b in zip(parts[0].client_indices, parts[1].client_indices))

@@ -100,7 +100,7 @@ def test_seeds_are_a_count_or_a_list():
     ("ablation", ["eval.finetune_train=true"], {"rows": ["FedAvg (BRM, FT)"]},
      r"--set eval\.finetune_train: conflicts with row 'FedAvg \(BRM, FT\)'"),
     ("main", ["seed=3"], {}, r"--set seed: the seeds come from --seeds"),
-    ("main", ["eval.eval_every=5"], {}, r"--set eval\.eval_every: has no effect"),
+    ("main", ["runtime.client_resources={num_cpus: 2}"], {}, r"--set runtime\.client_resources: has no effect"),
     ("main", ["runtime.mode=local"], {}, r"--set runtime\.mode: has no effect"),
     ("main", ["train.rounds=3"], {"rounds": 2}, r"--set train\.rounds: given twice"),
     ("main", ["train.gama=1"], {}, r"--set: unknown config key train\.gama \(did you mean train\.gamma\?\)"),
@@ -206,8 +206,10 @@ def trial_rounds(out: Path) -> dict[str, list[int]]:
 def test_a_tiny_reproduction_writes_its_table_results_and_curves_and_resumes(ray_session, tmp_path, capsys):
     out = tmp_path / "repro"
     rows = ["FedAvg (BRM, FT)", "Fed-RoD (linear)"]
+    # Evaluated as the config says: round 2 (the last) only.
     assert main(["reproduce", "--table", "ablation", "--config", str(TINY), "--seeds", "2", "--rounds", "2",
-                 "--finetune-epochs", "1", "--row", rows[0], "--row", rows[1], "--out", str(out)]) == 0
+                 "--set", "eval.eval_every=2", "--finetune-epochs", "1", "--row", rows[0], "--row", rows[1],
+                 "--out", str(out)]) == 0
     console = capsys.readouterr().out
     # A line per finished trial, counted.
     assert sum(f"/4] {r}, seed {s}: finished, round 2/2: G-FL " in console for r in rows for s in (0, 1)) == 4
@@ -250,6 +252,10 @@ def test_a_tiny_reproduction_writes_its_table_results_and_curves_and_resumes(ray
         reproduce(load_spec(out), out)
     before = trial_rounds(out)
     assert sorted(before.values()) == [[1, 2]] * 4
+    for report in (out / "trials").glob("*/result.json"):
+        evaluated = [json.loads(line)["round"] for line in report.read_text().splitlines()
+                     if "gfl_gm" in json.loads(line)]
+        assert evaluated == [2], report
     (out / "table.md").unlink()
     assert main(["reproduce", "--resume", str(out)]) == 0
     assert trial_rounds(out) == before

@@ -2,8 +2,10 @@
 
 A table is data: row label -> the config overrides (dotted keys) that make its method. The trials are
 the (row, seed) grid, run by the sweep machinery (``sweep.fit``): each one a whole federation in its own
-placement group, evaluated and checkpointed every round, so rows spread over a cluster like any sweep's
-trials and ``--resume`` finishes a killed reproduction. No scheduler: every trial runs to the end.
+placement group, checkpointed every round, so rows spread over a cluster like any sweep's trials and
+``--resume`` finishes a killed reproduction. No scheduler: every trial runs to the end, so a trial is
+evaluated as its config says (``eval.eval_every``, and always at the last round), not every round as a
+sweep's trials are for ASHA.
 
     <out>/reproduce.yaml    the reproduction as run: table, base, --set, seeds, each row's overrides
     <out>/trials/           Ray Tune's experiment
@@ -36,8 +38,7 @@ SPEC_FILE = "reproduce.yaml"
 FINETUNE_EPOCHS = 5  # FT: "a few epochs" of ERM on the client's own data, from the global model (--finetune-epochs)
 IMBALANCE_RATIOS = (10, 100)
 # What every trial sets for itself (SweepSpec.trial_config): a --set of these would change nothing.
-TRIAL_OWNED = ("seed", "eval.eval_every", "runtime.mode", "runtime.address", "runtime.clients_per_actor",
-               "runtime.client_resources")
+TRIAL_OWNED = ("seed", "runtime.mode", "runtime.address", "runtime.clients_per_actor", "runtime.client_resources")
 
 
 def _method(head: str, loss: str, rule: str = "fedavg") -> dict[str, Any]:
@@ -113,7 +114,10 @@ class ReproSpec(SweepSpec):
     def _data(self, params: dict[str, Any], trial: bool) -> dict:
         # Without a row (the sweep machinery's base config: where to connect), the first row's first seed.
         row = params.get("row", next(iter(self.rows)))
-        return super()._data({**self.rows[row], "seed": params.get("seed", self.seeds[0])}, trial)
+        data = super()._data({**self.rows[row], "seed": params.get("seed", self.seeds[0])}, False)
+        if trial:
+            self.place_trial(data)
+        return data
 
     def row_config(self, row: str, seed: int) -> ExperimentConfig:
         return self.trial_config({"row": row, "seed": seed})
@@ -229,8 +233,8 @@ def check(spec: ReproSpec) -> None:
         if owned == "seed":
             raise ConfigError("--set seed: the seeds come from --seeds")
         if owned:
-            raise ConfigError(f"--set {key}: has no effect: every trial sets {owned} itself (it is evaluated "
-                              "every round, on its placement group's actors; see --resources)")
+            raise ConfigError(f"--set {key}: has no effect: every trial sets {owned} itself (it runs on its "
+                              "placement group's actors; see --resources)")
         for label, row in spec.rows.items():
             clash = next((k for k in row if _overlap(key, k)), None)
             if clash:
@@ -322,8 +326,9 @@ def collect(spec: ReproSpec, grid) -> tuple[list[dict], dict[tuple[str, int], di
         records.append({"row": row, "seed": seed, "rounds": done, "status": status,
                         **{k: float(last[k]) if last.get(k) is not None else math.nan for k in METRICS}})
         history = result.metrics_dataframe
-        if status == "finished":  # as in the table
-            curves[row, seed] = {k: [float(v) for v in history[k]] for k in ("round", "gfl_gm", "pfl_pm")}
+        if status == "finished":  # as in the table; the evaluated rounds only
+            evaluated = history[history["gfl_gm"].notna()]
+            curves[row, seed] = {k: [float(v) for v in evaluated[k]] for k in ("round", "gfl_gm", "pfl_pm")}
     seen = {(r["row"], r["seed"]) for r in records}
     records += [{"row": row, "seed": seed, "rounds": 0, "status": "not started", **dict.fromkeys(METRICS, math.nan)}
                 for row in spec.rows for seed in spec.seeds if (row, seed) not in seen]

@@ -64,12 +64,15 @@ class SweepSpec:
         for key, value in [*self.fixed.items(), *params.items()]:
             apply_override(data, f"{key}={json.dumps(value)}")  # JSON is YAML
         if trial:
-            # Every round is evaluated: a trial reports each round's metrics, on which ASHA decides. Its
-            # client actors fill the trial's placement group, whatever the base's runtime says.
+            # Every round is evaluated: a trial reports each round's metrics, on which ASHA decides.
             data["eval"]["eval_every"] = 1
-            data["runtime"].update(mode="ray", address=None, clients_per_actor=0,
-                                   client_resources=dict(self.client_resources))
+            self.place_trial(data)
         return data
+
+    def place_trial(self, data: dict) -> None:
+        """A trial's client actors fill its placement group, whatever the base's runtime says."""
+        data["runtime"].update(mode="ray", address=None, clients_per_actor=0,
+                               client_resources=dict(self.client_resources))
 
     def experiment_config(self, params: dict[str, Any]) -> ExperimentConfig:
         """The base config with the fixed overrides and ``params`` (dotted key -> value): what

@@ -72,12 +72,15 @@ def fit(spec: SweepSpec, out_dir: Path, callback: Callback, resume: bool):
             tuner = tune.Tuner.restore(str(out_dir / TRIALS), trainable=trainable, resume_unfinished=True,
                                        resume_errored=True)
         else:
-            scheduler = None
+            scheduler, metric = None, {}
             if spec.scheduler == "asha":
                 scheduler = tune.schedulers.ASHAScheduler(max_t=_base(spec).train.rounds, **spec.asha)
+                # Only a scheduler reads it; Tune would then demand it in every report, and a trial that is
+                # not evaluated every round (a reproduction's) has none in between.
+                metric = {"metric": "objective", "mode": "max"}
             tuner = tune.Tuner(
                 trainable, param_space=param_space(spec),
-                tune_config=tune.TuneConfig(metric="objective", mode="max", scheduler=scheduler,
+                tune_config=tune.TuneConfig(**metric, scheduler=scheduler,
                                             num_samples=spec.num_samples, reuse_actors=False),
                 run_config=tune.RunConfig(name=TRIALS, storage_path=str(out_dir), verbose=0,
                                           callbacks=[callback],

@@ -53,7 +53,8 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
         for r in range(fed.next_round, cfg.train.rounds):
             record = fed.step(r)
             metrics = {k: record[k] for k in REPORTED if record.get(k) is not None}
-            metrics["objective"] = objective(record, sweep.metric)
+            if "gfl_gm" in record:  # an evaluated round (a sweep's trial: every round)
+                metrics["objective"] = objective(record, sweep.metric)
             with tempfile.TemporaryDirectory() as folder:
                 save_checkpoint(RunStorage(folder), fed.snapshot())
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))

@@ -70,7 +70,7 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> ImageDataset:
     num_classes = _NUM_CLASSES[name]
     if name == "synthetic":
         tx, ty, vx, vy = make_synthetic(cfg.synthetic_train_per_class, cfg.synthetic_test_per_class, seed)
-        return ImageDataset(name, tx, ty, vx, vy, num_classes, *_pixel_stats(tx.numpy()), augment=False)
+        return ImageDataset(name, tx, ty, vx, vy, num_classes, *_stats(cfg, tx.numpy()), augment=False)
 
     root = resolve_data_dir(cfg.data_dir)
     if name in ("mnist", "fmnist", "emnist"):
@@ -88,12 +88,22 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> ImageDataset:
         if not cifar.has_extracted(folder, name):
             files.ensure_files(name, root, cfg.download)
         tx, ty, vx, vy = cifar.read_cifar(folder, name)
-    # No published per-channel statistics cover EMNIST digits, so measure them on its training images.
-    mean, std = _STATS[name] if name in _STATS else _pixel_stats(tx)
     return ImageDataset(
-        name, _tensor(tx), _tensor(ty), _tensor(vx), _tensor(vy), num_classes, mean, std,
+        name, _tensor(tx), _tensor(ty), _tensor(vx), _tensor(vy), num_classes, *_stats(cfg, tx),
         augment=name in ("cifar10", "cifar100"),
     )
+
+
+def _stats(cfg: DataConfig, train_x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The per-channel mean and std that every input is normalised with; (0, 1) without normalisation,
+    which makes ``normalize`` the plain x / 255 everywhere (training, evaluation, the served model)."""
+    channels = train_x.shape[1]
+    if not cfg.normalize:
+        return (0.0,) * channels, (1.0,) * channels
+    if cfg.dataset in _STATS:
+        return _STATS[cfg.dataset]
+    # No published per-channel statistics cover EMNIST digits or the synthetic set: measured on the training images.
+    return _pixel_stats(train_x)
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import INITS
 from .convnet import BUILDERS, FEATURE_DIM
 from .heads import HyperNetwork, MetaWeightNet
 
@@ -28,23 +29,31 @@ class FedModel(nn.Module):
     """
 
     def __init__(self, arch: str, num_classes: int, in_channels: int, variant: str | None = None,
-                 hyper_hidden: int = 16, mwn_hidden: int | None = None):
+                 hyper_hidden: int = 16, mwn_hidden: int | None = None, init: str = "normal"):
         super().__init__()
         if arch not in BUILDERS:
             raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(BUILDERS)}")
         if variant not in (None, "linear", "hyper"):
             raise ValueError(f"unknown variant {variant!r}")
+        if init not in INITS:
+            raise ValueError(f"unknown init {init!r}; expected one of {list(INITS)}")
         self.arch = arch
         self.variant = variant
         self.num_classes = num_classes
         self.feature_dim = FEATURE_DIM[arch]
         self.body = BUILDERS[arch](in_channels, self.feature_dim)
         self.generic_head = nn.Linear(self.feature_dim, num_classes, bias=False)
+        # Each part is re-drawn right after it is built, so that theta and psi start the same whatever
+        # personalized part (or none) follows.
+        if init == "normal":
+            _he_normal(self.body, self.generic_head)
         if variant == "linear":
             self.personal_head = nn.Linear(self.feature_dim, num_classes, bias=False)
             nn.init.zeros_(self.personal_head.weight)
         elif variant == "hyper":
             self.hypernet = HyperNetwork(num_classes, hyper_hidden, self.feature_dim)
+            if init == "normal":
+                _he_normal(self.hypernet.net[0])  # its output layer stays at zero (HyperNetwork)
         # Built last, so that every other initial weight is the same with and without it.
         if mwn_hidden is not None:
             self.mwn = MetaWeightNet(mwn_hidden)
@@ -95,6 +104,16 @@ class FedModel(nn.Module):
         return [k for k in self.state_dict() if k.startswith((BODY, GENERIC_HEAD))]
 
 
+def _he_normal(*modules: nn.Module) -> None:
+    """Weights of every convolution and linear layer from N(0, 2 / fan_in), biases zero."""
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+
 def resolve_arch(arch: str, image_shape: tuple[int, int, int]) -> str:
     if arch != "auto":
         return arch
@@ -102,12 +121,14 @@ def resolve_arch(arch: str, image_shape: tuple[int, int, int]) -> str:
 
 
 def build_model(arch: str, num_classes: int, image_shape: tuple[int, int, int], variant: str | None,
-                hyper_hidden: int = 16, seed: int = 0, mwn_hidden: int | None = None) -> FedModel:
-    """Build a model whose initial weights depend only on ``seed`` (not on the global RNG's state)."""
+                hyper_hidden: int = 16, seed: int = 0, mwn_hidden: int | None = None,
+                init: str = "normal") -> FedModel:
+    """Build a model whose initial weights depend only on ``seed`` and ``init`` (not on the global RNG's
+    state)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = FedModel(resolve_arch(arch, image_shape), num_classes, image_shape[0], variant, hyper_hidden,
-                         mwn_hidden)
+                         mwn_hidden, init)
     # channels_last convolutions train about 1.5x faster on CPU (oneDNN) for these small ConvNets.
     return model.to(memory_format=torch.channels_last)
 

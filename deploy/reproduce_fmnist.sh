@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The Fashion-MNIST reproduction (README "Results"): every table of it, one `fedrod-ray reproduce` after
+# another, in priority order. Run it from a clone of fedrod-ray at a fixed commit, with OUT outside any
+# work tree; run it again, with the same OUT, to continue: a table already in OUT is resumed (--resume),
+# a finished one only rewrites its results.
+#
+#   FEDROD_DATA_DIR=/path/to/data bash deploy/reproduce_fmnist.sh OUT [JOB ...]
+#
+# JOB: main_a0.3 new_clients main_a0.1 init_a0.3 seeds_a0.3 normalize_a0.3 (default: all, in that order).
+set -uo pipefail
+out=${1:?usage: reproduce_fmnist.sh OUT [JOB ...]}
+shift
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+
+base=configs/fmnist_paper.yaml
+main_rows=(--row FedAvg --row FedProx --row SCAFFOLD --row FedDyn --row "Fed-RoD (linear)"
+           --row "Fed-RoD (hyper)" --row "Fed-RoD (hyper) + FedDyn" --row "Fed-RoD (Meta-BSM)")
+two_rows=(--row FedAvg --row "Fed-RoD (hyper)")
+
+job_args() {
+  case $1 in
+    main_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 "${main_rows[@]}") ;;
+    # The paper's new-client split: 100 clients under Dir(0.3), 50 train, 50 held out, 20 per round.
+    new_clients) args=(--table new-clients --seeds 0, --set data.alpha=0.3 --set data.num_clients=50
+                       --set data.new_clients=50 --set train.client_fraction=0.4) ;;
+    main_a0.1) args=(--table main --seeds 0, "${main_rows[@]}") ;;
+    # The protocol audit: each switch whose two settings can change a result, at the other setting.
+    init_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 --set model.init=pytorch "${two_rows[@]}") ;;
+    seeds_a0.3) args=(--table main --seeds 1,2 --set data.alpha=0.3 "${two_rows[@]}") ;;
+    normalize_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 --set data.normalize=false "${two_rows[@]}") ;;
+    *) echo "unknown job $1" >&2; return 2 ;;
+  esac
+}
+
+jobs=("$@")
+[ ${#jobs[@]} -gt 0 ] || jobs=(main_a0.3 new_clients main_a0.1 init_a0.3 seeds_a0.3 normalize_a0.3)
+# A private Ray per table, under its own temp dir: never one that a test or another run started.
+export RAY_TMPDIR=${RAY_TMPDIR:-/tmp/fmnist-repro} RAY_USAGE_STATS_ENABLED=0
+mkdir -p "$RAY_TMPDIR"
+for job in "${jobs[@]}"; do
+  job_args "$job" || exit 2
+  echo "=== $(date -u +%FT%TZ) $job (commit $(git rev-parse --short HEAD))" | tee -a "$out/$job.log"
+  if [ -f "$out/$job/reproduce.yaml" ] && [ -d "$out/$job/trials" ]; then
+    fedrod-ray reproduce --resume "$out/$job" >>"$out/$job.log" 2>&1
+  else
+    fedrod-ray reproduce --config "$base" "${args[@]}" --out "$out/$job" >>"$out/$job.log" 2>&1
+  fi
+  echo "=== $(date -u +%FT%TZ) $job exit $?" | tee -a "$out/$job.log"
+done
