@@ -16,6 +16,7 @@ from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError
 from tune.reproduce import (
     FINETUNE_EPOCHS,
+    SPEC_FILE,
     TABLES,
     build_spec,
     format_table,
@@ -25,6 +26,7 @@ from tune.reproduce import (
     parse_sets,
     reproduce,
 )
+from tune.sweep import start_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "synthetic_tiny.yaml"
@@ -145,7 +147,7 @@ def test_mean_std_by_hand():
 def record(row: str, seed: int, status: str = "finished", **metrics) -> dict:
     base = {k: math.nan for k in ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before",
                                   "pfl_new_after", "pfl_ft")}
-    return {"row": row, "seed": seed, "rounds": 2, "status": status, **base, **metrics}
+    return {"row": row, "seed": seed, "rounds": 2, "eval_round": 2, "status": status, **base, **metrics}
 
 
 def test_the_table_by_hand():
@@ -175,6 +177,53 @@ def test_the_table_by_hand():
     assert lines[2] == "| method | G-FL (GM) | new clients, before | new clients, after |"
     assert lines[4] == "| Fed-RoD (hyper) | 50.00 | 60.00 | 80.00 |"
     assert "fine-tuning it on their own data for 3 epochs" in lines[6]
+
+
+def test_an_unfinished_row_says_how_far_it_got():
+    spec = build_spec("main", TINY, [0, 1], rounds=100, rows=["FedAvg", "FedProx", "SCAFFOLD", "FedDyn"])
+    records = [
+        {**record("FedAvg", 0, "incomplete", gfl_gm=0.5, pfl_pm=0.7), "rounds": 37, "eval_round": 20},
+        {**record("FedAvg", 1, "incomplete", gfl_gm=0.7, pfl_pm=0.9), "rounds": 25, "eval_round": 20},
+        {**record("FedProx", 0, "incomplete"), "rounds": 12, "eval_round": 0},
+        {**record("FedProx", 1, "not started"), "rounds": 0, "eval_round": 0},
+        {**record("SCAFFOLD", 0, "not started"), "rounds": 0, "eval_round": 0},
+        {**record("SCAFFOLD", 1, "not started"), "rounds": 0, "eval_round": 0},
+        record("FedDyn", 0, gfl_gm=0.25), {**record("FedDyn", 1, "incomplete", gfl_gm=0.5), "eval_round": 1},
+    ]
+    lines = format_table(spec, records).splitlines()
+    # Never a blank or an extrapolation: the values of the last evaluation, at the round they were measured.
+    assert lines[4] == "| FedAvg (not finished: round 37 of 100; values at round 20) | 60.00 ± 14.14 | - | 80.00 ± 14.14 | - |"
+    assert lines[5] == "| FedProx (not finished: round 12 of 100; not yet evaluated) | - | - | - | - |"
+    assert lines[6] == "| SCAFFOLD (not started) | - | - | - | - |"
+    assert lines[7] == "| FedDyn (1 of 2 seeds) | 25.00 | - | - | - |"  # finished seeds only, once one has
+
+
+def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
+    """--status writes the table of a reproduction as far as it got, from Tune's trial files, without Ray:
+    a round reported twice (a trial resumed from an earlier checkpoint) counts once, the last report of it."""
+    out = tmp_path / "repro"
+    spec = build_spec("ablation", TINY, [0], rounds=4, rows=["FedAvg", "Fed-RoD (linear)"])
+    start_dir(out, SPEC_FILE, spec.to_dict(), "a reproduction", "--out")
+    reports = {"FedAvg": [{"round": 1}, {"round": 2, "gfl_gm": 0.1, "pfl_pm": 0.2}, {"round": 3},
+                          {"round": 2, "gfl_gm": 0.3, "pfl_pm": 0.4}, {"round": 3}],
+               "Fed-RoD (linear)": []}
+    for i, (row, lines) in enumerate(reports.items()):
+        folder = out / "trials" / f"run_trial_{i}"
+        folder.mkdir(parents=True)
+        (folder / "params.json").write_text(json.dumps({"row": row, "seed": 0}))
+        (folder / "result.json").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert main(["reproduce", "--status", str(out)]) == 0
+    console = capsys.readouterr().out
+    assert "0 of 2 trials finished" in console
+    with open(out / "results.csv") as f:
+        results = list(csv.DictReader(f))
+    assert [(r["row"], r["rounds"], r["eval_round"], r["status"], r["gfl_gm"]) for r in results] == [
+        ("FedAvg", "3", "2", "incomplete", "0.3"), ("Fed-RoD (linear)", "0", "0", "incomplete", "")]
+    assert "| FedAvg (not finished: round 3 of 4; values at round 2) | 30.00 |" in console
+    assert "| Fed-RoD (linear) (not started) |" in console
+    assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
+    assert main(["reproduce", "--status", str(out), "--seeds", "2"]) == 2
+    assert "--status takes the reproduction saved in OUT_DIR; drop --seeds" in capsys.readouterr().err
 
 
 def test_cli_errors_exit_2_naming_the_problem(tmp_path, capsys):

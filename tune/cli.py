@@ -76,19 +76,31 @@ def register_reproduce(sub: argparse._SubParsersAction) -> None:
                                                         "'{client_slots: 2, client: {num_cpus: 1, num_gpus: 0.5}}'")
     p.add_argument("--out", help="where trials and results go (default runs/reproduce/<table>_<config name>)")
     p.add_argument("--resume", metavar="OUT_DIR", help="continue an interrupted reproduction")
+    p.add_argument("--status", metavar="OUT_DIR", help="write and print the table of a reproduction as far as it "
+                                                       "got (running or stopped), from its files, without Ray")
     p.set_defaults(handler=reproduce_command)
 
 
 def reproduce_command(args) -> int:
     import yaml
 
-    from .reproduce import build_spec, load_spec, parse_seeds, parse_sets, reproduce
+    from .reproduce import build_spec, load_spec, parse_seeds, parse_sets, reproduce, status
 
-    if args.resume:
-        given = [f for f in ("table", "row", "config", "seeds", "rounds", "finetune_epochs", "set", "resources", "out")
-                 if getattr(args, f) not in (None, [])]
+    if args.resume or args.status:
+        flag = "--resume" if args.resume else "--status"
+        given = [f for f in ("table", "row", "config", "seeds", "rounds", "finetune_epochs", "set", "resources", "out",
+                             "status" if args.resume else "resume") if getattr(args, f) not in (None, [])]
         if given:
-            raise ConfigError(f"--resume takes the reproduction saved in OUT_DIR; drop --{given[0].replace('_', '-')}")
+            raise ConfigError(f"{flag} takes the reproduction saved in OUT_DIR; drop --{given[0].replace('_', '-')}")
+    if args.status:
+        out_dir = Path(args.status)
+        records = status(out_dir)
+        done = sum(r["status"] == "finished" for r in records)
+        print(f"{out_dir}: {done} of {len(records)} trials finished; table.md, results.csv, curves.png written",
+              flush=True)
+        print((out_dir / "table.md").read_text(), flush=True)
+        return 0
+    if args.resume:
         out_dir = Path(args.resume)
         spec = load_spec(out_dir)
         print(f"resuming the reproduction in {out_dir}", flush=True)

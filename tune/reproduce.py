@@ -92,7 +92,8 @@ TABLES: dict[str, dict[str, dict[str, Any]]] = {
 COLUMNS = {"G-FL (GM)": "gfl_gm", "P-FL (GM)": "pfl_gm", "P-FL (PM)": "pfl_pm", "P-FL (PM, global)": "pfl_pm_global"}
 NEW_COLUMNS = {"G-FL (GM)": "gfl_gm", "new clients, before": "pfl_new_before", "new clients, after": "pfl_new_after"}
 METRICS = ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before", "pfl_new_after", "pfl_ft")
-CSV_COLUMNS = ("row", "seed", "rounds", "status", *METRICS)
+# eval_round: the round the metrics were measured at (the last evaluated one; rounds for a finished trial).
+CSV_COLUMNS = ("row", "seed", "rounds", "eval_round", "status", *METRICS)
 
 
 @dataclass
@@ -313,28 +314,68 @@ def trial_line(spec: ReproSpec, params: dict, last: dict, status: str) -> str:
 
 
 def collect(spec: ReproSpec, grid) -> tuple[list[dict], dict[tuple[str, int], dict[str, list[float]]]]:
-    """One record per (row, seed), in table order, and each finished trial's G-FL and P-FL (PM) per round."""
+    """One record per (row, seed), in table order, with the metrics of its last evaluated round (a finished
+    trial's: the last round), and each trial's G-FL and P-FL (PM) at its evaluated rounds."""
     rounds = spec.rounds
     records, curves = [], {}
     for result in grid:
         if result.config is None:  # a trial the run was stopped before it started: below, as "not started"
             continue
         row, seed = result.config["row"], result.config["seed"]
-        last = result.metrics or {}
-        done = int(last.get("round", 0))
+        done = int((result.metrics or {}).get("round", 0))
         status = "error" if result.error else "finished" if done == rounds else "incomplete"
-        records.append({"row": row, "seed": seed, "rounds": done, "status": status,
-                        **{k: float(last[k]) if last.get(k) is not None else math.nan for k in METRICS}})
         history = result.metrics_dataframe
-        if status == "finished":  # as in the table; the evaluated rounds only
-            evaluated = history[history["gfl_gm"].notna()]
+        evaluated = (history[history["gfl_gm"].notna()] if history is not None and "gfl_gm" in history
+                     else None)
+        last = evaluated.iloc[-1].to_dict() if evaluated is not None and len(evaluated) else {}
+        records.append({"row": row, "seed": seed, "rounds": done, "eval_round": int(last.get("round", 0)),
+                        "status": status, **{k: _value(last.get(k)) for k in METRICS}})
+        if last:
             curves[row, seed] = {k: [float(v) for v in evaluated[k]] for k in ("round", "gfl_gm", "pfl_pm")}
     seen = {(r["row"], r["seed"]) for r in records}
-    records += [{"row": row, "seed": seed, "rounds": 0, "status": "not started", **dict.fromkeys(METRICS, math.nan)}
+    records += [{"row": row, "seed": seed, "rounds": 0, "eval_round": 0, "status": "not started",
+                 **dict.fromkeys(METRICS, math.nan)}
                 for row in spec.rows for seed in spec.seeds if (row, seed) not in seen]
     order = {label: i for i, label in enumerate(spec.rows)}
     records.sort(key=lambda r: (order[r["row"]], r["seed"]))
     return records, curves
+
+
+def _value(v) -> float:
+    """A reported metric as a float; absent (None, or NaN in a dataframe of rounds without it): NaN."""
+    return math.nan if v is None else float(v)
+
+
+class TrialOnDisk:
+    """A trial as Ray Tune leaves it in the experiment folder (``params.json``, ``result.json`` and, after a
+    failure, ``error.txt``), read without Ray: ``collect`` takes it where it takes Tune's Result, so the
+    table of a reproduction still running (or stopped) can be written from its files."""
+
+    def __init__(self, folder: Path):
+        import pandas as pd
+
+        self.config = json.loads((folder / "params.json").read_text())
+        lines = (folder / "result.json").read_text().splitlines() if (folder / "result.json").is_file() else []
+        # A trial resumed from an earlier checkpoint reports some rounds again: the latest report counts.
+        by_round = {r["round"]: r for r in map(json.loads, filter(str.strip, lines)) if "round" in r}
+        reports = [by_round[k] for k in sorted(by_round)]
+        self.metrics = reports[-1] if reports else {}
+        self.metrics_dataframe = pd.DataFrame(reports) if reports else None
+        self.error = (folder / "error.txt").read_text() if (folder / "error.txt").is_file() else None
+
+
+def trials_on_disk(out_dir: Path) -> list[TrialOnDisk]:
+    return [TrialOnDisk(p.parent) for p in sorted((out_dir / TRIALS).glob("*/params.json"))]
+
+
+def status(out_dir: Path) -> list[dict]:
+    """Write the results of the reproduction in ``out_dir`` as far as it got (it may be running) from its
+    files, without Ray, and return its records."""
+    out_dir = out_dir.resolve()
+    spec = load_spec(out_dir)
+    records, curves = collect(spec, trials_on_disk(out_dir))
+    write_results(spec, records, curves, out_dir)
+    return records
 
 
 def mean_std(values: list[float]) -> str:
@@ -364,6 +405,13 @@ def format_table(spec: ReproSpec, records: list[dict]) -> str:
     footnotes = []
     for label, overrides in spec.rows.items():
         mine = [r for r in records if r["row"] == label and r["status"] == "finished"]
+        name = label if len(mine) == len(spec.seeds) else f"{label} ({len(mine)} of {len(spec.seeds)} seeds)"
+        if not mine:  # how far it got: the metrics of its last evaluation, at the round they were measured
+            mine = [r for r in records if r["row"] == label and r["status"] != "error" and r["eval_round"]]
+            reached = max((r["rounds"] for r in records if r["row"] == label), default=0)
+            at = sorted({r["eval_round"] for r in mine})
+            name = (f"{label} (not started)" if not reached else f"{label} (not finished: round {reached} of "
+                    f"{spec.rounds}; " + (f"values at round {', '.join(map(str, at))})" if at else "not yet evaluated)"))
         cells = []
         for key in columns.values():
             mark = ""
@@ -374,7 +422,6 @@ def format_table(spec: ReproSpec, records: list[dict]) -> str:
                             "at the last round.")
                 footnotes += [footnote] if footnote not in footnotes else []
             cells.append(mean_std([r[key] for r in mine]) + mark)
-        name = label if len(mine) == len(spec.seeds) else f"{label} ({len(mine)} of {len(spec.seeds)} seeds)"
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if spec.table == "new-clients":
         epochs = sorted({row["eval.finetune_epochs"] for row in spec.rows.values()})
@@ -435,7 +482,8 @@ def plot_curves(spec: ReproSpec, curves: dict, path: Path) -> None:
         ax.set_ylabel(f"{title}, %")
         ax.set_title(f"{title}: mean ± std over {len(spec.seeds)} seed(s)")
         ax.grid(alpha=0.3)
-    axes[1].legend(loc="best", fontsize=7)
+    if curves:
+        axes[1].legend(loc="best", fontsize=7)
     fig.suptitle(f"table {spec.table}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
