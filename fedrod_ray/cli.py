@@ -4,7 +4,10 @@ that optional parts register (``serve``, from api/)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import time
 from importlib.metadata import entry_points
 
@@ -56,6 +59,36 @@ def _overrides(args) -> list[str]:
     return extra
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``ray job stop``, Kubernetes, a batch scheduler): the run stops as Ctrl-C stops it."""
+
+
+def _resume_hint(storage) -> str:
+    from .checkpoint import latest_checkpoint_name
+
+    if latest_checkpoint_name(storage) is None:
+        return "no round was checkpointed yet: start it again with the same command"
+    return f"continue it with: fedrod-ray train --resume {storage.uri}"
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm(storage):
+    """SIGTERM raises Terminated while the run lasts (from the main thread: signals go nowhere else)."""
+    def stop(signum, frame):
+        # Said at once, not after unwinding: a Ray job's supervisor follows SIGTERM with SIGKILL in seconds.
+        print(f"fedrod-ray: stopped by SIGTERM; {_resume_hint(storage)}", file=sys.stderr, flush=True)
+        raise Terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_train(args) -> int:
     from .checkpoint import CheckpointFormatError, latest_checkpoint_name, load_checkpoint
     from .storage import RunStorage
@@ -99,13 +132,12 @@ def cmd_train(args) -> int:
     log = progress.log(lambda s: print(s, flush=True))
     t0 = time.perf_counter()
     try:
-        records = run(cfg, storage, ckpt, log=log, progress=progress.update)
+        with _stop_on_sigterm(storage):
+            records = run(cfg, storage, ckpt, log=log, progress=progress.update)
+    except Terminated:
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
-        if latest_checkpoint_name(storage) is None:
-            hint = "no round was checkpointed yet: start it again with the same command"
-        else:
-            hint = f"continue it with: fedrod-ray train --resume {storage.uri}"
-        print(f"fedrod-ray: interrupted; {hint}", file=sys.stderr, flush=True)
+        print(f"fedrod-ray: interrupted; {_resume_hint(storage)}", file=sys.stderr, flush=True)
         return 130
     print(format_summary(records, time.perf_counter() - t0, storage.uri), flush=True)
     return 0

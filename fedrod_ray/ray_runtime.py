@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -27,6 +29,19 @@ def connect(cfg: ExperimentConfig) -> bool:
     """
     if ray.is_initialized():
         return False
+    # ray.init replaces the SIGTERM handler with a silent sys.exit; a handler the program installed (the
+    # CLI's, which says how to resume) is put back.
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
+    try:
+        _init(cfg)
+    finally:
+        if callable(sigterm):
+            signal.signal(signal.SIGTERM, sigterm)
+    return True
+
+
+def _init(cfg: ExperimentConfig) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = cfg.runtime.address
     job = os.environ.get("RAY_ADDRESS", "")
@@ -39,7 +54,6 @@ def connect(cfg: ExperimentConfig) -> bool:
         # wrote to ~/.ray would switch auth on for the user's own `ray start` (deploy/README.md).
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address="local", include_dashboard=False, log_to_driver=True)
-    return True
 
 
 def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,

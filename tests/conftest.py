@@ -58,19 +58,37 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 # Matplotlib's font cache would otherwise land in ~/.cache/matplotlib.
 os.environ["MPLCONFIGDIR"] = tempfile.mkdtemp(prefix="frt-mpl-")
 
-# What the suite must leave exactly as it found it in the user's home.
+# What the suite must leave exactly as it found it in the user's home: everything under these (files,
+# folders, symlinks), and which entries the top levels of ~, ~/.cache and ~/.config hold.
 HOME_PATHS = (".ray", ".cache/fedrod-ray", ".cache/matplotlib", ".config/matplotlib")
+HOME_LEVELS = ("", ".cache", ".config")
 
 
-def _home_state() -> dict[str, tuple[int, int, str]]:
-    """(size, mtime_ns, sha256) of every file under HOME_PATHS."""
+def _entry(p: Path, content: bool) -> tuple:
+    """A symlink by its target, a folder as such, a file by size, mtime and (``content``) sha256."""
+    if p.is_symlink():
+        return ("link", os.readlink(p))
+    if p.is_dir():
+        return ("dir",)
+    st = p.stat()
+    return ("file", st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest() if content else "")
+
+
+def _home_state() -> dict[str, tuple]:
     state = {}
     home = Path.home()
     for rel in HOME_PATHS:
-        for p in sorted((home / rel).rglob("*")) if (home / rel).is_dir() else []:
-            if p.is_file():
-                st = p.stat()
-                state[str(p)] = (st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+        root = home / rel
+        if root.is_symlink() or root.exists():
+            state[str(root)] = _entry(root, True)
+        if root.is_dir() and not root.is_symlink():
+            for p in sorted(root.rglob("*")):
+                state[str(p)] = _entry(p, True)
+    for rel in HOME_LEVELS:
+        level = home / rel
+        for p in sorted(level.iterdir()) if level.is_dir() else []:
+            # The top levels' other entries belong to other programs: only that they exist, and their kind.
+            state.setdefault(str(p), _entry(p, False)[:1] if not p.is_symlink() else _entry(p, False))
     return state
 
 

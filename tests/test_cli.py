@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -289,33 +290,70 @@ def test_a_near_miss_key_gets_a_suggestion(tmp_path):
     assert rc == 2 and "(did you mean scaffold?)" in err
 
 
-def test_ctrl_c_stops_with_one_line_naming_resume(tmp_path):
-    """SIGINT after the first round: exit 130, one line on stderr that names the resume command (no
-    traceback), and that command finishes the run."""
+def _default_sigint() -> None:
+    # A process started with `&` by a non-interactive shell (a CI harness) inherits SIGINT as ignored, and
+    # Python then never turns it into KeyboardInterrupt: the child gets the default action back.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def sigint_ignored(ignored: bool):
+    """This (the parent) process with SIGINT ignored, as under such a harness, while the block runs."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignored else None
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, previous)
+
+
+def first_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The child's first line of stdout, or a failure after ``timeout`` seconds (never a hang)."""
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert lines, f"no line on stdout within {timeout} s"
+    return lines[0]
+
+
+@pytest.mark.parametrize(("sig", "parent_ignores_sigint", "rc", "said"), [
+    (signal.SIGINT, False, 130, "interrupted"),
+    (signal.SIGINT, True, 130, "interrupted"),
+    (signal.SIGTERM, False, 143, "stopped by SIGTERM"),
+], ids=["ctrl-c", "ctrl-c-under-a-harness-that-ignores-it", "sigterm"])
+def test_a_stop_signal_stops_with_one_line_naming_resume(tmp_path, sig, parent_ignores_sigint, rc, said):
+    """SIGINT (Ctrl-C) or SIGTERM (ray job stop, Kubernetes, a scheduler) after the first round: exit 130 or
+    143, one line on stderr that names the resume command (no traceback), and that command finishes the run."""
     run_dir = tmp_path / "I"
     cmd = [sys.executable, "-m", "fedrod_ray.cli", "train", "--config", CONFIG, "--run-dir", str(run_dir),
            "--set", "train.rounds=500", "--set", "runtime.torch_threads=1"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with sigint_ignored(parent_ignores_sigint):
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=_default_sigint)
     try:
-        first = proc.stdout.readline()
+        first = first_line(proc, timeout=120)
         assert first.startswith("[round   1/500]"), first
         deadline = time.monotonic() + 60
         while not (run_dir / "checkpoints" / "latest").is_file() and time.monotonic() < deadline:
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        assert (run_dir / "checkpoints" / "latest").is_file(), "no checkpoint within 60 s"
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 130
-    assert err.splitlines() == [f"fedrod-ray: interrupted; continue it with: fedrod-ray train --resume {run_dir}"]
+    assert proc.returncode == rc
+    assert err.splitlines() == [f"fedrod-ray: {said}; continue it with: fedrod-ray train --resume {run_dir}"]
     done = int((run_dir / "checkpoints" / "latest").read_text().strip()[len("round_"):])
     assert 1 <= done < 500
     rc, out, err = run_main(["train", "--resume", str(run_dir), "--set", f"train.rounds={done + 1}",
                              "--set", "runtime.torch_threads=1"])
     assert rc == 0, err
     assert f"done: {done + 1} rounds" in out
+    # The handler was the run's: this process's SIGTERM action is back to what it was.
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
 def test_resume_needs_a_checkpoint(tmp_path):

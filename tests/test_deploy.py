@@ -573,6 +573,28 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
         assert ends and ends[0] > starts[0] and all(lines[starts[0]:ends[0]]), f"not one paragraph:\n{logs}"
         assert "Traceback (most recent call last)" not in logs and "ActorDiedError" not in logs, logs
         assert "Connecting to existing Ray cluster" not in logs, logs
+
+        # 3. `ray job stop` sends the driver SIGTERM (then SIGKILL after a few seconds): the job's log
+        # carries the line that names the resume command.
+        long = _sub(_sub(command, "/mnt/data", shlex.quote(str(data_dir))), "/mnt/runs",
+                    shlex.quote(str(tmp_path / "runs-stop")))
+        long = _sub(long, "ray job submit", "ray job submit --no-wait") + " --set train.rounds=500"
+        stop_dir = Path(_arg(long, "--run-dir"))
+        rc, out, job = submit(long, "submit-stop", 60)
+        assert rc == 0, out[-5000:]
+        deadline = time.monotonic() + 240
+        while not (stop_dir / "checkpoints" / "latest").is_file():
+            tracked.update(_processes_of(head.pid, ray_tmp))
+            assert time.monotonic() < deadline, ray_job("logs", job)[-5000:]
+            time.sleep(0.5)
+        ray_job("stop", job)
+        deadline = time.monotonic() + 60
+        while f"Job '{job}' was stopped" not in (status := ray_job("status", job)):
+            assert time.monotonic() < deadline, status
+            time.sleep(0.5)
+        logs = ray_job("logs", job)
+        said = [line for line in logs.splitlines() if line.startswith("fedrod-ray:")]
+        assert said == [f"fedrod-ray: stopped by SIGTERM; continue it with: fedrod-ray train --resume {stop_dir}"], logs
     finally:
         tracked.update(_processes_of(head.pid, ray_tmp))
         # Stop only this head: its own process group (never `ray stop`, which stops every Ray on the host).

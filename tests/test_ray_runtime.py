@@ -561,6 +561,33 @@ def test_ray_resume_after_sigkill_equals_uninterrupted_run(uninterrupted_run, tm
     assert_same_run(uninterrupted_run, b)
 
 
+@pytest.mark.slow
+def test_ray_sigterm_stops_the_run_like_ctrl_c(tmp_path, private_ray_env):
+    """SIGTERM to a Ray run's driver: one line naming --resume, exit 143, and its private Ray shut down (the
+    fixture fails the test if any of its processes outlives the driver). Ray's own driver handler would
+    exit silently with status 15."""
+    run_dir = tmp_path / "T"
+    proc = subprocess.Popen(train_cmd(run_dir, "--mode", "ray", "--set", "runtime.address=local",
+                                      "--set", "train.rounds=500"),
+                            cwd=REPO, env=private_ray_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 180
+    try:
+        while not latest.is_file() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert latest.is_file() and proc.poll() is None, "no checkpoint while the run lasted"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, err
+    said = [line for line in err.splitlines() if line.startswith("fedrod-ray:")]
+    assert said == [f"fedrod-ray: stopped by SIGTERM; continue it with: fedrod-ray train --resume {run_dir}"], err
+    assert "Traceback" not in err
+
+
 # --- 6. a node lost from a multi-node cluster ------------------------------------------------------
 
 NODE_LOSS_SCRIPT = textwrap.dedent("""
