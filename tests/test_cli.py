@@ -290,10 +290,11 @@ def test_a_near_miss_key_gets_a_suggestion(tmp_path):
     assert rc == 2 and "(did you mean scaffold?)" in err
 
 
-def _default_sigint() -> None:
-    # A process started with `&` by a non-interactive shell (a CI harness) inherits SIGINT as ignored, and
-    # Python then never turns it into KeyboardInterrupt: the child gets the default action back.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# A process started with `&` by a non-interactive shell (a CI harness) inherits SIGINT as ignored, and so
+# would the CLI this test starts, which then never sees Ctrl-C: the child puts Python's own action back
+# before running the CLI.
+CLI_WITH_SIGINT = [sys.executable, "-c", ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                                         "from fedrod_ray.cli import main; sys.exit(main(sys.argv[1:]))")]
 
 
 @contextlib.contextmanager
@@ -326,11 +327,10 @@ def test_a_stop_signal_stops_with_one_line_naming_resume(tmp_path, sig, parent_i
     """SIGINT (Ctrl-C) or SIGTERM (ray job stop, Kubernetes, a scheduler) after the first round: exit 130 or
     143, one line on stderr that names the resume command (no traceback), and that command finishes the run."""
     run_dir = tmp_path / "I"
-    cmd = [sys.executable, "-m", "fedrod_ray.cli", "train", "--config", CONFIG, "--run-dir", str(run_dir),
+    cmd = [*CLI_WITH_SIGINT, "train", "--config", CONFIG, "--run-dir", str(run_dir),
            "--set", "train.rounds=500", "--set", "runtime.torch_threads=1"]
     with sigint_ignored(parent_ignores_sigint):
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=_default_sigint)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = first_line(proc, timeout=120)
         assert first.startswith("[round   1/500]"), first
