@@ -4,6 +4,7 @@ evaluation, held-out clients before and after fine-tuning, and the config checks
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from fedrod_ray.client import FINETUNE_TAG, ClientState
 from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.federation import Federation, InProcessExecutor, make_host, prepare
 from fedrod_ray.local import RoundInput, derived_seed, local_update
-from fedrod_ray.metrics import personal_class_correct
+from fedrod_ray.metrics import personal_class_correct, pfl_accuracy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -76,21 +77,31 @@ def test_ft_is_an_erm_update_of_the_global_model_on_the_clients_data():
     """FedAvg (BRM, FT): trained with the balanced loss, fine-tuned with cross-entropy (ERM) for k epochs at
     the last round's learning rate, from the global weights, whatever the client's own state."""
     fed = federation("train.head=none", "train.balanced_loss=bsm", "eval.finetune_epochs=2",
-                     "eval.finetune_train=true")
+                     "eval.finetune_train=true", "train.lr_decay=0.5")
     fed.step(0)
+    record = fed.step(1)  # the last round: its evaluation fine-tunes
     host = fed.executor.host
     jobs = [(cid, fed.clients[cid]) for cid in fed.setup.all_client_ids]
-    tuned = host.finetune(jobs, RoundInput(fed.global_shared), 2, 0)
+    tuned = host.finetune(jobs, RoundInput(fed.global_shared), 2, 1)
     assert not tuned.failed
     erm = dataclasses.replace(fed.cfg.train, balanced_loss="ce", local_epochs=2)
     for cid, _ in jobs:
         model = fed.setup.build_model()
         data = host.data(cid)
-        local_update(model, RoundInput(fed.global_shared), data, erm, build_rule("fedavg"), round_idx=0,
+        local_update(model, RoundInput(fed.global_shared), data, erm, build_rule("fedavg"), round_idx=1,
                      seed=derived_seed(fed.cfg.seed, FINETUNE_TAG), client_id=cid, mean=host.mean, std=host.std,
                      augment=False)
         correct, total = personal_class_correct(model, fed.setup.test, data.class_dist, 100, False)
         assert torch.equal(tuned.correct[cid], correct) and torch.equal(tuned.total[cid], total), cid
+    # The federation fine-tuned at the last round (round index 1, half the first round's lr): its pfl_ft is
+    # the P-FL of exactly these counts over the training clients ...
+    dists = fed.setup.class_dists
+    pfl = [float(pfl_accuracy(tuned.correct[c], tuned.total[c], dists[c:c + 1])[0])
+           for c in range(fed.setup.num_clients)]
+    assert record["pfl_ft"] == pytest.approx(statistics.fmean(pfl), rel=1e-12)
+    # ... and the round matters: at the first round's learning rate some client ends elsewhere.
+    first = host.finetune(jobs, RoundInput(fed.global_shared), 2, 0)
+    assert any(not torch.equal(first.correct[cid], tuned.correct[cid]) for cid, _ in jobs)
 
 
 @pytest.mark.parametrize("head", ["none", "linear", "hyper"])

@@ -401,8 +401,9 @@ def test_an_actor_out_of_restarts_is_given_up_and_the_rest_carry_on(ray_session,
         rec = run_with_timeout(lambda: fed.step(0), 180)
         watcher.join(5)
         assert killed
-        # Given up at once (no waiting for a restart that cannot come), and only its call in flight lost.
-        assert time.monotonic() - t0 < 60
+        # Given up at once (no waiting for a restart that cannot come: the restart timeout is 120 s), and
+        # only its call in flight lost.
+        assert time.monotonic() - t0 < 20
         assert executor.dead == {0}
         assert rec["clients_failed"] == 1 and rec["clients_done"] == 7 and rec["pm_eval_failed"] == 0
         assert any("ActorDiedError (actor died)" in line for line in logs), logs
@@ -637,9 +638,11 @@ NODE_LOSS_SCRIPT = textwrap.dedent("""
         deadline = time.monotonic() + 60
         while not is_training(pid) and time.monotonic() < deadline:
             time.sleep(0.005)
+        assert is_training(pid), "actor 0 was never seen training in round 2"
         victim = next(w for w in workers if w.node_id == before[0][0])
         cluster.remove_node(victim)
         th.join(240)
+        assert not th.is_alive(), "round 2 did not end within 240 s of the node's loss"
         records.append(fed.step(2))
         after = placement()
         info = ray.get(executor.actors[0].ready.remote())
