@@ -541,12 +541,22 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert json.loads((a / "final" / "meta.json").read_text()) == json.loads((b / "final" / "meta.json").read_text())
 
 
+def assert_resumed_after_latest(stdout: str, run_dir: Path, latest: str) -> None:
+    """The resumed run started after the round its last checkpoint holds, and ran (and printed) no round
+    up to it again: a resume that silently restarted from round 0 would train to the same bits."""
+    done = int(latest[len("round_"):])
+    assert f"resuming {run_dir} after round {done}\n" in stdout, stdout
+    rounds = [int(m) for m in re.findall(r"^\[round\s+(\d+)/\d+\]", stdout, re.MULTILINE)]
+    assert rounds and min(rounds) == done + 1, (done, rounds)
+
+
 @pytest.mark.slow
 def test_resume_after_sigkill_equals_uninterrupted_run(uninterrupted_run, tmp_path):
     b = tmp_path / "B"
     kill_after_two_rounds(train_cmd(b), b)
+    latest = (b / "checkpoints" / "latest").read_text().strip()
     proc = run_cli([*CLI, "--resume", str(b), "--set", "runtime.torch_threads=1"])
-    assert f"resuming {b} after round" in proc.stdout
+    assert_resumed_after_latest(proc.stdout, b, latest)
     assert_same_run(uninterrupted_run, b)
 
 
@@ -557,8 +567,10 @@ def test_ray_resume_after_sigkill_equals_uninterrupted_run(uninterrupted_run, tm
     ray_args = ("--mode", "ray", "--set", "runtime.address=local")
     kill_after_two_rounds(train_cmd(b, *ray_args), b, env=private_ray_env)
     private_ray_env.reap_after_killed_driver()
+    latest = (b / "checkpoints" / "latest").read_text().strip()
     proc = run_cli([*CLI, "--resume", str(b), "--set", "runtime.torch_threads=1"], env=private_ray_env)
     assert re.search(r"ray: \d+ client actor\(s\)", proc.stdout), proc.stdout
+    assert_resumed_after_latest(proc.stdout, b, latest)
     assert_same_run(uninterrupted_run, b)
 
 
