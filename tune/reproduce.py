@@ -92,8 +92,8 @@ TABLES: dict[str, dict[str, dict[str, Any]]] = {
 # The table's columns (fractions in the records, % in the table).
 COLUMNS = ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global")
 NEW_COLUMNS = ("gfl_gm", "pfl_new_before", "pfl_new_after")
-# A trial's line: the GM on the new clients is left to the table's new-clients rows.
-LINE = tuple(k for k in ACCURACIES if k != "pfl_gm_new")
+# A trial's console line: every accuracy but the new clients' GM (results.csv has it).
+LINE_METRICS = tuple(k for k in ACCURACIES if k != "pfl_gm_new")
 CURVES = ("gfl_gm", "pfl_pm")
 CSV_COLUMNS = ("row", "seed", "rounds", "status", *ACCURACIES)
 
@@ -292,7 +292,7 @@ def trial_line(spec: ReproSpec, params: dict, last: dict, status: str) -> str:
     head = f"{params['row']}, seed {params['seed']}: {status}"
     if "gfl_gm" not in last:
         return head
-    return f"{head}, round {last['round']}/{spec.rounds}: {values_line(last, LINE)}"
+    return f"{head}, round {last['round']}/{spec.rounds}: {values_line(last, LINE_METRICS)}"
 
 
 def collect(spec: ReproSpec, grid) -> tuple[list[dict], dict[tuple[str, int], dict[str, list[float]]]]:
