@@ -26,15 +26,13 @@ from .data import ImageDataset, class_names, load_dataset
 from .data.transforms import normalize
 from .export import ModelMeta
 from .local import LocalResult, RoundInput, class_distribution, round_lr
+from .metric_schema import EVALUATED
 from .metrics import TestSet, accuracy, class_correct, features_and_logits, pfl_accuracy
 from .models import MWN, FedModel, build_model, resolve_arch
 from .partition import Partition, make_partition
 from .server import sample_clients
 
 PM_BATCH = 64  # clients whose global-reading PM is scored at once: (64, test size, classes) logits
-# The evaluation fields of a round record (what final/meta.json keeps of the last evaluation).
-METRIC_KEYS = ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_ft", "pfl_gm_new", "pfl_new_before",
-               "pfl_new_after", "pm_eval_failed", "finetune_failed")
 
 
 class RoundFailedError(RuntimeError):
@@ -254,7 +252,7 @@ class Federation:
             shape = self.model.personal_head.weight.shape
             heads = {cid: st.personal["personal_head.weight"] if st.personal else torch.zeros(shape)
                      for cid, st in sorted(self.clients.items())}
-        meta = self.setup.model_meta(self.next_round, {k: v for k, v in metrics.items() if k in METRIC_KEYS})
+        meta = self.setup.model_meta(self.next_round, {k: v for k, v in metrics.items() if k in EVALUATED})
         # Meta-BSM's Meta-Weight-Net only trains: the served model has none.
         return meta, {k: v for k, v in self.global_shared.items() if not k.startswith(MWN)}, heads
 

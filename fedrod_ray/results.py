@@ -11,15 +11,11 @@ import io
 import json
 import math
 
+from .metric_schema import title
+from .plotting import figure, png, round_axis
 from .storage import RunStorage
 
-CURVES = [
-    ("gfl_gm", "G-FL (GM)"),
-    ("pfl_gm", "P-FL (GM)"),
-    ("pfl_pm", "P-FL (PM)"),
-    ("pfl_pm_global", "P-FL (PM, global reading)"),
-    ("pfl_new_before", "P-FL new clients (before training)"),
-]
+CURVES = ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_new_before")
 
 
 class MetricsLog:
@@ -67,29 +63,19 @@ def plot_curves(records: list[dict]) -> bytes | None:
     evaluated = [r for r in records if r.get("gfl_gm") is not None]
     if not evaluated:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for key, label in CURVES:
-        points = [(r["round"], r[key]) for r in evaluated if _is_number(r.get(key))]
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, [100 * y for y in ys], marker="o" if len(xs) < 30 else None, markersize=3, label=label)
-    ax.set_xlabel("round")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no half-round ticks
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title(evaluated[-1].get("name", "") or "accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    with figure(figsize=(7, 4.2), dpi=110) as (fig, ax):
+        for key in CURVES:
+            points = [(r["round"], r[key]) for r in evaluated if _is_number(r.get(key))]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, [100 * y for y in ys], marker="o" if len(xs) < 30 else None, markersize=3,
+                        label=title(key))
+        round_axis(ax)
+        ax.set_ylabel("accuracy (%)")
+        ax.set_title(evaluated[-1].get("name", "") or "accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        return png(fig)
 
 
 def _is_number(v) -> bool:

@@ -20,6 +20,7 @@ from .checkpoint import CheckpointWriter, Snapshot
 from .config import ExperimentConfig, dump_config
 from .export import save_final
 from .federation import Federation, make_host, prepare
+from .metric_schema import label, percent, values_line
 from .results import MetricsLog
 from .storage import RunStorage
 
@@ -114,7 +115,7 @@ def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | N
                  cfg, storage, fed.next_round, log)
 
 
-SUMMARY_METRICS = (("gfl_gm", "G-FL"), ("pfl_gm", "P-FL GM"), ("pfl_pm", "P-FL PM"))
+SUMMARY_METRICS = ("gfl_gm", "pfl_gm", "pfl_pm")
 
 
 def format_summary(records: list[dict], seconds: float, run_dir: str) -> str:
@@ -124,10 +125,9 @@ def format_summary(records: list[dict], seconds: float, run_dir: str) -> str:
     if evaluated:
         last = evaluated[-1]
         lines.append(f"  final (round {last['round']}): " + "  ".join(
-            f"{label} {100 * last[k]:.2f}" for k, label in SUMMARY_METRICS))
-        best = [(label, max(evaluated, key=lambda r, k=k: r[k]), k) for k, label in SUMMARY_METRICS]
-        lines.append("  best: " + "  ".join(f"{label} {100 * r[k]:.2f} (round {r['round']})"
-                                            for label, r, k in best))
+            f"{label(k)} {percent(last[k])}" for k in SUMMARY_METRICS))
+        best = [(k, max(evaluated, key=lambda r, k=k: r[k])) for k in SUMMARY_METRICS]
+        lines.append("  best: " + "  ".join(f"{label(k)} {percent(r[k])} (round {r['round']})" for k, r in best))
     lines.append(f"  run directory {run_dir}: metrics.jsonl, metrics.csv, curves.png, checkpoints/, final/")
     return "\n".join(lines)
 
@@ -135,14 +135,15 @@ def format_summary(records: list[dict], seconds: float, run_dir: str) -> str:
 def format_record(rec: dict, rounds: int) -> str:
     line = (f"[round {rec['round']:>3}/{rounds}] {rec['seconds']:6.1f}s  lr {rec['lr']:.4g}  "
             f"clients {rec['clients_done']}/{rec['clients']} (failed {rec['clients_failed']})  "
-            f"loss {rec['train_loss']:.3f}")
+            f"{label('train_loss')} {rec['train_loss']:.3f}")
     if "gfl_gm" in rec:
-        line += (f"  |  G-FL {100 * rec['gfl_gm']:.2f}  P-FL GM {100 * rec['pfl_gm']:.2f}"
-                 f"  PM {100 * rec['pfl_pm']:.2f} (global {100 * rec['pfl_pm_global']:.2f})")
+        # The two readings of the PM together, and the new clients' GM -> PM -> fine-tuned PM as one story.
+        line += (f"  |  {values_line(rec, ('gfl_gm', 'pfl_gm', 'pfl_pm'))}"
+                 f" (global {percent(rec['pfl_pm_global'])})")
         if "pfl_new_before" in rec:
-            line += f"  new GM {100 * rec['pfl_gm_new']:.2f} PM {100 * rec['pfl_new_before']:.2f}"
+            line += f"  {values_line(rec, ('pfl_gm_new',))} PM {percent(rec['pfl_new_before'])}"
         if "pfl_new_after" in rec:
-            line += f" -> {100 * rec['pfl_new_after']:.2f} fine-tuned"
+            line += f" -> {percent(rec['pfl_new_after'])} fine-tuned"
         if "pfl_ft" in rec:
-            line += f"  FT {100 * rec['pfl_ft']:.2f}"
+            line += f"  {values_line(rec, ('pfl_ft',))}"
     return line

@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from ray.tune import Callback
 
 from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, build_dataclass, load_config
+from fedrod_ray.metric_schema import ACCURACIES, title, values_line
+from fedrod_ray.plotting import figure, png, round_axis
 
 from .space import SweepSpec
-from .sweep import TRIALS, fit, start_dir
+from .sweep import TRIALS, TrialLines, fit, start_dir
 
 SPEC_FILE = "reproduce.yaml"
 FINETUNE_EPOCHS = 5  # FT: "a few epochs" of ERM on the client's own data, from the global model (--finetune-epochs)
@@ -88,12 +89,14 @@ TABLES: dict[str, dict[str, dict[str, Any]]] = {
                    for ratio in IMBALANCE_RATIOS for label, overrides in MAIN.items()},
 }
 
-# The table's columns: header -> metric (fractions in the records, % in the table).
-COLUMNS = {"G-FL (GM)": "gfl_gm", "P-FL (GM)": "pfl_gm", "P-FL (PM)": "pfl_pm", "P-FL (PM, global)": "pfl_pm_global"}
-NEW_COLUMNS = {"G-FL (GM)": "gfl_gm", "new clients, before": "pfl_new_before", "new clients, after": "pfl_new_after"}
-METRICS = ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before", "pfl_new_after", "pfl_ft")
+# The table's columns (fractions in the records, % in the table).
+COLUMNS = ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global")
+NEW_COLUMNS = ("gfl_gm", "pfl_new_before", "pfl_new_after")
+# A trial's console line: every accuracy but the new clients' GM (results.csv has it).
+LINE_METRICS = tuple(k for k in ACCURACIES if k != "pfl_gm_new")
+CURVES = ("gfl_gm", "pfl_pm")
 # eval_round: the round the metrics were measured at (the last evaluated one; rounds for a finished trial).
-CSV_COLUMNS = ("row", "seed", "rounds", "eval_round", "status", *METRICS)
+CSV_COLUMNS = ("row", "seed", "rounds", "eval_round", "status", *ACCURACIES)
 
 
 @dataclass
@@ -280,42 +283,22 @@ def reproduce(spec: ReproSpec, out_dir: Path, resume: bool = False) -> list[dict
     out_dir = out_dir.resolve()
     if not resume:
         start_dir(out_dir, SPEC_FILE, spec.to_dict(), "a reproduction", "--out")
-    grid = fit(spec, out_dir, TrialLines(spec), resume)
+    grid = fit(spec, out_dir, TrialLines(spec, trial_line, counted=True), resume)
     records, curves = collect(spec, grid)
     write_results(spec, records, curves, out_dir)
     return records
-
-
-class TrialLines(Callback):
-    """A line per finished trial. Tune saves its callbacks with the experiment: this holds only the spec."""
-
-    def __init__(self, spec: ReproSpec):
-        self.spec = spec
-
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        self._line(trials, trial, "finished")
-
-    def on_trial_error(self, iteration, trials, trial, **info):
-        self._line(trials, trial, "error")
-
-    def _line(self, trials, trial, status: str) -> None:
-        done = 1 + sum(t.is_finished() for t in trials if t is not trial)
-        print(f"[{done}/{len(trials)}] {trial_line(self.spec, trial.config, trial.last_result, status)}", flush=True)
 
 
 def trial_line(spec: ReproSpec, params: dict, last: dict, status: str) -> str:
     head = f"{params['row']}, seed {params['seed']}: {status}"
     if "gfl_gm" not in last:
         return head
-    values = "  ".join(f"{name} {100 * last[key]:.2f}" for name, key in (
-        ("G-FL", "gfl_gm"), ("P-FL GM", "pfl_gm"), ("PM", "pfl_pm"), ("PM global", "pfl_pm_global"),
-        ("new before", "pfl_new_before"), ("after", "pfl_new_after"), ("FT", "pfl_ft")) if key in last)
-    return f"{head}, round {last['round']}/{spec.rounds}: {values}"
+    return f"{head}, round {last['round']}/{spec.rounds}: {values_line(last, LINE_METRICS)}"
 
 
 def collect(spec: ReproSpec, grid) -> tuple[list[dict], dict[tuple[str, int], dict[str, list[float]]]]:
     """One record per (row, seed), in table order, with the metrics of its last evaluated round (a finished
-    trial's: the last round), and each trial's G-FL and P-FL (PM) at its evaluated rounds."""
+    trial's: the last round), and each trial's CURVES at its evaluated rounds."""
     rounds = spec.rounds
     records, curves = [], {}
     for result in grid:
@@ -329,12 +312,12 @@ def collect(spec: ReproSpec, grid) -> tuple[list[dict], dict[tuple[str, int], di
                      else None)
         last = evaluated.iloc[-1].to_dict() if evaluated is not None and len(evaluated) else {}
         records.append({"row": row, "seed": seed, "rounds": done, "eval_round": int(last.get("round", 0)),
-                        "status": status, **{k: _value(last.get(k)) for k in METRICS}})
+                        "status": status, **{k: _value(last.get(k)) for k in ACCURACIES}})
         if last:
-            curves[row, seed] = {k: [float(v) for v in evaluated[k]] for k in ("round", "gfl_gm", "pfl_pm")}
+            curves[row, seed] = {k: [float(v) for v in evaluated[k]] for k in ("round", *CURVES)}
     seen = {(r["row"], r["seed"]) for r in records}
     records += [{"row": row, "seed": seed, "rounds": 0, "eval_round": 0, "status": "not started",
-                 **dict.fromkeys(METRICS, math.nan)}
+                 **dict.fromkeys(ACCURACIES, math.nan)}
                 for row in spec.rows for seed in spec.seeds if (row, seed) not in seen]
     order = {label: i for i, label in enumerate(spec.rows)}
     records.sort(key=lambda r: (order[r["row"]], r["seed"]))
@@ -398,10 +381,10 @@ def pm_metric(overrides: dict[str, Any]) -> str:
 def format_table(spec: ReproSpec, records: list[dict]) -> str:
     columns = NEW_COLUMNS if spec.table == "new-clients" else COLUMNS
     seeds = ", ".join(map(str, spec.seeds))
-    title = (f"Table {spec.table}: base {Path(spec.base).name}, {spec.rounds} rounds, seeds {seeds}; "
-             "mean ± std over the seeds (sample std), accuracies in %.")
-    lines = [title, "",
-             "| method | " + " | ".join(columns) + " |", "|---|" + "|".join("---:" for _ in columns) + "|"]
+    heading = (f"Table {spec.table}: base {Path(spec.base).name}, {spec.rounds} rounds, seeds {seeds}; "
+               "mean ± std over the seeds (sample std), accuracies in %.")
+    lines = [heading, "",
+             "| method | " + " | ".join(map(title, columns)) + " |", "|---|" + "|".join("---:" for _ in columns) + "|"]
     footnotes = []
     for label, overrides in spec.rows.items():
         mine = [r for r in records if r["row"] == label and r["status"] == "finished"]
@@ -413,11 +396,11 @@ def format_table(spec: ReproSpec, records: list[dict]) -> str:
             name = (f"{label} (not started)" if not reached else f"{label} (not finished: round {reached} of "
                     f"{spec.rounds}; " + (f"values at round {', '.join(map(str, at))})" if at else "not yet evaluated)"))
         cells = []
-        for key in columns.values():
+        for key in columns:
             mark = ""
             if key == "pfl_pm" and pm_metric(overrides) == "pfl_ft":
                 key, mark = "pfl_ft", " †"
-                footnote = (f"† {label}: P-FL (PM) is `pfl_ft`, the global model fine-tuned for "
+                footnote = (f"† {label}: {title('pfl_pm')} is `pfl_ft`, the global model fine-tuned for "
                             f"{_epochs(overrides['eval.finetune_epochs'])} (ERM) on each client's own data "
                             "at the last round.")
                 footnotes += [footnote] if footnote not in footnotes else []
@@ -460,31 +443,25 @@ def mean_curve(runs: list[dict[str, list[float]]], key: str) -> tuple[list[float
 def plot_curves(spec: ReproSpec, curves: dict, path: Path) -> None:
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharex=True)
-    colors = plt.get_cmap("tab20" if len(spec.rows) > 10 else "tab10")
-    for i, label in enumerate(spec.rows):
-        runs = [c for (row, _), c in sorted(curves.items()) if row == label]
-        if not runs:
-            continue
-        for ax, key in zip(axes, ("gfl_gm", "pfl_pm")):
-            rounds, mean, std = mean_curve(runs, key)
-            ax.plot(rounds, [100 * m for m in mean], color=colors(i), label=label,
-                    marker="." if len(rounds) < 20 else None)
-            ax.fill_between(rounds, [100 * (m - s) for m, s in zip(mean, std)],
-                            [100 * (m + s) for m, s in zip(mean, std)], color=colors(i), alpha=0.15, linewidth=0)
-    for ax, title in zip(axes, ("G-FL (GM)", "P-FL (PM)")):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("round")
-        ax.set_ylabel(f"{title}, %")
-        ax.set_title(f"{title}: mean ± std over {len(spec.seeds)} seed(s)")
-        ax.grid(alpha=0.3)
-    if curves:
-        axes[1].legend(loc="best", fontsize=7)
-    fig.suptitle(f"table {spec.table}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    colors = matplotlib.colormaps["tab20" if len(spec.rows) > 10 else "tab10"]
+    with figure(ncols=len(CURVES), figsize=(12, 4.8), sharex=True) as (fig, axes):
+        for i, label in enumerate(spec.rows):
+            runs = [c for (row, _), c in sorted(curves.items()) if row == label]
+            if not runs:
+                continue
+            for ax, key in zip(axes, CURVES):
+                rounds, mean, std = mean_curve(runs, key)
+                ax.plot(rounds, [100 * m for m in mean], color=colors(i), label=label,
+                        marker="." if len(rounds) < 20 else None)
+                ax.fill_between(rounds, [100 * (m - s) for m, s in zip(mean, std)],
+                                [100 * (m + s) for m, s in zip(mean, std)], color=colors(i), alpha=0.15,
+                                linewidth=0)
+        for ax, key in zip(axes, CURVES):
+            round_axis(ax)
+            ax.set_ylabel(f"{title(key)}, %")
+            ax.set_title(f"{title(key)}: mean ± std over {len(spec.seeds)} seed(s)")
+            ax.grid(alpha=0.3)
+        if curves:
+            axes[1].legend(loc="best", fontsize=7)
+        fig.suptitle(f"table {spec.table}")
+        path.write_bytes(png(fig, dpi=120))

@@ -14,19 +14,24 @@ import csv
 import io
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 from ray.tune import Callback
 
 from fedrod_ray.config import ConfigError, ExperimentConfig, dump_config
+from fedrod_ray.metric_schema import ACCURACIES, percent, title, values_line
+from fedrod_ray.plotting import figure, png
 
 from .space import SweepSpec, load_sweep, param_space
 from .trial import run_trial
 
 TRIALS = "trials"
 SPEC_FILE = "sweep.yaml"
-COLUMNS = ("rounds", "status", "objective", "gfl_gm", "pfl_gm", "pfl_pm", "best_objective", "best_round")
+# A trial's final accuracies in the results (the objective is made of gfl_gm and pfl_pm).
+FINAL = ("gfl_gm", "pfl_gm", "pfl_pm")
+COLUMNS = ("rounds", "status", "objective", *FINAL, "best_objective", "best_round")
 
 
 def run_sweep(spec: SweepSpec, sweep_dir: Path, resume: bool = False) -> list[dict]:
@@ -34,7 +39,7 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, resume: bool = False) -> list[di
     sweep_dir = sweep_dir.resolve()
     if not resume:
         start_dir(sweep_dir, SPEC_FILE, spec.to_dict(), "a sweep", "--sweep-dir")
-    grid = fit(spec, sweep_dir, TrialLines(spec), resume)
+    grid = fit(spec, sweep_dir, TrialLines(spec, trial_line), resume)
     rows = result_rows(spec, grid)
     write_results(spec, rows, sweep_dir)
     return rows
@@ -103,17 +108,24 @@ def resume_spec(sweep_dir: Path) -> SweepSpec:
 
 
 class TrialLines(Callback):
-    """A line on the console per finished trial. Tune saves its callbacks with the experiment's state,
-    so this holds nothing but the sweep (printing through ``print`` looked up when called)."""
+    """A line on the console per finished trial, ``line(spec, params, last result, status)``; ``counted``
+    puts ``[finished/all]`` before it. Tune saves its callbacks with the experiment's state, so this holds
+    only the spec, a module-level function (pickled by name) and the flag."""
 
-    def __init__(self, spec: SweepSpec):
-        self.spec = spec
+    def __init__(self, spec: SweepSpec, line: Callable[[SweepSpec, dict, dict, str], str], counted: bool = False):
+        self.spec, self.line, self.counted = spec, line, counted
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        print(trial_line(self.spec, trial.config, trial.last_result, "finished"), flush=True)
+        self._print(trials, trial, "finished")
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        print(trial_line(self.spec, trial.config, trial.last_result, "error"), flush=True)
+        self._print(trials, trial, "error")
+
+    def _print(self, trials, trial, status: str) -> None:
+        text = self.line(self.spec, trial.config, trial.last_result, status)
+        if self.counted:
+            text = f"[{1 + sum(t.is_finished() for t in trials if t is not trial)}/{len(trials)}] {text}"
+        print(text, flush=True)
 
 
 def trial_line(spec: SweepSpec, params: dict, last: dict, status: str) -> str:
@@ -124,8 +136,8 @@ def trial_line(spec: SweepSpec, params: dict, last: dict, status: str) -> str:
     values = ", ".join(f"{k}={_fmt(v)}" for k, v in params.items())
     if "objective" not in last:
         return f"trial {values}: {status}"
-    return (f"trial {values}: {status}; round {done}: G-FL {100 * last['gfl_gm']:.2f}  P-FL PM "
-            f"{100 * last['pfl_pm']:.2f}  {spec.metric} {100 * last['objective']:.2f}")
+    return (f"trial {values}: {status}; round {done}: {values_line(last, ('gfl_gm', 'pfl_pm'))}  "
+            f"{spec.metric} {percent(last['objective'])}")
 
 
 def _fmt(v) -> str:
@@ -142,7 +154,7 @@ def result_rows(spec: SweepSpec, grid) -> list[dict]:
         row = {k: result.config[k] for k in spec.search}
         done = int(last.get("round", 0))
         row.update(rounds=done, status="error" if result.error else "finished" if done == rounds else "stopped")
-        for key in ("objective", "gfl_gm", "pfl_gm", "pfl_pm"):
+        for key in ("objective", *FINAL):
             row[key] = last.get(key, math.nan)
         if history is not None and len(history) and "objective" in history:
             best = history.loc[history["objective"].idxmax()]
@@ -182,32 +194,26 @@ def write_results(spec: SweepSpec, rows: list[dict], sweep_dir: Path) -> None:
 
 
 def _cell(key: str, value) -> str:
-    if key in ("objective", "gfl_gm", "pfl_gm", "pfl_pm", "best_objective"):
-        return "-" if math.isnan(value) else f"{100 * value:.2f}"
+    if key in ("objective", "best_objective") or key in ACCURACIES:
+        return "-" if math.isnan(value) else percent(value)
     return _fmt(value)
 
 
 def _plot_pareto(spec: SweepSpec, rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     scored = [r for r in rows if not math.isnan(r["objective"])]
     points = [(100 * r["pfl_pm"], 100 * r["gfl_gm"]) for r in scored]
     front = set(pareto_front(points))
-    fig, ax = plt.subplots(figsize=(6.4, 4.8))
-    ax.scatter([p[0] for i, p in enumerate(points) if i not in front],
-               [p[1] for i, p in enumerate(points) if i not in front], color="0.6", label="trial")
-    order = sorted(front, key=lambda i: points[i][0])
-    ax.plot([points[i][0] for i in order], [points[i][1] for i in order], "o-", color="C3", label="Pareto front")
-    for i in order:
-        label = ", ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(scored[i][k])}" for k in spec.search)
-        ax.annotate(label, points[i], textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("P-FL (PM), %")
-    ax.set_ylabel("G-FL (GM), %")
-    ax.set_title(f"{spec.name}: final round of each trial")
-    ax.legend(loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(figsize=(6.4, 4.8)) as (fig, ax):
+        ax.scatter([p[0] for i, p in enumerate(points) if i not in front],
+                   [p[1] for i, p in enumerate(points) if i not in front], color="0.6", label="trial")
+        order = sorted(front, key=lambda i: points[i][0])
+        ax.plot([points[i][0] for i in order], [points[i][1] for i in order], "o-", color="C3",
+                label="Pareto front")
+        for i in order:
+            label = ", ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(scored[i][k])}" for k in spec.search)
+            ax.annotate(label, points[i], textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xlabel(f"{title('pfl_pm')}, %")
+        ax.set_ylabel(f"{title('gfl_gm')}, %")
+        ax.set_title(f"{spec.name}: final round of each trial")
+        ax.legend(loc="best")
+        path.write_bytes(png(fig, dpi=120))

@@ -15,13 +15,13 @@ import torch
 from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.coordinator import RayExecutor, plan_layout
 from fedrod_ray.federation import Federation, prepare
+from fedrod_ray.metric_schema import ACCURACIES
 from fedrod_ray.storage import RunStorage
 
 from .space import SweepSpec
 
-# Whatever of these the round's record has (the fine-tuned ones only at the last evaluation).
-REPORTED = ("round", "gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before", "pfl_new_after",
-            "pfl_ft", "train_loss", "personal_loss", "clients_failed")
+# Whatever of these the round's record has (the accuracies only on evaluation rounds, some only at the last).
+REPORTED = ("round", *ACCURACIES, "train_loss", "personal_loss", "clients_failed")
 
 
 def objective(record: dict, metric: str) -> float:

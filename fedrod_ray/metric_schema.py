@@ -1,0 +1,103 @@
+"""Every field of a round's record (metrics.jsonl / metrics.csv), once: its key, how the console and the
+tables name it, and what it measures (FEDROD.md, "Evaluation"). The console lines, the metrics files'
+documentation, the curves, Tune's reports and the sweep and reproduction tables take their names from here.
+
+Accuracies are fractions in the records and percentages wherever they are shown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+EVERY_ROUND = "every round"
+EVALUATION = "evaluation rounds"
+LAST_EVALUATION = "last evaluation"
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    when: str  # EVERY_ROUND, EVALUATION (every eval.eval_every and the last) or LAST_EVALUATION (fine-tuning)
+    description: str
+    label: str = ""  # as the console prints it ("" for a field it does not print)
+    title: str = ""  # as tables, plots and legends name it
+    accuracy: bool = False
+
+
+METRICS = (
+    Metric("round", EVERY_ROUND, "the round, counted from 1: after round 3, three rounds are done"),
+    Metric("name", EVERY_ROUND, "the experiment's `name`"),
+    Metric("lr", EVERY_ROUND, "this round's learning rate"),
+    Metric("clients", EVERY_ROUND, "clients sampled this round"),
+    Metric("clients_done", EVERY_ROUND, "sampled clients that finished their local training"),
+    Metric("clients_failed", EVERY_ROUND, "sampled clients that failed"),
+    Metric("failed_ids", EVERY_ROUND, "the failed clients' ids"),
+    Metric("train_loss", EVERY_ROUND, "mean balanced loss of the local steps, weighted by sample count",
+           label="loss"),
+    Metric("personal_loss", EVERY_ROUND,
+           "the same for the personalized loss; empty without a personalized head"),
+    Metric("train_seconds", EVERY_ROUND, "local training and aggregation, in seconds"),
+    Metric("gfl_gm", EVALUATION, "G-FL: the generic model's (GM) accuracy on the balanced test set",
+           label="G-FL", title="G-FL (GM)", accuracy=True),
+    Metric("pfl_gm", EVALUATION, "P-FL of the GM: each training client's test accuracy re-weighted by its "
+           "own class distribution, averaged over the training clients",
+           label="P-FL GM", title="P-FL (GM)", accuracy=True),
+    Metric("pfl_pm", EVALUATION, "P-FL of the personalized models (PM), each client's own last local model "
+           "(the paper's main text; over the clients whose PM could be evaluated)",
+           label="P-FL PM", title="P-FL (PM)", accuracy=True),
+    Metric("pfl_pm_global", EVALUATION, "P-FL of the PMs read as the global model with the client's own head "
+           "(the paper's appendix; what the HTTP service serves)",
+           label="PM global", title="P-FL (PM, global)", accuracy=True),
+    Metric("pfl_gm_new", EVALUATION, "the GM's P-FL on the held-out new clients (with `data.new_clients`)",
+           label="new GM", title="P-FL (GM), new clients", accuracy=True),
+    Metric("pfl_new_before", EVALUATION, "the new clients' PM P-FL before any local training: the global "
+           "model (hyper: with the zero-shot head H(a; ν̄))",
+           label="new before", title="new clients, before", accuracy=True),
+    Metric("pfl_new_after", LAST_EVALUATION, "the same after fine-tuning each new client for "
+           "`eval.finetune_epochs` on its own data",
+           label="new after", title="new clients, after", accuracy=True),
+    Metric("pfl_ft", LAST_EVALUATION, "P-FL of the global model fine-tuned on each training client's own data "
+           "(the FT baseline, with `eval.finetune_train`)",
+           label="FT", title="P-FL (FT)", accuracy=True),
+    Metric("pm_eval_failed", EVALUATION, "clients whose PM could not be evaluated"),
+    Metric("finetune_failed", LAST_EVALUATION, "clients that could not be fine-tuned"),
+    Metric("seconds", EVERY_ROUND, "the whole round with evaluation, in seconds"),
+)
+BY_KEY = {m.key: m for m in METRICS}
+# The accuracies, in the order every table and report lists them.
+ACCURACIES = tuple(m.key for m in METRICS if m.accuracy)
+# What an evaluation adds to a round's record (and final/meta.json keeps of the last one).
+EVALUATED = tuple(m.key for m in METRICS if m.when != EVERY_ROUND)
+
+
+def label(key: str) -> str:
+    return BY_KEY[key].label
+
+
+def title(key: str) -> str:
+    return BY_KEY[key].title
+
+
+def percent(fraction: float) -> str:
+    return f"{100 * fraction:.2f}"
+
+
+def values_line(record: dict, keys: Iterable[str]) -> str:
+    """The accuracies of ``keys`` that ``record`` has, labelled, in %. A label drops the first word of the
+    label before it, which the reader still has in mind: ``P-FL GM 60.00  PM 70.00``."""
+    parts, previous = [], ""
+    for key in keys:
+        if key in record:
+            words = label(key).split(" ")
+            shown = " ".join(words[1:]) if len(words) > 1 and words[0] == previous.split(" ")[0] else label(key)
+            parts.append(f"{shown} {percent(record[key])}")
+            previous = label(key)
+    return "  ".join(parts)
+
+
+def markdown_table() -> str:
+    """The README's table of the metrics files' columns (tests/test_metric_schema.py keeps them equal)."""
+    lines = ["| column | in the record | console | tables, plots | what it is |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| `{m.key}` | {m.when} | {m.label} | {m.title} | {m.description} |" for m in METRICS]
+    return "\n".join(lines) + "\n"
