@@ -111,7 +111,8 @@ def test_global_reading_pm_is_the_global_model_with_the_clients_own_head(head):
     fed.model.load_partial(fed.global_shared)
     z, logits = features_and_logits(fed.model, fed.setup.test, 7)
     correct, total = class_correct(logits.argmax(1), fed.setup.test.y, fed.setup.test.num_classes)
-    counts = fed._global_reading_pms(fed.setup.all_client_ids, z, logits, correct, total).correct
+    counts = fed.evaluation._global_reading_pms(fed.clients, fed.setup.all_client_ids, z, logits, correct,
+                                                total).correct
     for cid, state in fed.clients.items():
         model = fed.setup.build_model()
         model.load_partial(fed.global_shared)
