@@ -86,6 +86,8 @@ class _Requeued:
 
 
 class RayExecutor:
+    """The executor protocol on a pool of ``ClientActor``s laid out by ``plan_layout``."""
+
     def __init__(self, setup: Setup, layout: Layout):
         cfg, ds, part = setup.cfg, setup.dataset, setup.partition
         self.layout = layout
