@@ -77,7 +77,8 @@ def layer_of(module: str) -> tuple[int, str] | None:
 
 
 def test_the_docstring_states_the_layers():
-    assert [n for n, _ in sorted(set(LAYERS.values()))] == list(range(1, 10)), LAYERS
+    numbers = [n for n, _ in sorted(set(LAYERS.values()))]
+    assert len(numbers) > 1 and numbers == list(range(1, len(numbers) + 1)), LAYERS
     named = {f"{ROOT}.{n}" for n in LAYERS}
     assert not named - set(MODULES), f"layers name modules that do not exist: {sorted(named - set(MODULES))}"
 
@@ -102,7 +103,8 @@ def test_imports_only_go_down():
         for target in targets:
             if module == ROOT or target == ROOT or not target.startswith(ROOT) or (module, target) in KNOWN_EDGES:
                 continue
-            if layer_of(target) > layer_of(module):
+            # A module without a layer fails test_every_module_has_a_layer.
+            if None not in (layer_of(module), layer_of(target)) and layer_of(target) > layer_of(module):
                 upward.append(f"{module} ({layer_of(module)[1]}) imports {target} ({layer_of(target)[1]})")
     assert not upward, "\n".join(upward)
 
