@@ -6,7 +6,7 @@ batch 40, the MNIST ConvNet, Fed-RoD with the linear head unless ``--heads``, th
 per-client seeds, on ``--device``:
 
 - one after another: ``InProcessExecutor`` (``ClientHost.train``: ``local.local_update`` per client);
-- batched: ``BatchedExecutor`` (``fedrod_ray.batched``), up to ``--group`` clients per pass.
+- batched: ``BatchedExecutor`` (``fedrod_ray.executors.batched``), up to ``--group`` clients per pass.
 
 Each path gets one untimed warm-up round (2 clients), then ``--repeats`` timed rounds; the table gives the
 median seconds, samples/s (examples x epochs / s) and the speed-up of batched over one after another,
@@ -31,11 +31,13 @@ import time
 import torch
 from _common import machine_note, make_config, md_table, median, mnist_data_section
 
-from fedrod_ray.batched import BatchedExecutor
 from fedrod_ray.client import ClientFailure, ClientState
-from fedrod_ray.federation import Federation, InProcessExecutor, make_host, prepare
+from fedrod_ray.executors.batched import BatchedExecutor
+from fedrod_ray.executors.in_process import InProcessExecutor
+from fedrod_ray.federation import Federation
 from fedrod_ray.local import RoundInput
 from fedrod_ray.server import sample_clients
+from fedrod_ray.setup import make_host, prepare
 
 HEADS = {"none": {"head": "none", "balanced_loss": "ce"}, "linear": {"head": "linear"}, "hyper": {"head": "hyper"}}
 

@@ -69,8 +69,8 @@ def client_data(shape: str, data_dir: str | None):
     """(arch, the client's data, mean, std, augment)."""
     import torch
 
-    from fedrod_ray.federation import make_host, prepare
     from fedrod_ray.local import ClientData
+    from fedrod_ray.setup import make_host, prepare
 
     if shape == "mnist":
         setup = prepare(make_config(mnist_data_section(data_dir) | {"num_clients": 100, "partition": "iid"}))

@@ -21,9 +21,9 @@ from _common import machine_note, md_table, median, mnist_data_section
 
 from fedrod_ray.algorithms import build_rule
 from fedrod_ray.config import TrainConfig, config_from_dict
-from fedrod_ray.federation import make_host, prepare
 from fedrod_ray.local import ClientData, RoundInput, local_update
 from fedrod_ray.models import build_model
+from fedrod_ray.setup import make_host, prepare
 
 N, META_PER_CLASS = 600, 10
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)

@@ -45,9 +45,11 @@ from _common import machine_note, make_config, md_table, median, mnist_data_sect
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import STEPS, ExperimentConfig, config_from_dict
 from fedrod_ray.coordinator import Coordinator
-from fedrod_ray.federation import Federation, InProcessExecutor, Setup, make_host, prepare
+from fedrod_ray.executors.in_process import InProcessExecutor
+from fedrod_ray.federation import Federation
 from fedrod_ray.local import RoundInput
 from fedrod_ray.server import sample_clients
+from fedrod_ray.setup import Setup, make_host, prepare
 
 NEVER = 10**6  # an eval_every / checkpoint_every beyond the last round
 

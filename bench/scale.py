@@ -36,7 +36,7 @@ import ray
 from _common import machine_note, make_config, md_table, median, mnist_data_section, ray_memory
 
 from fedrod_ray.coordinator import Coordinator
-from fedrod_ray.federation import prepare
+from fedrod_ray.setup import prepare
 
 NEVER = 10**6
 

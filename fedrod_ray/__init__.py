@@ -3,6 +3,22 @@
 A shared feature extractor with a generic head trained by a balanced loss (for the server's generic
 model) and a personalized head per client (for each client's own model), trained in-process or by Ray
 actors.
+
+Layers, bottom to top. A module imports only from its own layer and those below it, and no import
+circle exists (tests/test_layering.py reads this list and checks every import of every module):
+
+1. base: config, storage, aggregate, scheduling, server, losses, metric_schema, plotting, results
+2. pieces: data, models, partition, metrics, algorithms, export
+3. local math: step, meta_bsm, local, batched
+4. clients: client, actors
+5. federation state: setup, state, checkpoint, final
+6. executors and evaluation: executors, evaluation
+7. round loop: federation, coordinator
+8. drivers: runner, ray_runtime
+9. command line: cli
+
+A package (data, models, algorithms, executors) stands for all its modules. The HTTP service (``api/``)
+imports only the first two layers; ``api/`` and ``tune/`` import the library, never the other way round.
 """
 
 __version__ = "0.3.0"

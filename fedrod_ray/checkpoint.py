@@ -1,4 +1,5 @@
-"""Checkpoints that hold everything needed to resume a run exactly, written incrementally.
+"""Checkpoints of a federation's ``Snapshot`` that hold everything needed to resume a run exactly, written
+incrementally.
 
 Layout under ``<run_dir>/checkpoints/``:
 
@@ -23,15 +24,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .aggregate import StateDict
 from .client import ClientState
-from .config import ExperimentConfig, config_from_dict
+from .config import config_from_dict
+from .state import Snapshot
 from .storage import RunStorage
 
 # 1: fedrod-ray 0.1 (FedDyn's state in fixed fields); 2: rule state named by its rule; 3: client states
@@ -45,17 +45,6 @@ CLIENTS_DIR = "checkpoints/clients"
 
 class CheckpointFormatError(ValueError):
     """A checkpoint this version cannot read."""
-
-
-@dataclass
-class Snapshot:
-    """A federation's full state after a round: what ``Federation.snapshot`` gives and ``restore`` takes."""
-
-    rounds_done: int  # rounds completed: the next round's 0-based index, "round N" for users
-    config: ExperimentConfig
-    global_shared: StateDict
-    server_state: StateDict  # owned by config.train.generic_rule (empty if it keeps none)
-    clients: dict[int, ClientState]
 
 
 def _name(rounds_done: int) -> str:

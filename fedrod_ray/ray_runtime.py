@@ -13,11 +13,12 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .checkpoint import Snapshot
 from .config import ExperimentConfig
 from .coordinator import Coordinator
-from .federation import RoundFailedError, prepare
+from .federation import RoundFailedError
 from .runner import drive
+from .setup import prepare
+from .state import Snapshot
 from .storage import RunStorage
 
 PROGRESS_POLL_S = 1.0

@@ -15,13 +15,15 @@ from typing import TextIO
 
 import torch
 
-from .batched import in_process_executor
-from .checkpoint import CheckpointWriter, Snapshot
+from .checkpoint import CheckpointWriter
 from .config import ExperimentConfig, dump_config
-from .export import save_final
-from .federation import Federation, make_host, prepare
+from .executors.batched import in_process_executor
+from .federation import Federation
+from .final import write_final
 from .metric_schema import label, percent, values_line
 from .results import MetricsLog
+from .setup import make_host, prepare
+from .state import Snapshot
 from .storage import RunStorage
 
 
@@ -53,10 +55,6 @@ def drive(step: Callable[[int], dict], checkpoint: Callable[[], None], finish: C
             checkpoint()
     finish(last_evaluation(metrics.records))
     return metrics.records
-
-
-def export_federation(fed: Federation, storage: RunStorage, metrics: dict) -> None:
-    save_final(storage, *fed.final_model(metrics))
 
 
 class RoundProgress:
@@ -111,8 +109,8 @@ def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | N
     if snapshot is not None:
         fed.restore(snapshot)
     writer = CheckpointWriter(storage)
-    return drive(fed.step, lambda: writer.save(fed.snapshot()), lambda m: export_federation(fed, storage, m),
-                 cfg, storage, fed.next_round, log)
+    return drive(fed.step, lambda: writer.save(fed.snapshot()),
+                 lambda m: write_final(storage, setup, fed.snapshot(), m), cfg, storage, fed.next_round, log)
 
 
 SUMMARY_METRICS = ("gfl_gm", "pfl_gm", "pfl_pm")

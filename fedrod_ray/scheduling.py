@@ -1,4 +1,4 @@
-"""The coordinator's dispatch policies as pure, clock-free state machines (used by the Ray executor and
+"""The Ray executor's dispatch policies as pure, clock-free state machines (used by the Ray executor and
 replayed by ``bench/round_overhead.py`` on measured update times).
 
 An actor runs one call at a time, so the actors in the pool are the cluster's training slots.

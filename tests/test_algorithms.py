@@ -16,11 +16,13 @@ from fedrod_ray.algorithms import RULES, build_rule
 from fedrod_ray.client import ClientFailure
 from fedrod_ray.config import ConfigError, TrainConfig, config_from_dict
 from fedrod_ray.data.transforms import normalize
-from fedrod_ray.federation import Federation, InProcessExecutor, make_host, prepare
+from fedrod_ray.executors.in_process import InProcessExecutor
+from fedrod_ray.federation import Federation
 from fedrod_ray.local import TRAIN_TAG, RoundInput, derived_seed, effective_step_sum, local_update
 from fedrod_ray.losses import balanced_softmax
 from fedrod_ray.models import build_model
 from fedrod_ray.server import sample_clients
+from fedrod_ray.setup import make_host, prepare
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

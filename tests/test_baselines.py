@@ -12,9 +12,11 @@ import torch
 from fedrod_ray.algorithms import build_rule
 from fedrod_ray.client import FINETUNE_TAG, ClientState
 from fedrod_ray.config import ConfigError, config_from_dict
-from fedrod_ray.federation import Federation, InProcessExecutor, make_host, prepare
+from fedrod_ray.executors.in_process import InProcessExecutor
+from fedrod_ray.federation import Federation
 from fedrod_ray.local import RoundInput, derived_seed, local_update
 from fedrod_ray.metrics import personal_class_correct, pfl_accuracy
+from fedrod_ray.setup import make_host, prepare
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,7 +12,6 @@ from safetensors import safe_open
 from fedrod_ray.checkpoint import (
     CheckpointFormatError,
     CheckpointWriter,
-    Snapshot,
     latest_checkpoint_name,
     load_checkpoint,
     save_checkpoint,
@@ -20,6 +19,7 @@ from fedrod_ray.checkpoint import (
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.results import MetricsLog
+from fedrod_ray.state import Snapshot
 from fedrod_ray.storage import RunStorage
 
 

@@ -10,12 +10,14 @@ import torch
 from fedrod_ray.aggregate import weighted_average
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import config_from_dict
+from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.export import load_final
-from fedrod_ray.federation import Federation, InProcessExecutor, RoundFailedError, make_host, prepare
+from fedrod_ray.federation import Federation, RoundFailedError
 from fedrod_ray.local import RoundInput
 from fedrod_ray.metrics import class_correct, features_and_logits, personal_class_correct
 from fedrod_ray.runner import run_local
 from fedrod_ray.server import sample_clients
+from fedrod_ray.setup import make_host, prepare
 from fedrod_ray.storage import RunStorage
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -109,7 +111,8 @@ def test_global_reading_pm_is_the_global_model_with_the_clients_own_head(head):
     fed.model.load_partial(fed.global_shared)
     z, logits = features_and_logits(fed.model, fed.setup.test, 7)
     correct, total = class_correct(logits.argmax(1), fed.setup.test.y, fed.setup.test.num_classes)
-    counts = fed._global_reading_pms(fed.setup.all_client_ids, z, logits, correct, total).correct
+    counts = fed.evaluation._global_reading_pms(fed.clients, fed.setup.all_client_ids, z, logits, correct,
+                                                total).correct
     for cid, state in fed.clients.items():
         model = fed.setup.build_model()
         model.load_partial(fed.global_shared)

@@ -12,16 +12,20 @@ from torch import nn
 
 from fedrod_ray.aggregate import weighted_average
 from fedrod_ray.algorithms import build_rule
-from fedrod_ray.checkpoint import Snapshot, load_checkpoint, save_checkpoint
+from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import ConfigError, DataConfig, TrainConfig, config_from_dict
+from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.export import load_final, save_final
-from fedrod_ray.federation import Federation, InProcessExecutor, make_host, prepare
+from fedrod_ray.federation import Federation
+from fedrod_ray.final import final_model
 from fedrod_ray.local import ClientData, RoundInput, local_update
 from fedrod_ray.losses import balanced_softmax
 from fedrod_ray.meta_bsm import meta_bsm_step
 from fedrod_ray.models import FedModel, build_model
 from fedrod_ray.partition import make_partition
+from fedrod_ray.setup import make_host, prepare
+from fedrod_ray.state import Snapshot
 from fedrod_ray.storage import RunStorage
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -355,7 +359,7 @@ def test_a_federation_round_end_to_end(tmp_path):
     assert np.isfinite(fed.step(1)["gfl_gm"])
 
     # The served model has no Meta-Weight-Net: final/ loads as any linear Fed-RoD model's.
-    meta_model, weights, heads = fed.final_model(record)
+    meta_model, weights, heads = final_model(fed.setup, fed.snapshot(), record)
     assert not any(k.startswith("mwn.") for k in weights)
     save_final(RunStorage(str(tmp_path / "run")), meta_model, weights, heads)
     assert load_final(str(tmp_path / "run")).meta.balanced_loss == "meta_bsm"
@@ -374,7 +378,7 @@ def test_client_state_round_trips_gamma(tmp_path):
 
 
 def test_ray_round_equals_in_process(ray_session):
-    from fedrod_ray.coordinator import RayExecutor, plan_layout
+    from fedrod_ray.executors.ray import RayExecutor, plan_layout
 
     cfg = config_from_dict(BASE, ["train.rounds=1"])
     setup = prepare(cfg)

@@ -27,9 +27,11 @@ from safetensors.torch import load_file
 from fedrod_ray.checkpoint import CheckpointWriter, load_checkpoint
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import config_from_dict
-from fedrod_ray.coordinator import Layout, RayExecutor, plan_layout
-from fedrod_ray.federation import Federation, InProcessExecutor, RoundFailedError, make_host, prepare
+from fedrod_ray.executors.in_process import InProcessExecutor
+from fedrod_ray.executors.ray import Layout, RayExecutor, plan_layout
+from fedrod_ray.federation import Federation, RoundFailedError
 from fedrod_ray.server import sample_clients
+from fedrod_ray.setup import make_host, prepare
 from fedrod_ray.storage import RunStorage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -609,8 +611,9 @@ NODE_LOSS_SCRIPT = textwrap.dedent("""
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
     from fedrod_ray.config import config_from_dict
-    from fedrod_ray.coordinator import RayExecutor, plan_layout
-    from fedrod_ray.federation import Federation, prepare
+    from fedrod_ray.executors.ray import RayExecutor, plan_layout
+    from fedrod_ray.federation import Federation
+    from fedrod_ray.setup import prepare
 
     def is_training(pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:

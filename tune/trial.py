@@ -13,9 +13,10 @@ import tempfile
 import torch
 
 from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
-from fedrod_ray.coordinator import RayExecutor, plan_layout
-from fedrod_ray.federation import Federation, prepare
+from fedrod_ray.executors.ray import RayExecutor, plan_layout
+from fedrod_ray.federation import Federation
 from fedrod_ray.metric_schema import ACCURACIES
+from fedrod_ray.setup import prepare
 from fedrod_ray.storage import RunStorage
 
 from .space import SweepSpec

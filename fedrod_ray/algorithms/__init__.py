@@ -11,15 +11,7 @@ import difflib
 from typing import Any
 
 from .base import GenericRule, LocalCorrection, NoParams
-
-RULES: dict[str, type[GenericRule]] = {}
-
-
-def register(cls: type[GenericRule]) -> type[GenericRule]:
-    if not cls.name or cls.name in RULES:
-        raise ValueError(f"rule {cls.__name__} needs a unique name, got {cls.name!r}")
-    RULES[cls.name] = cls
-    return cls
+from .registry import RULES, register
 
 
 def get_rule_class(name: str) -> type[GenericRule]:

@@ -5,8 +5,8 @@ Every hook of ``GenericRule`` already is FedAvg; this file only gives it its nam
 
 from __future__ import annotations
 
-from . import register
 from .base import GenericRule
+from .registry import register
 
 
 @register

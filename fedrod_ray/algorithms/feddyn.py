@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..aggregate import StateDict
-from . import register
 from .base import GenericRule, LocalCorrection, zeros_like_missing
+from .registry import register
 
 
 @dataclass

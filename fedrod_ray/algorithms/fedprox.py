@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from ..aggregate import StateDict
-from . import register
 from .base import GenericRule, LocalCorrection
+from .registry import register
 
 
 @dataclass

@@ -9,8 +9,8 @@ computation as the federated rows it is compared with.
 
 from __future__ import annotations
 
-from . import register
 from .base import GenericRule
+from .registry import register
 
 
 @register

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..aggregate import StateDict
-from . import register
 from .base import GenericRule, LocalCorrection, zeros_like_missing
+from .registry import register
 
 
 class _ControlVariates(LocalCorrection):

@@ -1,0 +1,14 @@
+"""The registry of generic-FL rules by name: each rule module registers its class here on import."""
+
+from __future__ import annotations
+
+from .base import GenericRule
+
+RULES: dict[str, type[GenericRule]] = {}
+
+
+def register(cls: type[GenericRule]) -> type[GenericRule]:
+    if not cls.name or cls.name in RULES:
+        raise ValueError(f"rule {cls.__name__} needs a unique name, got {cls.name!r}")
+    RULES[cls.name] = cls
+    return cls

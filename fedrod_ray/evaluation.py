@@ -1,0 +1,173 @@
+"""A federation's evaluation: G-FL of the generic model (GM), and P-FL of the GM and of both readings of
+the personalized models (PMs), for training clients and held-out new clients, and after fine-tuning.
+
+The GM and every client's global-reading PM are scored here from one pass of the GM over the test set;
+the PMs of clients that trained, and fine-tuning, are the executor's calls (on Ray, the client actors),
+run meanwhile. A PM changes only when its client trains, so its counts are cached between evaluations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .aggregate import StateDict
+from .client import ClientState, EvalCounts
+from .executors.base import Executor, Job
+from .local import RoundInput, class_distribution
+from .metrics import accuracy, class_correct, features_and_logits, pfl_accuracy
+from .models import FedModel
+from .setup import Setup
+
+PM_BATCH = 64  # clients whose global-reading PM is scored at once: (64, test size, classes) logits
+
+
+class Evaluation:
+    """Evaluates a federation's state; holds the PM counts of the last evaluation (``clear`` forgets them,
+    as after a restore)."""
+
+    def __init__(self, setup: Setup, model: FedModel, log: Callable[[str], None]):
+        """``model`` is the federation's: its weights are overwritten with the GM's for each evaluation."""
+        self.setup = setup
+        self.cfg = setup.cfg
+        self.model = model
+        self.log = log
+        # (rounds_trained, correct, total) of each PM's last evaluation.
+        self._pm_counts: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        self._pm_counts.clear()
+
+    def evaluate(self, executor: Executor, global_shared: StateDict, clients: dict[int, ClientState],
+                 round_idx: int, final: bool = False) -> dict:
+        """The metrics of the GM ``global_shared`` and the PMs of ``clients`` after round ``round_idx``
+        (0-based); ``final`` adds the fine-tuned P-FL of ``eval.finetune_epochs``."""
+        test, dists = self.setup.test, self.setup.class_dists
+        pm, stale, fresh_clients = self._pm_jobs(clients)
+        ft_jobs = self._finetune_jobs(clients) if final else []
+        message = RoundInput(global_shared)
+        # The executor (on Ray, the client actors) evaluates the PMs that changed, and fine-tunes, while
+        # this thread scores the GM and every client's global-reading PM from one pass of the GM.
+        with ThreadPoolExecutor(1) as pool:
+            pending = (pool.submit(self._executor_evaluation, executor, stale, ft_jobs, message, round_idx)
+                       if stale or ft_jobs else None)
+            self.model.load_partial(global_shared)
+            z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
+            correct, total = class_correct(logits.argmax(1), test.y, test.num_classes)
+            ids = self.setup.all_client_ids
+            pm_global = self._global_reading_pms(clients, ids, z, logits, correct, total)
+            # A client that never trained has no model of its own: its PM is the global reading.
+            pm.correct.update({cid: pm_global.correct[cid] for cid in fresh_clients})
+            pm.total.update(dict.fromkeys(fresh_clients, total))
+            evaluated, tuned = pending.result() if pending is not None else (EvalCounts(), EvalCounts())
+        pm.merge(evaluated)
+        for cid, state in stale:
+            if cid in evaluated.correct:
+                self._pm_counts[cid] = (state.rounds_trained, evaluated.correct[cid], evaluated.total[cid])
+        pm.failed.update({cid: e for cid, e in pm_global.failed.items() if cid not in pm.failed})
+        for cid, error in sorted(pm.failed.items()):
+            self.log(f"client {cid}: personalized model not evaluated: {error}")
+        for cid, error in sorted(tuned.failed.items()):
+            self.log(f"client {cid}: not fine-tuned: {error}")
+        m = self.setup.num_clients
+        pfl_gm = pfl_accuracy(correct, total, dists)
+        pfl_pm = _pfl(pm, dists)
+        pfl_global = _pfl(pm_global, dists)
+        out = {
+            "gfl_gm": accuracy(correct, total),
+            "pfl_gm": float(pfl_gm[:m].mean()),
+            # Over the clients whose PM could be evaluated (pm_eval_failed counts the others).
+            "pfl_pm": _mean([v for c, v in pfl_pm.items() if c < m]),
+            "pfl_pm_global": _mean([v for c, v in pfl_global.items() if c < m]),
+            "pm_eval_failed": len(pm.failed),
+        }
+        if len(ids) > m:
+            out["pfl_gm_new"] = float(pfl_gm[m:].mean())
+            # New clients never train, so both readings of their PM are the global model (hyper: with H(a; nu)).
+            out["pfl_new_before"] = _mean([v for c, v in pfl_global.items() if c >= m])
+        if ft_jobs:
+            pfl_ft = _pfl(tuned, dists)
+            if self.cfg.eval.finetune_train:
+                out["pfl_ft"] = _mean([v for c, v in pfl_ft.items() if c < m])
+            if len(ids) > m:
+                out["pfl_new_after"] = _mean([v for c, v in pfl_ft.items() if c >= m])
+            out["finetune_failed"] = len(tuned.failed)
+        return out
+
+    def _executor_evaluation(self, executor: Executor, stale: list[Job], ft_jobs: list[Job], message: RoundInput,
+                             round_idx: int) -> tuple[EvalCounts, EvalCounts]:
+        evaluated = executor.evaluate(stale) if stale else EvalCounts()
+        tuned = (executor.finetune(ft_jobs, message, self.cfg.eval.finetune_epochs, round_idx)
+                 if ft_jobs else EvalCounts())
+        return evaluated, tuned
+
+    def _finetune_jobs(self, clients: dict[int, ClientState]) -> list[Job]:
+        """Held-out new clients, and every training client with ``eval.finetune_train``, when fine-tuning is on."""
+        ev = self.cfg.eval
+        if ev.finetune_epochs == 0:
+            return []
+        ids = self.setup.all_client_ids if ev.finetune_train else self.setup.all_client_ids[self.setup.num_clients:]
+        return [(cid, clients[cid].for_training()) for cid in ids]
+
+    def _pm_jobs(self, clients: dict[int, ClientState]) -> tuple[EvalCounts, list[Job], list[int]]:
+        """The cached PM counts still valid, the clients whose PM must be evaluated afresh (trained since
+        their last evaluation), and those that never trained. A PM changes only when its client trains."""
+        cached, stale, fresh = EvalCounts(), [], []
+        for cid, state in clients.items():
+            if state.local_model is None and state.personal is None:
+                fresh.append(cid)
+            elif cid in self._pm_counts and self._pm_counts[cid][0] == state.rounds_trained:
+                _, cached.correct[cid], cached.total[cid] = self._pm_counts[cid]
+            else:
+                stale.append((cid, state))
+        return cached, stale, fresh
+
+    @torch.inference_mode()
+    def _global_reading_pms(self, clients: dict[int, ClientState], ids: list[int], z: torch.Tensor,
+                            logits: torch.Tensor, correct: torch.Tensor, total: torch.Tensor) -> EvalCounts:
+        """Per-class correct test counts of each client's PM in the appendix's reading: the global theta and
+        psi with the client's own head (phi_m, or H(a_m; nu) for hyper). The GM's features z and logits
+        serve every client; a head's logits are added a batch of PM_BATCH clients at a time. With no P-head,
+        or a linear head still at its initial zeros, that PM is the GM."""
+        heads = self.model.variant
+        out = EvalCounts(total=dict.fromkeys(ids, total))
+        if heads is None:
+            out.correct = dict.fromkeys(ids, correct)
+            return out
+        if heads == "linear":
+            shape = self.model.personal_head.weight.shape
+            out.correct = {cid: correct for cid in ids if clients[cid].personal is None}
+            for cid in ids:
+                head = (clients[cid].personal or {}).get("personal_head.weight")
+                if cid not in out.correct and (head is None or head.shape != shape):
+                    out.failed[cid] = f"ValueError: its personal head is not a {tuple(shape)} personal_head.weight"
+            ids = [cid for cid in ids if cid not in out.correct and cid not in out.failed]
+        y, num_classes = self.setup.test.y, self.setup.test.num_classes
+        onehot = torch.nn.functional.one_hot(y, num_classes).to(torch.float64)
+        for start in range(0, len(ids), PM_BATCH):
+            batch = ids[start:start + PM_BATCH]
+            if heads == "hyper":
+                counts = torch.as_tensor(self.setup.partition.counts[batch], dtype=torch.long)
+                phi = self.model.personal_weight(class_distribution(counts))
+            else:
+                phi = torch.stack([clients[cid].personal["personal_head.weight"] for cid in batch])
+            preds = (logits + torch.einsum("nd,mcd->mnc", z, phi)).argmax(-1)
+            hits = (preds == y).to(torch.float64) @ onehot
+            out.correct.update(zip(batch, hits))
+        return out
+
+
+def _pfl(counts: EvalCounts, dists: torch.Tensor) -> dict[int, float]:
+    """P-FL of each client with per-client counts, keyed by client id."""
+    ids = sorted(counts.correct)
+    if not ids:
+        return {}
+    values = pfl_accuracy(torch.stack([counts.correct[c] for c in ids]), torch.stack([counts.total[c] for c in ids]),
+                          dists[ids])
+    return dict(zip(ids, values.tolist()))
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")

@@ -1,0 +1,25 @@
+"""The executor protocol: how the round loop hands its client calls to whatever runs them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from ..client import ClientFailure, ClientState, EvalCounts
+from ..local import LocalResult, RoundInput
+
+Job = tuple[int, ClientState]  # a client id and the state its call starts from
+TrainOutcome = tuple[LocalResult, ClientState] | ClientFailure  # a client's result and new state, or its failure
+
+
+class Executor(Protocol):
+    def train(self, round_idx: int, jobs: list[Job], message: RoundInput) -> Iterator[tuple[int, TrainOutcome]]:
+        """Yield (position in jobs, outcome) as each client finishes, in any order."""
+
+    def evaluate(self, jobs: list[Job]) -> EvalCounts:
+        """PM test counts of clients that have trained (``ClientHost.evaluate``)."""
+
+    def finetune(self, jobs: list[Job], message: RoundInput, epochs: int, round_idx: int) -> EvalCounts:
+        """PM test counts after fine-tuning from the global model (``ClientHost.finetune``)."""
+
+    def close(self) -> None: ...

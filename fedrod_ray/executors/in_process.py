@@ -1,0 +1,25 @@
+"""The in-process executor: one ``ClientHost`` trains every client, one after another."""
+
+from __future__ import annotations
+
+from ..client import ClientHost
+
+
+class InProcessExecutor:
+    """One ClientHost for every client, trained sequentially in this process."""
+
+    def __init__(self, host: ClientHost):
+        self.host = host
+
+    def train(self, round_idx, jobs, message):
+        for slot, (cid, state) in enumerate(jobs):
+            yield slot, self.host.train(cid, state, message, round_idx)
+
+    def evaluate(self, jobs):
+        return self.host.evaluate(jobs)
+
+    def finetune(self, jobs, message, epochs, round_idx):
+        return self.host.finetune(jobs, message, epochs, round_idx)
+
+    def close(self) -> None:
+        pass

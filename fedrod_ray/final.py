@@ -1,0 +1,48 @@
+"""A training run's ``final/``: the served model (``export``'s format) from a federation's snapshot.
+
+``export`` stays the serving side's module (it imports no training code); this one knows where a run's
+metadata comes from (the setup's dataset and config) and which of the federation's state is served.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .aggregate import StateDict
+from .data import class_names
+from .export import ModelMeta, save_final
+from .metric_schema import EVALUATED
+from .models import MWN, resolve_arch
+from .setup import Setup
+from .state import Snapshot
+from .storage import RunStorage
+
+
+def model_meta(setup: Setup, rounds_done: int, metrics: dict[str, float]) -> ModelMeta:
+    ds, cfg = setup.dataset, setup.cfg
+    return ModelMeta(
+        dataset=ds.name, class_names=class_names(ds.name, ds.num_classes), image_shape=list(ds.image_shape),
+        mean=list(ds.mean), std=list(ds.std), arch=resolve_arch(cfg.model.arch, ds.image_shape),
+        head=cfg.train.head, hyper_hidden=cfg.hyper_hidden, rule=cfg.train.generic_rule,
+        balanced_loss=cfg.train.balanced_loss, round=rounds_done, metrics=metrics,
+    )
+
+
+def final_model(setup: Setup, snap: Snapshot,
+                metrics: dict) -> tuple[ModelMeta, StateDict, dict[int, torch.Tensor] | None]:
+    """What ``export.save_final`` writes: the metadata with the last evaluation's ``metrics``, the global
+    weights and (linear) every client's phi_m (zeros for a client that never trained: its PM is the GM)."""
+    heads = None
+    if snap.config.train.head == "linear":
+        # phi_m has the generic head's shape (classes x features): both are bias-free heads on the features.
+        shape = snap.global_shared["generic_head.weight"].shape
+        heads = {cid: st.personal["personal_head.weight"] if st.personal else torch.zeros(shape)
+                 for cid, st in sorted(snap.clients.items())}
+    meta = model_meta(setup, snap.rounds_done, {k: v for k, v in metrics.items() if k in EVALUATED})
+    # Meta-BSM's Meta-Weight-Net only trains: the served model has none.
+    return meta, {k: v for k, v in snap.global_shared.items() if not k.startswith(MWN)}, heads
+
+
+def write_final(storage: RunStorage, setup: Setup, snap: Snapshot, metrics: dict) -> str:
+    """Write the run's ``final/`` from ``snap``; returns its version id."""
+    return save_final(storage, *final_model(setup, snap, metrics))

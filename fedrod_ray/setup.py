@@ -1,0 +1,61 @@
+"""What a run derives from its config before training starts, the same on every machine: the dataset,
+its partition into clients and the test set (``prepare``), and the host that trains them (``make_host``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .client import ClientHost
+from .config import ExperimentConfig
+from .data import ImageDataset, load_dataset
+from .data.transforms import normalize
+from .metrics import TestSet
+from .models import FedModel, build_model
+from .partition import Partition, make_partition
+
+
+@dataclass
+class Setup:
+    """Everything derived from the config before training starts (same on every machine)."""
+
+    cfg: ExperimentConfig
+    dataset: ImageDataset
+    partition: Partition
+    test: TestSet
+    augment: bool
+
+    @property
+    def num_clients(self) -> int:
+        """Training clients; ids from num_clients on are held-out new clients."""
+        return self.partition.num_train_clients
+
+    @property
+    def all_client_ids(self) -> list[int]:
+        return list(range(len(self.partition.client_indices)))
+
+    @property
+    def class_dists(self) -> torch.Tensor:
+        # A copy: after a trip through Ray's object store the partition's arrays are read-only.
+        counts = torch.tensor(self.partition.counts, dtype=torch.float64)
+        return counts / counts.sum(1, keepdim=True).clamp_min(1)
+
+    def build_model(self) -> FedModel:
+        ds = self.dataset
+        return build_model(self.cfg.model.arch, ds.num_classes, ds.image_shape, self.cfg.train.variant,
+                           self.cfg.hyper_hidden, self.cfg.seed, self.cfg.train.mwn_hidden, self.cfg.model.init)
+
+
+def prepare(cfg: ExperimentConfig) -> Setup:
+    ds = load_dataset(cfg.data, seed=cfg.seed)
+    partition = make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed, cfg.train.meta_per_class)
+    test = TestSet(normalize(ds.test_x, ds.mean, ds.std), ds.test_y, ds.num_classes)
+    augment = ds.augment if cfg.train.augment is None else cfg.train.augment
+    return Setup(cfg, ds, partition, test, augment)
+
+
+def make_host(setup: Setup, device: str = "cpu") -> ClientHost:
+    ds, part = setup.dataset, setup.partition
+    return ClientHost(setup.cfg, ds.train_x, ds.train_y, part.client_indices, part.counts, setup.test,
+                      ds.mean, ds.std, setup.augment, ds.num_classes, device, part.meta_indices)

@@ -1,0 +1,161 @@
+"""The package's import structure: the layers that fedrod_ray/__init__.py states, read from its docstring,
+checked against every import of every module (module level, function level and ``TYPE_CHECKING`` alike),
+parsed with ``ast`` so that nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "fedrod_ray"
+ROOT = "fedrod_ray"
+
+# Import circles that other work on issue 19 removes; each edge is the one that closes its circle.
+# Empty this once those branches are merged: an edge left here that no longer exists fails the test below.
+KNOWN_EDGES = {
+    # config.py imports algorithms.build_rule inside a function (config <-> algorithms/__init__.py).
+    ("fedrod_ray.config", "fedrod_ray.algorithms"),
+    # meta_bsm.py imports local.ClientData under TYPE_CHECKING (local <-> meta_bsm).
+    ("fedrod_ray.meta_bsm", "fedrod_ray.local"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str) -> set[str]:
+    """The fedrod_ray modules that module ``name`` imports anywhere in its body."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # ``from pkg import name`` imports the module pkg.name when there is one, else pkg itself.
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names)
+    return {m for m in found if m == ROOT or m.startswith(ROOT + ".") or m.split(".")[0] in ("api", "tune")}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _layers() -> dict[str, tuple[int, str]]:
+    """Each name in the docstring's numbered list -> (its layer's number, the layer's title)."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text()))
+    layers = {}
+    for number, title, names in re.findall(r"^(\d+)\. ([^:\n]+): (.+)$", doc, re.MULTILINE):
+        for item in names.split(","):
+            layers[item.strip()] = (int(number), title)
+    return layers
+
+
+LAYERS = _layers()
+
+
+def layer_of(module: str) -> tuple[int, str] | None:
+    """A module's layer: that of its own name, or of the package it belongs to."""
+    parts = module.split(".")[1:]
+    for depth in range(len(parts), 0, -1):
+        if ".".join(parts[:depth]) in LAYERS:
+            return LAYERS[".".join(parts[:depth])]
+    return None
+
+
+def test_the_docstring_states_the_layers():
+    numbers = [n for n, _ in sorted(set(LAYERS.values()))]
+    assert len(numbers) > 1 and numbers == list(range(1, len(numbers) + 1)), LAYERS
+    named = {f"{ROOT}.{n}" for n in LAYERS}
+    assert not named - set(MODULES), f"layers name modules that do not exist: {sorted(named - set(MODULES))}"
+
+
+def test_every_module_has_a_layer():
+    missing = [m for m in MODULES if m != ROOT and layer_of(m) is None]
+    assert not missing, f"place these modules in a layer of fedrod_ray/__init__.py's docstring: {missing}"
+
+
+def test_the_package_root_imports_nothing():
+    assert GRAPH[ROOT] == set()
+
+
+def test_the_library_never_imports_api_or_tune():
+    bad = {m: sorted(t for t in targets if not t.startswith(ROOT)) for m, targets in GRAPH.items()}
+    assert not {m: t for m, t in bad.items() if t}
+
+
+def test_imports_only_go_down():
+    upward = []
+    for module, targets in GRAPH.items():
+        for target in targets:
+            if module == ROOT or target == ROOT or not target.startswith(ROOT) or (module, target) in KNOWN_EDGES:
+                continue
+            # A module without a layer fails test_every_module_has_a_layer.
+            if None not in (layer_of(module), layer_of(target)) and layer_of(target) > layer_of(module):
+                upward.append(f"{module} ({layer_of(module)[1]}) imports {target} ({layer_of(target)[1]})")
+    assert not upward, "\n".join(upward)
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph``, as the modules along it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_no_import_circle():
+    graph = {m: {t for t in targets if (m, t) not in KNOWN_EDGES} for m, targets in GRAPH.items()}
+    circle = _cycle(graph)
+    assert circle is None, " -> ".join(circle)
+
+
+@pytest.mark.parametrize("edge", sorted(KNOWN_EDGES))
+def test_known_edges_still_exist(edge):
+    """A circle on the allow-list that is gone must leave the list too."""
+    module, target = edge
+    assert target in GRAPH[module], f"{module} no longer imports {target}: remove the edge from KNOWN_EDGES"
+
+
+def test_the_cycle_check_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+@pytest.mark.parametrize("module", ["fedrod_ray.federation", "fedrod_ray.evaluation"])
+def test_the_round_loop_knows_only_the_executor_protocol(module):
+    executors = {t for t in GRAPH[module] if t.startswith("fedrod_ray.executors")}
+    assert executors == {"fedrod_ray.executors.base"}
+
+
+def test_the_executor_protocol_imports_no_executor():
+    assert not {t for t in GRAPH["fedrod_ray.executors.base"] if t.startswith("fedrod_ray.executors")}
+    assert GRAPH["fedrod_ray.executors"] == set()
