@@ -124,8 +124,7 @@ def cmd_partition(args) -> int:
 
 def cmd_list(args) -> int:
     from .algorithms import RULES
-    from .config import GAMMA_LOSSES, HEADS
-    from .data import DATASETS
+    from .config import DATASETS, GAMMA_LOSSES, HEADS
     from .losses import BALANCED_LOSSES
 
     def params(rule) -> str:
