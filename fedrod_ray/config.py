@@ -228,6 +228,8 @@ class RuntimeConfig:
 
 @dataclass(config=_CLOSED)
 class ExperimentConfig:
+    """A fedrod-ray experiment: ``fedrod-ray train --config FILE``. Every key may be left out (its default)."""
+
     name: StrictStr = "fedrod"
     seed: Int = 0
     run_dir: StrictStr | None = None  # default runs/<name>
