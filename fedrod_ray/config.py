@@ -108,7 +108,7 @@ class NoParams:
 
 @dataclass(config=_CLOSED)
 class FedProxParams:
-    mu: NonNegativeFloat = 0.01
+    mu: NonNegativeFloat = 0.01  # the proximal term's weight
 
 
 @dataclass(config=_CLOSED)
@@ -288,15 +288,15 @@ def _message(cls: type, error: ValidationError, prefix: str) -> str:
     unknown = [e for e in errors if e["type"] in ("unexpected_keyword_argument", "extra_forbidden")]
     e = min(unknown, key=lambda e: [str(part) for part in e["loc"]]) if unknown else errors[0]
     loc = [str(part) for part in e["loc"] if part != "[key]"]
-    path = prefix + ".".join(loc)
     if unknown:
+        section = prefix + "".join(f"{part}." for part in loc[:-1])
+        path = section + loc[-1]
         if path in _RENAMED:
             return f"{path} was replaced by {_RENAMED[path]}"
         fields = _section_fields(cls, loc[:-1])
-        valid = ", ".join(sorted(fields)) or "none"
-        return (f"unknown config key {path}{_did_you_mean(loc[-1], fields, path[:-len(loc[-1])])}; "
-                f"valid keys here: {valid}")
-    path = path or prefix.rstrip(".") or "config"
+        return (f"unknown config key {path}{_did_you_mean(loc[-1], fields, section)}; "
+                f"valid keys here: {', '.join(sorted(fields)) or 'none'}")
+    path = prefix + ".".join(loc) if loc else prefix.rstrip(".") or "config"
     if e["type"] in _EXPECTED:
         return f"{path}: {_EXPECTED[e['type']]}, got {e['input']!r}"
     if e["type"] in _BOUNDS:
@@ -316,11 +316,14 @@ def _did_you_mean(given: str, options, prefix: str = "") -> str:
     return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
+def _not_one_of(path: str, value: Any, names: Iterable[str]) -> ConfigError:
+    return ConfigError(f"{path}: {value!r} is not one of {sorted(names)}{_did_you_mean(str(value), names)}")
+
+
 def build_rule_params(rule: str, params: dict[str, Any] | None) -> Any:
     """The ``Params`` of generic rule ``rule`` from ``train.rule_params``; a ConfigError names the field."""
     if rule not in RULE_PARAMS:
-        raise ConfigError(f"train.generic_rule: {rule!r} is not one of {sorted(RULE_PARAMS)}"
-                          f"{_did_you_mean(rule, RULE_PARAMS)}")
+        raise _not_one_of("train.generic_rule", rule, RULE_PARAMS)
     try:
         return build_section(RULE_PARAMS[rule], params or {}, "train.rule_params.")
     except ConfigError as e:
@@ -334,8 +337,7 @@ def _check_choices(section: Any, prefix: str = "") -> None:
             _check_choices(value, f"{prefix}{name}.")
         for choices in (m for m in info.metadata if isinstance(m, OneOf)):
             if value not in choices.names:
-                raise ConfigError(f"{prefix}{name}: {value!r} is not one of {sorted(choices.names)}"
-                                  f"{_did_you_mean(str(value), choices.names)}")
+                raise _not_one_of(prefix + name, value, choices.names)
 
 
 def _validate(cfg: ExperimentConfig) -> ExperimentConfig:
