@@ -273,18 +273,28 @@ _EXPECTED = {"int_type": "expected an integer", "float_type": "expected a number
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
-def build_section(cls: type, data: Any, prefix: str = "") -> Any:
+def _build(cls: type, data: Any, prefix: str = "") -> Any:
     """``cls`` (a config dataclass) from a plain mapping, every key, type and range checked; errors name the
-    dotted field (``prefix`` + name). Choices and the settings' effects are ``config_from_dict``'s."""
+    dotted field (``prefix`` + name)."""
     try:
         return TypeAdapter(cls).validate_python(data)
     except ValidationError as e:
-        raise ConfigError(_message(cls, e, prefix)) from None
+        raise ConfigError(_message(cls, e.errors(), prefix)) from None
 
 
-def _message(cls: type, error: ValidationError, prefix: str) -> str:
+def check_keys_and_types(data: dict[str, Any]) -> None:
+    """Refuse an unknown key or a value of the wrong type in an experiment config mapping, naming the field;
+    ranges, choices and the settings' effects are left to ``config_from_dict``."""
+    try:
+        TypeAdapter(ExperimentConfig).validate_python(data)
+    except ValidationError as e:
+        errors = [error for error in e.errors() if error["type"] not in _BOUNDS]
+        if errors:
+            raise ConfigError(_message(ExperimentConfig, errors, "")) from None
+
+
+def _message(cls: type, errors: list[Any], prefix: str) -> str:
     """The first unknown key (a typo explains whatever follows it), else the first error."""
-    errors = error.errors()
     unknown = [e for e in errors if e["type"] in ("unexpected_keyword_argument", "extra_forbidden")]
     e = min(unknown, key=lambda e: [str(part) for part in e["loc"]]) if unknown else errors[0]
     loc = [str(part) for part in e["loc"] if part != "[key]"]
@@ -325,7 +335,7 @@ def build_rule_params(rule: str, params: dict[str, Any] | None) -> Any:
     if rule not in RULE_PARAMS:
         raise _not_one_of("train.generic_rule", rule, RULE_PARAMS)
     try:
-        return build_section(RULE_PARAMS[rule], params or {}, "train.rule_params.")
+        return _build(RULE_PARAMS[rule], params or {}, "train.rule_params.")
     except ConfigError as e:
         raise ConfigError(f"{e} (train.generic_rule={rule})") from None
 
@@ -451,7 +461,7 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...
     data = _deep_copy(data or {})
     for assignment in overrides:
         apply_override(data, assignment)
-    return _validate(build_section(ExperimentConfig, data))
+    return _validate(_build(ExperimentConfig, data))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from ray.tune import Callback
 
-from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, build_section, load_config
+from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, check_keys_and_types, load_config
 
 from .space import SweepSpec
 from .sweep import TRIALS, fit, start_dir
@@ -245,7 +245,7 @@ def check(spec: ReproSpec) -> None:
     for key, value in spec.fixed.items():
         apply_override(data, f"{key}={json.dumps(value)}")  # JSON is YAML
     try:
-        build_section(ExperimentConfig, data)
+        check_keys_and_types(data)
     except ConfigError as e:
         raise ConfigError(f"--set: {e}") from None
     if spec.table == "new-clients" and data["data"]["new_clients"] < 1:
