@@ -1,10 +1,11 @@
-"""``fedrod-ray``: train a federation, inspect a partition, list what can be configured, and the commands
-that optional parts register (``serve``, from api/)."""
+"""``fedrod-ray``: train a federation, inspect a partition, list what can be configured, print the config's
+JSON Schema, and the commands that optional parts register (``serve``, from api/)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import signal
 import sys
 import threading
@@ -12,7 +13,7 @@ import time
 from importlib.metadata import entry_points
 
 from . import __version__
-from .config import ConfigError, check_resume, config_from_dict, load_config
+from .config import ConfigError, check_resume, config_from_dict, config_schema, load_config
 
 COMMANDS = "fedrod_ray.commands"  # entry-point group: callables that add a subcommand to the parser
 
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(part)
 
     sub.add_parser("list", help="list the datasets, heads, generic rules and balanced losses")
+    sub.add_parser("schema", help="print the JSON Schema of an experiment config (fedrod_ray/config.schema.json)")
 
     # Commands of the optional parts (``fedrod-ray serve`` from api/), registered through an entry point:
     # the library never imports them by name.
@@ -156,8 +158,7 @@ def cmd_partition(args) -> int:
 
 def cmd_list(args) -> int:
     from .algorithms import RULES
-    from .config import GAMMA_LOSSES, HEADS
-    from .data import DATASETS
+    from .config import DATASETS, GAMMA_LOSSES, HEADS
     from .losses import BALANCED_LOSSES
 
     def params(rule) -> str:
@@ -173,6 +174,11 @@ def cmd_list(args) -> int:
     return 0
 
 
+def cmd_schema(args) -> int:
+    print(json.dumps(config_schema(), indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .data import DatasetNotFoundError
     from .federation import RoundFailedError
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         handler = getattr(args, "handler", None) or {"train": cmd_train, "partition": cmd_partition,
-                                                       "list": cmd_list}[args.command]
+                                                       "list": cmd_list, "schema": cmd_schema}[args.command]
         return handler(args)
     except (ConfigError, DatasetNotFoundError) as e:
         print(f"fedrod-ray: error: {e}", file=sys.stderr)

@@ -1,8 +1,13 @@
 """Typed experiment configuration, loaded from YAML with ``--set key=value`` overrides.
 
-Every section is a dataclass; unknown keys and values of the wrong type or range fail with a
+Every section is a pydantic dataclass with strict types and its ranges as field constraints; unknown
+keys, values of the wrong type or range, and settings that would change nothing fail with a
 ``ConfigError`` that names the dotted field (``train.lr``), so a typo in a sweep never silently runs
-the default.
+the default. ``config_schema()`` is the same description as a JSON Schema, for editors.
+
+This is the bottom layer and imports no torch: the registries (datasets, feature extractors, balanced
+losses, generic rules) are built from, or checked against, the names listed here, so that loading a
+config needs none of them.
 """
 
 from __future__ import annotations
@@ -11,13 +16,15 @@ import dataclasses
 import difflib
 import os
 import re
-import types
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
@@ -26,61 +33,153 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or invalid; the message names the field."""
 
 
-@dataclass
+# --- value types: strict (no "3" for 3, no true for 1), converting only where nothing is lost --------------
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    # YAML 1.1 reads "1e-3" (no dot) as a string, and Python prints small floats that way.
+    if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+# The bounds come before the conversion so that they check the converted value and reach the JSON Schema.
+Int = Annotated[int, Field(strict=True), BeforeValidator(_integral)]
+PositiveInt = Annotated[int, Field(strict=True, gt=0), BeforeValidator(_integral)]
+NonNegativeInt = Annotated[int, Field(strict=True, ge=0), BeforeValidator(_integral)]
+PositiveFloat = Annotated[float, Field(strict=True, gt=0), BeforeValidator(_number)]
+NonNegativeFloat = Annotated[float, Field(strict=True, ge=0), BeforeValidator(_number)]
+Fraction = Annotated[float, Field(strict=True, gt=0, le=1), BeforeValidator(_number)]
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    """A string field's choices: checked when a config is loaded (constructing a section directly does not),
+    and listed in the JSON Schema."""
+
+    names: tuple[str, ...]
+
+    def __get_pydantic_json_schema__(self, core_schema, handler):
+        return {**handler(core_schema), "enum": list(self.names)}
+
+
+def _section(value: Any) -> Any:
+    return {} if value is None else value  # an empty YAML section ("eval:") is all defaults
+
+
+_CLOSED = ConfigDict(extra="forbid")  # an unknown key is an error
+
+
+# --- names: what the registries hold, so that checking a config needs none of them -------------------------
+
+DATASETS = ("mnist", "fmnist", "emnist", "cifar10", "cifar100", "synthetic")  # fedrod_ray.data
+ARCHS = ("mnist_cnn", "cifar_cnn")  # fedrod_ray.models.convnet.BUILDERS
+LOSS_NAMES = ("ce", "bsm", "reweight", "ldam", "cdt")  # fedrod_ray.losses.BALANCED_LOSSES; meta_bsm is apart
+HEADS = ("none", "linear", "hyper")
+# model.init: "normal" is the paper's ("weights initialised from normal distributions"; it names no scale,
+# so He's, N(0, 2 / fan_in), which keeps a ReLU network's activations at one scale); "pytorch" is PyTorch's
+# default (Kaiming-uniform, a = sqrt(5)), what versions before 0.3 used.
+INITS = ("normal", "pytorch")
+STEPS = ("eager", "compiled")  # train.step (fedrod_ray.step)
+PARTITIONS = ("dirichlet", "iid")
+MODES = ("auto", "local", "ray")
+
+
+def check_registry(registry: Iterable[str], names: tuple[str, ...], key: str) -> None:
+    """A registry must hold exactly the names the config accepts for ``key``: neither may list one the other
+    lacks."""
+    if set(registry) != set(names):
+        raise ImportError(f"{key}: the registry holds {sorted(registry)} but the config accepts {sorted(names)}")
+
+
+# --- generic rules: each one's name and hyperparameters (train.rule_params) --------------------------------
+
+
+@dataclass(config=_CLOSED)
+class NoParams:
+    """A rule without hyperparameters."""
+
+
+@dataclass(config=_CLOSED)
+class FedProxParams:
+    mu: NonNegativeFloat = 0.01  # the proximal term's weight
+
+
+@dataclass(config=_CLOSED)
+class FedDynParams:
+    alpha: PositiveFloat = 0.01  # the server step divides by alpha
+
+
+# fedrod_ray.algorithms registers one rule under each name, with this Params.
+RULE_PARAMS: dict[str, type] = {"fedavg": NoParams, "fedprox": FedProxParams, "feddyn": FedDynParams,
+                                "scaffold": NoParams, "local": NoParams}
+
+
+# --- the experiment ---------------------------------------------------------------------------------------
+
+
+@dataclass(config=_CLOSED)
 class DataConfig:
-    dataset: str = "mnist"  # mnist | fmnist | emnist | cifar10 | cifar100 | synthetic
-    data_dir: str | None = None  # else $FEDROD_DATA_DIR, else the user cache dir
-    download: bool = True
-    num_clients: int = 100  # training clients
-    new_clients: int = 0  # extra held-out clients that never train (zero-shot evaluation)
-    partition: str = "dirichlet"  # dirichlet | iid
-    alpha: float = 0.1
+    dataset: Annotated[StrictStr, OneOf(DATASETS)] = "mnist"
+    data_dir: StrictStr | None = None  # else $FEDROD_DATA_DIR, else the user cache dir
+    download: StrictBool = True
+    num_clients: PositiveInt = 100  # training clients
+    new_clients: NonNegativeInt = 0  # extra held-out clients that never train (zero-shot evaluation)
+    partition: Annotated[StrictStr, OneOf(PARTITIONS)] = "dirichlet"
+    alpha: PositiveFloat = 0.1
     # The paper's split gives each client what its Dirichlet draws give it; > 0 tops small clients up to
     # this many examples (earlier versions: 10), which changes Dir(0.1) splits and never Dir(0.3) FMNIST's.
-    min_per_client: int = 0
+    min_per_client: NonNegativeInt = 0
     # Inputs as (x / 255 - mean) / std with the dataset's per-channel statistics (false: x / 255). The paper
     # says "inputs normalised" for CIFAR and nothing for (F)MNIST.
-    normalize: bool = True
-    imbalance_ratio: float = 1.0  # >1: exponentially long-tailed global data before partitioning
-    synthetic_train_per_class: int = 600
-    synthetic_test_per_class: int = 100
+    normalize: StrictBool = True
+    imbalance_ratio: PositiveFloat = 1.0  # >1: exponentially long-tailed global data before partitioning
+    synthetic_train_per_class: PositiveInt = 600
+    synthetic_test_per_class: PositiveInt = 100
 
 
-@dataclass
+@dataclass(config=_CLOSED)
 class ModelConfig:
-    arch: str = "auto"  # auto (from the dataset) | mnist_cnn | cifar_cnn
-    hyper_hidden: int | None = None  # train.head=hyper only; None: the paper's (32 for CIFAR-10, else 16)
-    init: str = "normal"  # initial weights: normal (the paper's) | pytorch (PyTorch's default; see INITS)
+    arch: Annotated[StrictStr, OneOf(("auto",) + ARCHS)] = "auto"  # auto: from the dataset
+    hyper_hidden: PositiveInt | None = None  # train.head=hyper only; None: the paper's (32 for CIFAR-10, else 16)
+    init: Annotated[StrictStr, OneOf(INITS)] = "normal"  # initial weights (see INITS)
 
 
-@dataclass
+@dataclass(config=_CLOSED)
 class MetaBSMConfig:
     """Fed-RoD (Meta-BSM), ``train.balanced_loss: meta_bsm`` only (fedrod_ray.meta_bsm)."""
 
-    meta_lr: float = 1.0  # SGD step size of gamma_m and the Meta-Weight-Net on the meta loss, once per mini-batch
-    meta_per_class: int = 10  # the server's balanced meta set: examples per class taken out of the training set
-    hidden: int = 100  # Meta-Weight-Net width: loss -> hidden -> weight (Shu et al., 2019)
+    meta_lr: PositiveFloat = 1.0  # SGD step size of gamma_m and the Meta-Weight-Net on the meta loss, per batch
+    meta_per_class: PositiveInt = 10  # the server's balanced meta set: examples per class taken out of training
+    hidden: PositiveInt = 100  # Meta-Weight-Net width: loss -> hidden -> weight (Shu et al., 2019)
 
 
-@dataclass
+@dataclass(config=_CLOSED)
 class TrainConfig:
-    head: str = "linear"  # personalized head: none (one-head model) | linear (phi_m) | hyper (H(a_m; nu))
-    balanced_loss: str = "bsm"  # the generic head's loss: bsm | ce | reweight | ldam | cdt | meta_bsm
-    gamma: float | None = None  # bsm, ldam, cdt, meta_bsm (gamma_m's initial value) only; None: 1.0
-    meta_bsm: MetaBSMConfig = field(default_factory=MetaBSMConfig)
-    generic_rule: str = "fedavg"  # a rule registered in fedrod_ray.algorithms
-    rule_params: dict[str, Any] = field(default_factory=dict)  # the rule's hyperparameters, e.g. {mu: 0.01}
-    rounds: int = 100
-    client_fraction: float = 0.2
-    local_epochs: int = 5
-    batch_size: int = 40
-    lr: float = 0.01
-    lr_decay: float = 0.99  # multiplied into lr once per round
-    momentum: float = 0.9
-    weight_decay: float = 1e-5
-    augment: bool | None = None  # None: the dataset's default (on for CIFAR)
-    # How a mini-batch's losses run (fedrod_ray.step): eager | compiled (torch.compile; slower on CPU)
-    step: str = "eager"
+    # personalized head: none (one-head model) | linear (phi_m) | hyper (H(a_m; nu))
+    head: Annotated[StrictStr, OneOf(HEADS)] = "linear"
+    balanced_loss: Annotated[StrictStr, OneOf(LOSS_NAMES + ("meta_bsm",))] = "bsm"  # the generic head's loss
+    gamma: NonNegativeFloat | None = None  # bsm, ldam, cdt, meta_bsm (gamma_m's initial value) only; None: 1.0
+    meta_bsm: Annotated[MetaBSMConfig, BeforeValidator(_section)] = field(default_factory=MetaBSMConfig)
+    generic_rule: Annotated[StrictStr, OneOf(tuple(RULE_PARAMS))] = "fedavg"
+    rule_params: dict[StrictStr, Any] = field(default_factory=dict)  # the rule's hyperparameters, e.g. {mu: 0.01}
+    rounds: PositiveInt = 100
+    client_fraction: Fraction = 0.2
+    local_epochs: PositiveInt = 5
+    batch_size: PositiveInt = 40
+    lr: PositiveFloat = 0.01
+    lr_decay: PositiveFloat = 0.99  # multiplied into lr once per round
+    momentum: NonNegativeFloat = 0.9
+    weight_decay: NonNegativeFloat = 1e-5
+    augment: StrictBool | None = None  # None: the dataset's default (on for CIFAR)
+    # How a mini-batch's losses run (fedrod_ray.step): compiled is torch.compile, slower on CPU
+    step: Annotated[StrictStr, OneOf(STEPS)] = "eager"
 
     @property
     def variant(self) -> str | None:
@@ -98,45 +197,47 @@ class TrainConfig:
         return self.meta_bsm.meta_per_class if self.balanced_loss == "meta_bsm" else 0
 
 
-@dataclass
+@dataclass(config=_CLOSED)
 class EvalConfig:
-    eval_every: int = 1
-    batch_size: int = 1000
+    eval_every: PositiveInt = 1
+    batch_size: PositiveInt = 1000
     # At the last round's evaluation: k epochs of fine-tuning on each held-out new client's own data, starting
     # from the global model (hyper: with its zero-shot head), then its P-FL (pfl_new_after); 0: none.
-    finetune_epochs: int = 0
-    finetune_train: bool = False  # fine-tune every training client that way too (pfl_ft: the FT baseline)
+    finetune_epochs: NonNegativeInt = 0
+    finetune_train: StrictBool = False  # fine-tune every training client that way too (pfl_ft: the FT baseline)
 
 
-@dataclass
+@dataclass(config=_CLOSED)
 class RuntimeConfig:
     # auto: ray where Ray is (inside a Ray job, with RAY_ADDRESS set, or with an address), else local
-    mode: str = "auto"  # auto | local (in-process) | ray
-    address: str | None = None  # ray only: None starts a private local Ray, "auto" joins a running cluster
-    torch_threads: int = 0  # 0: all cores of this process (in-process) / the actor's CPUs (Ray)
-    device: str = "cpu"  # in-process only; Ray actors use a GPU when their resources hold one
+    mode: Annotated[StrictStr, OneOf(MODES)] = "auto"  # local: in-process
+    address: StrictStr | None = None  # ray only: None starts a private local Ray, "auto" joins a running cluster
+    torch_threads: NonNegativeInt = 0  # 0: all cores of this process (in-process) / the actor's CPUs (Ray)
+    device: StrictStr = "cpu"  # in-process only; Ray actors use a GPU when their resources hold one
     # in-process only: 0 trains a round's clients one after another; k > 0 trains up to k of them at once in
     # one batched computation (fedrod_ray.batched; for a GPU: on CPU it is slower)
-    batched_clients: int = 0
-    clients_per_actor: int = 0  # 0: sized from the cluster's resources
-    client_resources: dict[str, float] = field(default_factory=lambda: {"num_cpus": 1.0})
-    max_restarts: int = 3
-    min_clients_per_round: int = 1
-    max_failed_fraction: float = 0.5
-    checkpoint_every: int = 1
-    progress_seconds: float = 30.0  # not on a terminal: a progress line inside a round at most this often
+    batched_clients: NonNegativeInt = 0
+    clients_per_actor: NonNegativeInt = 0  # 0: sized from the cluster's resources
+    client_resources: dict[StrictStr, NonNegativeFloat] = field(default_factory=lambda: {"num_cpus": 1.0})
+    max_restarts: NonNegativeInt = 3
+    min_clients_per_round: PositiveInt = 1
+    max_failed_fraction: Annotated[float, Field(strict=True, ge=0, le=1), BeforeValidator(_number)] = 0.5
+    checkpoint_every: PositiveInt = 1
+    progress_seconds: NonNegativeFloat = 30.0  # not on a terminal: a progress line inside a round at most this often
 
 
-@dataclass
+@dataclass(config=_CLOSED)
 class ExperimentConfig:
-    name: str = "fedrod"
-    seed: int = 0
-    run_dir: str | None = None  # default runs/<name>
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """A fedrod-ray experiment: ``fedrod-ray train --config FILE``. Every key may be left out (its default)."""
+
+    name: StrictStr = "fedrod"
+    seed: Int = 0
+    run_dir: StrictStr | None = None  # default runs/<name>
+    data: Annotated[DataConfig, BeforeValidator(_section)] = field(default_factory=DataConfig)
+    model: Annotated[ModelConfig, BeforeValidator(_section)] = field(default_factory=ModelConfig)
+    train: Annotated[TrainConfig, BeforeValidator(_section)] = field(default_factory=TrainConfig)
+    eval: Annotated[EvalConfig, BeforeValidator(_section)] = field(default_factory=EvalConfig)
+    runtime: Annotated[RuntimeConfig, BeforeValidator(_section)] = field(default_factory=RuntimeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -152,12 +253,6 @@ class ExperimentConfig:
 DEFAULT_GAMMA = 1.0
 # The balanced losses that have an exponent or margin gamma (Meta-BSM: gamma_m's initial value).
 GAMMA_LOSSES = {"bsm", "ldam", "cdt", "meta_bsm"}
-HEADS = ("none", "linear", "hyper")
-# model.init: "normal" is the paper's ("weights initialised from normal distributions"; it names no scale,
-# so He's, N(0, 2 / fan_in), which keeps a ReLU network's activations at one scale); "pytorch" is PyTorch's
-# default (Kaiming-uniform, a = sqrt(5)), what versions before 0.3 used.
-INITS = ("normal", "pytorch")
-STEPS = ("eager", "compiled")  # train.step (fedrod_ray.step)
 # Keys of earlier versions, with what replaced them.
 _RENAMED = {
     "train.algorithm": "train.head (fedrod -> linear or hyper; fedavg -> none, with train.balanced_loss=ce "
@@ -170,122 +265,93 @@ _RENAMED = {
 RESUMABLE = ("name", "run_dir", "data.data_dir", "data.download", "train.rounds", "eval.", "runtime.")
 
 
-_CHOICES = {
-    "data.dataset": {"mnist", "fmnist", "emnist", "cifar10", "cifar100", "synthetic"},
-    "data.partition": {"dirichlet", "iid"},
-    "model.arch": {"auto", "mnist_cnn", "cifar_cnn"},
-    "model.init": set(INITS),
-    "train.head": set(HEADS),
-    "train.balanced_loss": {"bsm", "ce", "reweight", "ldam", "cdt", "meta_bsm"},
-    "train.step": set(STEPS),
-    "runtime.mode": {"auto", "local", "ray"},
-}
-_POSITIVE = {
-    "data.num_clients", "data.alpha", "data.imbalance_ratio", "data.synthetic_train_per_class",
-    "data.synthetic_test_per_class", "model.hyper_hidden", "train.rounds", "train.client_fraction",
-    "train.local_epochs", "train.batch_size", "train.lr", "train.lr_decay", "eval.eval_every",
-    "eval.batch_size", "runtime.checkpoint_every", "runtime.min_clients_per_round",
-    "train.meta_bsm.meta_lr", "train.meta_bsm.meta_per_class", "train.meta_bsm.hidden",
-}
-_NON_NEGATIVE = {
-    "data.new_clients", "data.min_per_client", "train.gamma",
-    "train.momentum", "train.weight_decay", "eval.finetune_epochs", "runtime.progress_seconds",
-    "runtime.torch_threads", "runtime.clients_per_actor", "runtime.batched_clients",
-    "runtime.max_restarts", "runtime.max_failed_fraction",
-}
+# --- checking ----------------------------------------------------------------------------------------------
+
+_EXPECTED = {"int_type": "expected an integer", "float_type": "expected a number", "bool_type": "expected true/false",
+             "string_type": "expected a string", "dict_type": "expected a mapping",
+             "dataclass_type": "expected a mapping"}
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
-def _check_type(path: str, value: Any, tp: Any) -> Any:
-    """Return ``value`` converted to ``tp`` where that is lossless, else raise ConfigError."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _check_type(path, value, arg)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{path}: invalid value {value!r}")
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
-        _, vt = typing.get_args(tp)
-        return {str(k): _check_type(f"{path}.{k}", v, vt) for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{path}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        # YAML 1.1 reads "1e-3" (no dot) as a string, and Python prints small floats that way.
-        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            return float(value)
-        raise ConfigError(f"{path}: expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{path}: expected a string, got {value!r}")
-    if tp is Any:
-        return value
-    raise ConfigError(f"{path}: unsupported type {tp}")
+def _build(cls: type, data: Any, prefix: str = "") -> Any:
+    """``cls`` (a config dataclass) from a plain mapping, every key, type and range checked; errors name the
+    dotted field (``prefix`` + name)."""
+    try:
+        return TypeAdapter(cls).validate_python(data)
+    except ValidationError as e:
+        raise ConfigError(_message(cls, e.errors(), prefix)) from None
 
 
-def build_dataclass(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    """``cls(**data)`` with every value type-checked; errors name the dotted field (``prefix`` + name)."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+def check_keys_and_types(data: dict[str, Any]) -> None:
+    """Refuse an unknown key or a value of the wrong type in an experiment config mapping, naming the field;
+    ranges, choices and the settings' effects are left to ``config_from_dict``."""
+    try:
+        TypeAdapter(ExperimentConfig).validate_python(data)
+    except ValidationError as e:
+        errors = [error for error in e.errors() if error["type"] not in _BOUNDS]
+        if errors:
+            raise ConfigError(_message(ExperimentConfig, errors, "")) from None
+
+
+def _message(cls: type, errors: list[Any], prefix: str) -> str:
+    """The first unknown key (a typo explains whatever follows it), else the first error."""
+    unknown = [e for e in errors if e["type"] in ("unexpected_keyword_argument", "extra_forbidden")]
+    e = min(unknown, key=lambda e: [str(part) for part in e["loc"]]) if unknown else errors[0]
+    loc = [str(part) for part in e["loc"] if part != "[key]"]
     if unknown:
-        key = f"{prefix}{unknown[0]!s}"
-        if key in _RENAMED:
-            raise ConfigError(f"{key} was replaced by {_RENAMED[key]}")
-        valid = ", ".join(sorted(fields)) or "none"
-        raise ConfigError(f"unknown config key {key}{_did_you_mean(unknown[0], fields, prefix)}; "
-                          f"valid keys here: {valid}")
-    kwargs = {}
-    for name, value in data.items():
-        tp = hints[name]
-        path = f"{prefix}{name}"
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = build_dataclass(tp, value or {}, path + ".")
-        else:
-            kwargs[name] = _check_type(path, value, tp)
-    return cls(**kwargs)
+        section = prefix + "".join(f"{part}." for part in loc[:-1])
+        path = section + loc[-1]
+        if path in _RENAMED:
+            return f"{path} was replaced by {_RENAMED[path]}"
+        fields = _section_fields(cls, loc[:-1])
+        return (f"unknown config key {path}{_did_you_mean(loc[-1], fields, section)}; "
+                f"valid keys here: {', '.join(sorted(fields)) or 'none'}")
+    path = prefix + ".".join(loc) if loc else prefix.rstrip(".") or "config"
+    if e["type"] in _EXPECTED:
+        return f"{path}: {_EXPECTED[e['type']]}, got {e['input']!r}"
+    if e["type"] in _BOUNDS:
+        (bound,) = e["ctx"].values()
+        return f"{path}: must be {_BOUNDS[e['type']]} {bound:g}, got {e['input']!r}"
+    return f"{path}: {e['msg']}, got {e['input']!r}"
 
 
-def validate(cfg: ExperimentConfig) -> ExperimentConfig:
-    flat = _flatten(cfg.to_dict())
-    for path, allowed in _CHOICES.items():
-        if flat[path] not in allowed:
-            hint = _did_you_mean(str(flat[path]), allowed)
-            raise ConfigError(f"{path}: {flat[path]!r} is not one of {sorted(allowed)}{hint}")
-    for path in _POSITIVE:
-        if flat[path] is not None and not flat[path] > 0:
-            raise ConfigError(f"{path}: must be > 0, got {flat[path]!r}")
-    for path in _NON_NEGATIVE:
-        if flat[path] is not None and flat[path] < 0:
-            raise ConfigError(f"{path}: must be >= 0, got {flat[path]!r}")
-    if cfg.train.client_fraction > 1:
-        raise ConfigError(f"train.client_fraction: must be in (0, 1], got {cfg.train.client_fraction}")
-    if cfg.runtime.max_failed_fraction > 1:
-        raise ConfigError("runtime.max_failed_fraction: must be in [0, 1]")
-    for key, amount in cfg.runtime.client_resources.items():
-        if amount < 0:
-            raise ConfigError(f"runtime.client_resources.{key}: must be >= 0, got {amount}")
+def _section_fields(cls: type, loc: list[str]) -> list[str]:
+    for name in loc:
+        cls = typing.get_type_hints(cls)[name]
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _did_you_mean(given: str, options, prefix: str = "") -> str:
+    close = difflib.get_close_matches(given, sorted(options), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def _not_one_of(path: str, value: Any, names: Iterable[str]) -> ConfigError:
+    return ConfigError(f"{path}: {value!r} is not one of {sorted(names)}{_did_you_mean(str(value), names)}")
+
+
+def build_rule_params(rule: str, params: dict[str, Any] | None) -> Any:
+    """The ``Params`` of generic rule ``rule`` from ``train.rule_params``; a ConfigError names the field."""
+    if rule not in RULE_PARAMS:
+        raise _not_one_of("train.generic_rule", rule, RULE_PARAMS)
+    try:
+        return _build(RULE_PARAMS[rule], params or {}, "train.rule_params.")
+    except ConfigError as e:
+        raise ConfigError(f"{e} (train.generic_rule={rule})") from None
+
+
+def _check_choices(section: Any, prefix: str = "") -> None:
+    for name, info in type(section).__pydantic_fields__.items():
+        value = getattr(section, name)
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, f"{prefix}{name}.")
+        for choices in (m for m in info.metadata if isinstance(m, OneOf)):
+            if value not in choices.names:
+                raise _not_one_of(prefix + name, value, choices.names)
+
+
+def _validate(cfg: ExperimentConfig) -> ExperimentConfig:
+    _check_choices(cfg)
     if cfg.runtime.mode == "auto":
         # A Ray job's driver always has RAY_ADDRESS (the job supervisor sets it): there the federation
         # belongs on the cluster, not in the driver process. Resolved here, so config.yaml records it.
@@ -294,16 +360,9 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         on_ray = cfg.runtime.address is not None or bool(env and not env.startswith(("http://", "https://")))
         cfg.runtime.mode = "ray" if on_ray else "local"
     _check_effective(cfg)
-    from .algorithms import build_rule
-
     # Stored as the rule resolved them: typed, with its defaults, so config.yaml records what ran.
-    cfg.train.rule_params = dataclasses.asdict(build_rule(cfg.train.generic_rule, cfg.train.rule_params).params)
+    cfg.train.rule_params = dataclasses.asdict(build_rule_params(cfg.train.generic_rule, cfg.train.rule_params))
     return cfg
-
-
-def _did_you_mean(given: str, options, prefix: str = "") -> str:
-    close = difflib.get_close_matches(given, sorted(options), n=1, cutoff=0.6)
-    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def _check_effective(cfg: ExperimentConfig) -> None:
@@ -313,9 +372,9 @@ def _check_effective(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"train.gamma: has no effect with train.balanced_loss={t.balanced_loss} "
                           f"(gamma is used by {', '.join(sorted(GAMMA_LOSSES))}); remove it")
     if t.balanced_loss != "meta_bsm":
-        for f in dataclasses.fields(MetaBSMConfig):
-            if getattr(t.meta_bsm, f.name) != f.default:
-                raise ConfigError(f"train.meta_bsm.{f.name}: has no effect with train.balanced_loss="
+        for name, value in dataclasses.asdict(MetaBSMConfig()).items():
+            if getattr(t.meta_bsm, name) != value:
+                raise ConfigError(f"train.meta_bsm.{name}: has no effect with train.balanced_loss="
                                   f"{t.balanced_loss} (only meta_bsm uses it); remove it")
     if cfg.model.hyper_hidden is not None and t.head != "hyper":
         raise ConfigError(f"model.hyper_hidden: has no effect with train.head={t.head} "
@@ -402,7 +461,7 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...
     data = _deep_copy(data or {})
     for assignment in overrides:
         apply_override(data, assignment)
-    return validate(build_dataclass(ExperimentConfig, data))
+    return _validate(_build(ExperimentConfig, data))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
@@ -420,6 +479,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def dump_config(cfg: ExperimentConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def config_schema() -> dict[str, Any]:
+    """The JSON Schema of an experiment config file (``fedrod-ray schema``; fedrod_ray/config.schema.json)."""
+    return TypeAdapter(ExperimentConfig).json_schema()
 
 
 def _deep_copy(d: Any) -> Any:

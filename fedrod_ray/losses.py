@@ -11,6 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .config import LOSS_NAMES, check_registry
+
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
@@ -70,6 +72,7 @@ BALANCED_LOSSES: dict[str, LossFn] = {
     "ldam": ldam,
     "cdt": cdt,
 }
+check_registry(BALANCED_LOSSES, LOSS_NAMES, "train.balanced_loss")
 
 
 def get_loss(name: str) -> LossFn:

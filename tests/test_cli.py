@@ -282,6 +282,22 @@ def test_version_and_list():
         "bsm (train.gamma), cdt (train.gamma), ce, ldam (train.gamma), reweight, meta_bsm (train.gamma, train.meta_bsm)")
 
 
+def test_schema_prints_the_committed_json_schema_that_the_shipped_configs_name():
+    """fedrod_ray/config.schema.json is what ``fedrod-ray schema`` prints (regenerate it with that command
+    when the config changes), and every shipped config points an editor at it."""
+    rc, out, _ = run_main(["schema"])
+    assert rc == 0
+    schema = json.loads(out)
+    assert schema["additionalProperties"] is False and set(schema["properties"]) >= {"data", "train", "runtime"}
+    train = schema["$defs"]["TrainConfig"]["properties"]
+    assert train["generic_rule"]["enum"] == ["fedavg", "fedprox", "feddyn", "scaffold", "local"]
+    assert train["lr"]["exclusiveMinimum"] == 0 and train["client_fraction"]["maximum"] == 1
+    assert (REPO / "fedrod_ray" / "config.schema.json").read_text() == out
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        first = path.read_text().splitlines()[0]
+        assert first == "# yaml-language-server: $schema=../fedrod_ray/config.schema.json", path.name
+
+
 def test_a_near_miss_key_gets_a_suggestion(tmp_path):
     rc, _, err = run_main(["train", "--config", CONFIG, "--run-dir", str(tmp_path / "r"), "--set", "train.gama=0.5"])
     assert rc == 2 and "unknown config key train.gama (did you mean train.gamma?)" in err

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, build_dataclass, load_config
+from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, check_keys_and_types, load_config
 from fedrod_ray.metric_schema import ACCURACIES, title, values_line
 from fedrod_ray.plotting import figure, png, round_axis
 
@@ -249,7 +249,7 @@ def check(spec: ReproSpec) -> None:
     for key, value in spec.fixed.items():
         apply_override(data, f"{key}={json.dumps(value)}")  # JSON is YAML
     try:
-        build_dataclass(ExperimentConfig, data)
+        check_keys_and_types(data)
     except ConfigError as e:
         raise ConfigError(f"--set: {e}") from None
     if spec.table == "new-clients" and data["data"]["new_clients"] < 1:

@@ -22,17 +22,12 @@ device, and everything it returns is moved back to the CPU by the caller.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..aggregate import StateDict
-
-
-@dataclass
-class NoParams:
-    """A rule without hyperparameters."""
+from ..config import NoParams
 
 
 class LocalCorrection:

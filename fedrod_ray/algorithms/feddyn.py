@@ -8,22 +8,12 @@ mean over the participants is *plain*, not weighted by |D_m| (hence ``aggregatio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..aggregate import StateDict
+from ..config import FedDynParams
 from .base import GenericRule, LocalCorrection, zeros_like_missing
 from .registry import register
-
-
-@dataclass
-class FedDynParams:
-    alpha: float = 0.01
-
-    def __post_init__(self) -> None:
-        if not self.alpha > 0:  # the server step divides by alpha
-            raise ValueError(f"alpha: must be > 0, got {self.alpha}")
 
 
 class _Dynamic(LocalCorrection):

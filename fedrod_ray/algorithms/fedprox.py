@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..aggregate import StateDict
+from ..config import FedProxParams
 from .base import GenericRule, LocalCorrection
 from .registry import register
-
-
-@dataclass
-class FedProxParams:
-    mu: float = 0.01
-
-    def __post_init__(self) -> None:
-        if self.mu < 0:
-            raise ValueError(f"mu: must be >= 0, got {self.mu}")
 
 
 class _Proximal(LocalCorrection):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..config import RULE_PARAMS
 from .base import GenericRule
 
 RULES: dict[str, type[GenericRule]] = {}
@@ -10,5 +11,7 @@ RULES: dict[str, type[GenericRule]] = {}
 def register(cls: type[GenericRule]) -> type[GenericRule]:
     if not cls.name or cls.name in RULES:
         raise ValueError(f"rule {cls.__name__} needs a unique name, got {cls.name!r}")
+    if RULE_PARAMS.get(cls.name) is not cls.Params:
+        raise ValueError(f"rule {cls.__name__}: fedrod_ray.config.RULE_PARAMS must map {cls.name!r} to its Params")
     RULES[cls.name] = cls
     return cls

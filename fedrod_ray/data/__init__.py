@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..config import DATASETS
 from . import cifar, files, idx
 from .classes import class_names
 from .files import DatasetFormatError, DatasetNotFoundError, resolve_data_dir
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
     from fedrod_ray.config import DataConfig
 
 __all__ = [
-    "DATASETS",
     "DatasetFormatError",
     "DatasetNotFoundError",
     "ImageDataset",
@@ -29,7 +29,6 @@ __all__ = [
     "resolve_data_dir",
 ]
 
-DATASETS = ("mnist", "fmnist", "emnist", "cifar10", "cifar100", "synthetic")
 _STATS = {
     "mnist": ((0.1307,), (0.3081,)),
     "fmnist": ((0.2860,), (0.3530,)),
