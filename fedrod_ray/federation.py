@@ -20,14 +20,15 @@ import torch
 from .aggregate import OrderedAverager, StateDict
 from .algorithms import build_rule
 from .checkpoint import Snapshot
-from .client import ClientFailure, ClientHost, ClientState, EvalCounts
+from .client import ClientContext, ClientFailure, ClientHost, ClientState, EvalCounts
 from .config import ExperimentConfig
 from .data import ImageDataset, class_names, load_dataset
 from .data.transforms import normalize
 from .export import ModelMeta
 from .local import LocalResult, RoundInput, class_distribution, round_lr
 from .metrics import TestSet, accuracy, class_correct, features_and_logits, pfl_accuracy
-from .models import MWN, FedModel, build_model, resolve_arch
+from .models import FedModel, build_model, resolve_arch
+from .objectives import meta_per_class, model_parts
 from .partition import Partition, make_partition
 from .server import sample_clients
 
@@ -69,7 +70,7 @@ class Setup:
     def build_model(self) -> FedModel:
         ds = self.dataset
         return build_model(self.cfg.model.arch, ds.num_classes, ds.image_shape, self.cfg.train.variant,
-                           self.cfg.hyper_hidden, self.cfg.seed, self.cfg.train.mwn_hidden, self.cfg.model.init)
+                           self.cfg.hyper_hidden, self.cfg.seed, model_parts(self.cfg.train), self.cfg.model.init)
 
     def model_meta(self, rounds_done: int, metrics: dict[str, float]) -> ModelMeta:
         ds, cfg = self.dataset, self.cfg
@@ -83,7 +84,7 @@ class Setup:
 
 def prepare(cfg: ExperimentConfig) -> Setup:
     ds = load_dataset(cfg.data, seed=cfg.seed)
-    partition = make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed, cfg.train.meta_per_class)
+    partition = make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed, meta_per_class(cfg.train))
     test = TestSet(normalize(ds.test_x, ds.mean, ds.std), ds.test_y, ds.num_classes)
     augment = ds.augment if cfg.train.augment is None else cfg.train.augment
     return Setup(cfg, ds, partition, test, augment)
@@ -91,8 +92,8 @@ def prepare(cfg: ExperimentConfig) -> Setup:
 
 def make_host(setup: Setup, device: str = "cpu") -> ClientHost:
     ds, part = setup.dataset, setup.partition
-    return ClientHost(setup.cfg, ds.train_x, ds.train_y, part.client_indices, part.counts, setup.test,
-                      ds.mean, ds.std, setup.augment, ds.num_classes, device, part.meta_indices)
+    return ClientHost(setup.cfg, ClientContext(ds.train_x, ds.train_y, part.client_indices, part.counts, setup.test,
+                                               ds.mean, ds.std, setup.augment, part.meta_indices, device))
 
 
 Job = tuple[int, ClientState]  # a client id and the state its call starts from
@@ -255,8 +256,8 @@ class Federation:
             heads = {cid: st.personal["personal_head.weight"] if st.personal else torch.zeros(shape)
                      for cid, st in sorted(self.clients.items())}
         meta = self.setup.model_meta(self.next_round, {k: v for k, v in metrics.items() if k in METRIC_KEYS})
-        # Meta-BSM's Meta-Weight-Net only trains: the served model has none.
-        return meta, {k: v for k, v in self.global_shared.items() if not k.startswith(MWN)}, heads
+        parts = set(self.model.part_keys())  # a local objective's parts only train: the served model has none
+        return meta, {k: v for k, v in self.global_shared.items() if k not in parts}, heads
 
     def _check_failures(self, r: int, sampled: int, failures: list[ClientFailure]) -> None:
         rt = self.cfg.runtime
