@@ -23,6 +23,7 @@ from fedrod_ray.algorithms import build_rule
 from fedrod_ray.config import TrainConfig, config_from_dict
 from fedrod_ray.local import ClientData, RoundInput, local_update
 from fedrod_ray.models import build_model
+from fedrod_ray.objectives import model_parts
 from fedrod_ray.setup import make_host, prepare
 
 N, META_PER_CLASS = 600, 10
@@ -47,7 +48,7 @@ def random_data(n: int, shape: tuple[int, ...], seed: int) -> ClientData:
 def updater(arch: str, data: ClientData, meta: ClientData, mean, std, loss: str):
     """A function that runs one local update with ``loss`` and returns its wall time."""
     cfg = TrainConfig(balanced_loss=loss, local_epochs=1)
-    model = build_model(arch, 10, tuple(data.x.shape[1:]), "linear", seed=0, mwn_hidden=cfg.mwn_hidden)
+    model = build_model(arch, 10, tuple(data.x.shape[1:]), "linear", seed=0, parts=model_parts(cfg))
     shared = {k: v.clone() for k, v in model.state_dict().items() if k in model.shared_keys()}
 
     def run() -> float:

@@ -15,7 +15,7 @@ import numpy as np
 import ray
 import torch
 
-from .client import ClientHost, ClientState, EvalCounts
+from .client import ClientContext, ClientHost, ClientState, EvalCounts
 from .config import config_from_dict
 from .local import RoundInput
 from .metrics import TestSet
@@ -46,9 +46,9 @@ class ClientActorImpl:
             # The object store's arrays are read-only; nothing here writes to them.
             warnings.simplefilter("ignore", UserWarning)
             test = TestSet(torch.from_numpy(test_x), torch.from_numpy(test_y), meta["num_classes"])
-            self.host = ClientHost(self.cfg, torch.from_numpy(train_x), torch.from_numpy(train_y), indices, counts,
-                                   test, tuple(meta["mean"]), tuple(meta["std"]), meta["augment"],
-                                   meta["num_classes"], self.device, meta_indices)
+            self.host = ClientHost(self.cfg, ClientContext(
+                torch.from_numpy(train_x), torch.from_numpy(train_y), indices, counts, test, tuple(meta["mean"]),
+                tuple(meta["std"]), meta["augment"], meta_indices, self.device))
 
     def ready(self) -> dict:
         return {"attached": self.host is not None, "device": self.device, "threads": torch.get_num_threads(),

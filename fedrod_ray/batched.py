@@ -7,8 +7,7 @@ linear layers batched matrix products), and one backward pass of the summed loss
 own gradients, since no client's loss depends on another client's weights. Everything else stays each
 client's own, as ``local.local_update`` has it:
 
-- its data order and augmentation, drawn up front from its own generator (same ``derived_seed``) in the
-  order ``local_update`` draws them, so it sees the same batches;
+- its data order and augmentation: its ``local.batch_plan``, as ``local_update``'s, so it sees the same batches;
 - its losses, the step seam's ``fedrod_losses``: the balanced loss with its own class counts, the
   personalized one with its own head or, for the hypernetwork, its own class distribution;
 - its momentum buffers (SGD as ``torch.optim.SGD`` computes it, on its rows of the stack) and its rule
@@ -26,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -36,23 +36,22 @@ from torch.func import functional_call, vmap
 from .aggregate import StateDict
 from .algorithms import GenericRule, LocalCorrection
 from .config import DEFAULT_GAMMA, ConfigError, TrainConfig
-from .data.transforms import augment_draws, normalize, normalized_black, shift_flip
+from .data.transforms import normalize, normalized_black, shift_flip
 from .local import (
-    TRAIN_TAG,
+    Batch,
     ClientData,
-    LocalResult,
     LocalTrainingError,
+    Outcome,
     RoundInput,
-    _to,
-    derived_seed,
-    effective_step_sum,
+    batch_plan,
+    finish_update,
+    load_client_weights,
     round_lr,
+    to_device,
 )
 from .losses import BALANCED_LOSSES, LossFn
 from .models import FedModel
 from .step import fedrod_losses
-
-Outcome = tuple[LocalResult, StateDict | None, StateDict]
 
 
 @dataclass
@@ -68,7 +67,7 @@ class BatchJob:
 
 @dataclass
 class _Plan:
-    """A client's batches for the whole update, drawn as ``local_update`` draws them."""
+    """A client's ``batch_plan`` for the whole update, as stacked tensors."""
 
     rows: torch.Tensor  # (steps, batch_size) rows of its shard; a short batch padded with its first row
     sizes: list[int]  # real examples per step
@@ -124,12 +123,15 @@ def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJ
     params = dict(model.named_parameters())
     generic = [k for k in model.generic_keys() if k in params]
     anchor = {k: message.weights[k].to(device) for k in generic}
-    broadcast = _to(message.broadcast, device)
+    broadcast = to_device(message.broadcast, device)
 
     outcomes: list[Outcome | Exception | None] = [None] * len(jobs)
+    plans: dict[int, _Plan] = {}
     starts: dict[int, tuple[StateDict, StateDict]] = {}
     for i, job in enumerate(jobs):
         try:
+            plans[i] = _plan(batch_plan(len(job.data), cfg, seed=seed, round_idx=round_idx, client_id=job.client_id,
+                                        augment=augment), cfg.batch_size, augment)
             starts[i] = _start(model, message, job, anchor, device)
         except Exception as e:  # noqa: BLE001 - this client fails alone, as its own update would
             outcomes[i] = e
@@ -143,9 +145,9 @@ def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJ
     stacked_state = {k: torch.stack([starts[i][1].get(k, torch.zeros_like(anchor[k])) for i in order])
                      for k in state_keys}
     correction = rule.start_local(anchor, stacked_state, broadcast)
-    weights, history = _train(model, [jobs[i] for i in order], [starts[i][0] for i in order], steps, correction,
-                              cfg, seed=seed, round_idx=round_idx, mean=mean, std=std, augment=augment,
-                              device=device)
+    weights, history = _train(model, [jobs[i] for i in order], [plans[i] for i in order],
+                              [starts[i][0] for i in order], steps, correction, cfg, round_idx=round_idx, mean=mean,
+                              std=std, augment=augment, device=device)
 
     lr = round_lr(cfg, round_idx)
     seconds = time.perf_counter() - t0
@@ -158,34 +160,24 @@ def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJ
             outcomes[i] = LocalTrainingError(
                 f"non-finite loss in local epoch {int(bad[0]) // steps_per_epoch[i] + 1} (lr={lr:g})")
             continue
-        local = {k: stacked[k][pos].clone() for k in stacked}
-        new_rule_state, upload = {}, {}
-        if correction is not None:
-            # A correction of this client's own: the stacked one's finish cannot take per-client step sums.
-            new_rule_state, upload = rule.start_local(anchor, starts[i][1], broadcast).finish(
-                {k: weights[k][pos] for k in generic}, lr * effective_step_sum(k_steps, cfg.momentum))
-        result = LocalResult(
-            shared={k: local[k] for k in model.shared_keys()},
-            num_samples=len(jobs[i].data),
-            loss=float(per_step[:, 0].sum() / k_steps),
+        # A correction of this client's own: the stacked one's finish cannot take per-client step sums.
+        own = rule.start_local(anchor, starts[i][1], broadcast) if correction is not None else None
+        outcomes[i] = finish_update(
+            model, {k: stacked[k][pos].clone() for k in stacked}, own, {k: weights[k][pos] for k in generic},
+            num_samples=len(jobs[i].data), loss=float(per_step[:, 0].sum() / k_steps),
             personal_loss=float(per_step[:, 1].sum() / k_steps) if model.variant is not None else None,
-            steps=k_steps,
+            steps=k_steps, lr=lr, momentum=cfg.momentum,
             # The pass's wall time, shared out by steps: the clients' seconds add up to it.
-            seconds=seconds * k_steps / sum(steps),
-            upload=_to(upload, "cpu"),
-        )
-        new_personal = {k: local[k] for k in model.personal_keys()} if model.variant == "linear" else None
-        outcomes[i] = (result, new_personal, _to(new_rule_state, "cpu"))
+            seconds=seconds * k_steps / sum(steps))
     return outcomes
 
 
-def _train(model: FedModel, jobs: list[BatchJob], starts: list[StateDict], steps: list[int],
-           correction: LocalCorrection | None, cfg: TrainConfig, *, seed: int, round_idx: int, mean, std,
-           augment: bool, device: torch.device) -> tuple[StateDict, torch.Tensor]:
+def _train(model: FedModel, jobs: list[BatchJob], plans: list[_Plan], starts: list[StateDict], steps: list[int],
+           correction: LocalCorrection | None, cfg: TrainConfig, *, round_idx: int, mean, std, augment: bool,
+           device: torch.device) -> tuple[StateDict, torch.Tensor]:
     """Every client's SGD steps, clients ordered by ``steps`` (most first), from their ``starts``: the
     stacked trained weights (detached, on ``device``) and each step's (l_BR, l_P) per client (steps x
     clients x 2, on the CPU; zeros after a client's last step)."""
-    plans = [_plan(job, cfg, seed, round_idx, augment) for job in jobs]
     batches = _Batches([job.data for job in jobs], plans, cfg.batch_size, mean, std, augment, device)
     counts = torch.stack([job.data.counts for job in jobs]).to(device)
     dists = torch.stack([job.data.class_dist for job in jobs]).to(device)
@@ -216,14 +208,7 @@ def _train(model: FedModel, jobs: list[BatchJob], starts: list[StateDict], steps
 def _start(model: FedModel, message: RoundInput, job: BatchJob, anchor: StateDict,
            device: torch.device) -> tuple[StateDict, StateDict]:
     """A client's starting weights and its rule state on ``device``, checked as ``local_update`` loads them."""
-    if len(job.data) == 0:
-        raise LocalTrainingError("the client has no training examples")
-    model.load_partial(message.weights if job.initial is None else job.initial)
-    if model.variant == "linear":
-        if job.personal is None:
-            torch.nn.init.zeros_(model.personal_head.weight)
-        else:
-            model.load_partial(job.personal)
+    load_client_weights(model, message.weights if job.initial is None else job.initial, job.personal)
     start = {k: p.detach().clone() for k, p in model.named_parameters()}
     # Stacked with the other clients', a state must have exactly the shape its rule gives it; the rule
     # reads only the generic weights' keys.
@@ -235,21 +220,16 @@ def _start(model: FedModel, message: RoundInput, job: BatchJob, anchor: StateDic
     return start, state
 
 
-def _plan(job: BatchJob, cfg: TrainConfig, seed: int, round_idx: int, augment: bool) -> _Plan:
-    """The client's batches, from its own generator, drawn in ``local_update``'s order: each epoch's
-    permutation, then each of its batches' augmentation."""
-    n, b = len(job.data), cfg.batch_size
-    gen = torch.Generator().manual_seed(derived_seed(seed, round_idx, job.client_id, TRAIN_TAG))
+def _plan(epochs: Iterator[list[Batch]], b: int, augment: bool) -> _Plan:
+    """A client's ``batch_plan`` stacked: every batch padded to ``b`` rows."""
     rows, sizes, draws = [], [], []
-    for _ in range(cfg.local_epochs):
-        order = torch.randperm(n, generator=gen)
-        for start in range(0, n, b):
-            idx = order[start:start + b]
+    for batches in epochs:
+        for idx, d in batches:
             sizes.append(len(idx))
             rows.append(F.pad(idx, (0, b - len(idx)), value=int(idx[0])))
             if augment:
                 # Padding rows are neither shifted nor flipped (and weigh nothing).
-                draws.append([F.pad(d.to(torch.long), (0, b - len(idx))) for d in augment_draws(len(idx), gen)])
+                draws.append([F.pad(x.to(torch.long), (0, b - len(idx))) for x in d])
     stacked = None
     if augment:
         dy, dx, flip = (torch.stack(d) for d in zip(*draws))

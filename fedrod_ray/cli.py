@@ -147,12 +147,13 @@ def cmd_train(args) -> int:
 
 def cmd_partition(args) -> int:
     from .data import load_dataset
+    from .objectives import meta_per_class
     from .partition import format_partition, make_partition
 
     cfg = load_config(args.config, _overrides(args))
     ds = load_dataset(cfg.data, seed=cfg.seed)
     print(format_partition(make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed,
-                                          cfg.train.meta_per_class)))
+                                          meta_per_class(cfg.train))))
     return 0
 
 
@@ -160,6 +161,7 @@ def cmd_list(args) -> int:
     from .algorithms import RULES
     from .config import DATASETS, GAMMA_LOSSES, HEADS
     from .losses import BALANCED_LOSSES
+    from .objectives import OBJECTIVES
 
     def params(rule) -> str:
         defaults = [f"{f}={v}" for f, v in vars(rule.Params()).items()]
@@ -168,9 +170,12 @@ def cmd_list(args) -> int:
     print("datasets (data.dataset): " + ", ".join(DATASETS))
     print("heads (train.head): " + ", ".join(HEADS))
     print("generic rules (train.generic_rule): " + ", ".join(n + params(r) for n, r in sorted(RULES.items())))
+    def settings(name: str) -> list[str]:
+        return (["train.gamma"] if name in GAMMA_LOSSES else []) + ([f"train.{name}"] if name in OBJECTIVES else [])
+
     print("balanced losses (train.balanced_loss): " + ", ".join(
-        n + (" (train.gamma)" if n in GAMMA_LOSSES else "") for n in sorted(BALANCED_LOSSES))
-        + ", meta_bsm (train.gamma, train.meta_bsm)")
+        n + (f" ({', '.join(settings(n))})" if settings(n) else "")
+        for n in [*sorted(BALANCED_LOSSES), *sorted(OBJECTIVES)]))
     return 0
 
 

@@ -20,9 +20,19 @@ import torch
 from .aggregate import StateDict
 from .algorithms import build_rule
 from .config import ExperimentConfig
-from .local import ClientData, LocalResult, RoundInput, class_distribution, derived_seed, local_update
+from .local import (
+    ClientData,
+    LocalResult,
+    Outcome,
+    RoundInput,
+    class_distribution,
+    derived_seed,
+    load_client_weights,
+    local_update,
+)
 from .metrics import TestSet, personal_class_correct
 from .models import FedModel, build_model
+from .objectives import OBJECTIVES, get_objective, model_parts
 
 FINETUNE_TAG = 2  # seeds fine-tuning's data order apart from every training round's
 
@@ -35,23 +45,35 @@ class ClientState:
     local_model: StateDict | None = None  # shared weights after its last local update, for P-FL (PM)
     rule_state: StateDict = field(default_factory=dict)  # owned by the generic rule (empty: its initial state)
     rounds_trained: int = 0
-    meta_bsm: StateDict = field(default_factory=dict)  # Meta-BSM: gamma_m (empty: its initial value)
+    # Owned by the local objective (``fedrod_ray.objectives``), under its name (absent: its initial state).
+    objectives: dict[str, StateDict] = field(default_factory=dict)
 
-    _PARTS = ("personal", "local_model", "rule_state", "meta_bsm")
+    _PARTS = ("personal", "local_model", "rule_state")
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor, keyed ``<part>/<name>``."""
-        return {f"{part}/{k}": v for part in self._PARTS for k, v in (getattr(self, part) or {}).items()}
+        """Every tensor, keyed ``<part>/<name>``; an objective's part is its name."""
+        parts = {part: getattr(self, part) or {} for part in self._PARTS} | self.objectives
+        return {f"{part}/{k}": v for part, state in parts.items() for k, v in state.items()}
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], rounds_trained: int) -> ClientState:
         parts: dict[str, StateDict] = {}
+        objectives: dict[str, StateDict] = {}
         for key, v in tensors.items():
             part, name = key.split("/", 1)
-            if part not in cls._PARTS:
+            if part in cls._PARTS:
+                parts.setdefault(part, {})[name] = v
+            elif part in OBJECTIVES:
+                objectives.setdefault(part, {})[name] = v
+            else:
                 raise KeyError(f"unknown client state part {part!r} in {key!r}")
-            parts.setdefault(part, {})[name] = v
-        return cls(rounds_trained=rounds_trained, **parts)
+        return cls(rounds_trained=rounds_trained, objectives=objectives, **parts)
+
+    def trained(self, outcome: Outcome) -> tuple[LocalResult, ClientState]:
+        """The result of a local update that started from this state, and the client's state after it."""
+        result, personal, rule_state = outcome
+        # The new local model *is* the upload: the same tensors, pickled once on the way back.
+        return result, ClientState(personal, result.shared, rule_state, self.rounds_trained + 1, result.objectives)
 
     def for_training(self, keep_local_model: bool = False) -> ClientState:
         """What a local update reads: the last local model only matters to evaluation (and to rules whose
@@ -69,6 +91,15 @@ class ClientFailure:
     error: str  # "<ExceptionType>: message"
     traceback: str
 
+    @classmethod
+    def from_exception(cls, client_id: int, e: BaseException, kind: str = "",
+                       details: str | None = None) -> ClientFailure:
+        """The failure that ``e`` ended the client's call with: its type (with ``kind``, e.g. " (actor died)")
+        and the first line of its message, and ``details`` (default: its traceback)."""
+        lines = str(e).splitlines()
+        return cls(client_id, f"{type(e).__name__}{kind}: {lines[0] if lines else ''}",
+                   "".join(traceback.format_exception(e)) if details is None else details)
+
 
 @dataclass
 class EvalCounts:
@@ -82,58 +113,74 @@ class EvalCounts:
         self.failed.update(other.failed)
 
 
+@dataclass
+class ClientContext:
+    """What a host serves its clients from, besides the config."""
+
+    # The full arrays (on Ray, read-only views of the node's object store copy): a client's examples are
+    # gathered per call, which costs far less than one local epoch.
+    train_x: torch.Tensor  # uint8, N x C x H x W
+    train_y: torch.Tensor
+    indices: dict[int, np.ndarray] | list[np.ndarray]  # client c's rows; a dict: only the clients hosted here
+    counts: np.ndarray  # clients x classes: each client's class counts
+    test: TestSet
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    augment: bool
+    # Rows of the server's meta set (``Partition.meta_indices``), which every update of a local objective
+    # with one reads.
+    meta_indices: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    device: str = "cpu"
+
+    @property
+    def num_classes(self) -> int:
+        return self.test.num_classes
+
+
 class ClientHost:
     """Trains and evaluates clients one at a time; their state comes with each call."""
 
-    def __init__(self, cfg: ExperimentConfig, train_x: torch.Tensor, train_y: torch.Tensor,
-                 indices: dict[int, np.ndarray] | list[np.ndarray], counts: np.ndarray, test: TestSet,
-                 mean: tuple[float, ...], std: tuple[float, ...], augment: bool, num_classes: int,
-                 device: str = "cpu", meta_indices: np.ndarray | None = None):
-        """``indices[c]`` are client c's rows of ``train_x`` and ``counts[c]`` its class counts; a host
-        given a dict of indices serves only those clients. ``meta_indices`` are the rows of Meta-BSM's
-        meta set (``Partition.meta_indices``), which every client's update reads."""
+    def __init__(self, cfg: ExperimentConfig, context: ClientContext):
         self.cfg = cfg
-        self.device = torch.device(device)
-        self.mean, self.std, self.augment = mean, std, augment
-        self.test = test
-        # The full arrays stay shared (on Ray, read-only views of the node's object store); a client's
-        # examples are gathered per call, which costs far less than one local epoch.
-        self.train_x, self.train_y = train_x, train_y
-        self.indices, self.counts = indices, counts
+        self.context = context
+        self.device = torch.device(context.device)
+        # How every update of this host's clients sees its images.
+        self.mean, self.std, self.augment = context.mean, context.std, context.augment
         self.meta_set: ClientData | None = None
-        if meta_indices is not None and len(meta_indices):
-            idx = torch.as_tensor(meta_indices, dtype=torch.long)
-            self.meta_set = ClientData(x=train_x[idx], y=train_y[idx],
-                                       counts=torch.bincount(train_y[idx], minlength=num_classes))
+        if len(context.meta_indices):
+            idx = torch.as_tensor(context.meta_indices, dtype=torch.long)
+            y = context.train_y[idx]
+            self.meta_set = ClientData(x=context.train_x[idx], y=y,
+                                       counts=torch.bincount(y, minlength=context.num_classes))
         self.rule = build_rule(cfg.train.generic_rule, cfg.train.rule_params)
-        self.model: FedModel = build_model(cfg.model.arch, num_classes, tuple(train_x.shape[1:]),
-                                           cfg.train.variant, cfg.hyper_hidden, cfg.seed,
-                                           cfg.train.mwn_hidden, cfg.model.init).to(self.device)
+        self.model: FedModel = build_model(cfg.model.arch, context.num_classes, tuple(context.train_x.shape[1:]),
+                                           cfg.train.variant, cfg.hyper_hidden, cfg.seed, model_parts(cfg.train),
+                                           cfg.model.init).to(self.device)
         self._finetune_model: FedModel | None = None
 
     def data(self, client_id: int) -> ClientData:
-        if isinstance(self.indices, dict) and client_id not in self.indices:
+        ctx = self.context
+        if isinstance(ctx.indices, dict) and client_id not in ctx.indices:
             raise KeyError(f"client {client_id} is not hosted here")
-        idx = torch.as_tensor(self.indices[client_id], dtype=torch.long)
-        return ClientData(x=self.train_x[idx], y=self.train_y[idx],
-                          counts=torch.as_tensor(self.counts[client_id], dtype=torch.long))
+        idx = torch.as_tensor(ctx.indices[client_id], dtype=torch.long)
+        return ClientData(x=ctx.train_x[idx], y=ctx.train_y[idx],
+                          counts=torch.as_tensor(ctx.counts[client_id], dtype=torch.long))
 
     def train(self, client_id: int, state: ClientState, message: RoundInput,
               round_idx: int) -> tuple[LocalResult, ClientState] | ClientFailure:
         """One local update and the client's new state; an error comes back as a ClientFailure (with its
         traceback) instead of raising, and then the caller's state stays as it was."""
         try:
-            result, personal, rule_state = local_update(
+            outcome = local_update(
                 self.model, message, self.data(client_id), self.cfg.train, self.rule,
                 round_idx=round_idx, seed=self.cfg.seed, client_id=client_id, mean=self.mean, std=self.std,
                 augment=self.augment, personal=state.personal, rule_state=state.rule_state,
                 initial=state.local_model if self.rule.starts_from_local_model else None,
-                meta_set=self.meta_set, meta_state=state.meta_bsm or None, device=self.device,
+                meta_set=self.meta_set, objectives=state.objectives, device=self.device,
             )
         except Exception as e:  # noqa: BLE001 - any client error is reported, never fatal to the round
-            return ClientFailure(client_id, f"{type(e).__name__}: {e}", traceback.format_exc())
-        # The new local model *is* the upload: the same tensors, pickled once on the way back.
-        return result, ClientState(personal, result.shared, rule_state, state.rounds_trained + 1, result.meta_bsm)
+            return ClientFailure.from_exception(client_id, e)
+        return state.trained(outcome)
 
     def evaluate(self, jobs: list[tuple[int, ClientState]]) -> EvalCounts:
         """Per-class test counts of trained clients' personalized models (FEDROD.md's PM).
@@ -148,15 +195,10 @@ class ClientHost:
             try:
                 if state.local_model is None:
                     raise ValueError("the client's state has no local model to evaluate")
-                self.model.load_partial(state.local_model)
-                if self.model.variant == "linear":
-                    if state.personal is None:
-                        torch.nn.init.zeros_(self.model.personal_head.weight)
-                    else:
-                        self.model.load_partial(state.personal)
-                dist = class_distribution(torch.as_tensor(self.counts[cid], dtype=torch.long))
+                load_client_weights(self.model, state.local_model, state.personal)
+                dist = class_distribution(torch.as_tensor(self.context.counts[cid], dtype=torch.long))
                 out.correct[cid], out.total[cid] = personal_class_correct(
-                    self.model, self.test, dist, self.cfg.eval.batch_size, personal)
+                    self.model, self.context.test, dist, self.cfg.eval.batch_size, personal)
             except Exception as e:  # noqa: BLE001 - one broken client must not stop the evaluation
                 out.failed[cid] = f"{type(e).__name__}: {e}"
         return out
@@ -172,12 +214,13 @@ class ClientHost:
         Plain SGD (no generic rule's term) at round ``round_idx``'s learning rate; nothing is kept.
         """
         out = EvalCounts()
+        ctx = self.context
         model = self._finetuner()
         t = self.cfg.train
-        cfg = dataclasses.replace(
-            t, head="none" if t.head == "none" else "linear", local_epochs=epochs, generic_rule="fedavg",
-            rule_params={}, balanced_loss="ce" if t.head == "none" else ("bsm" if t.balanced_loss == "meta_bsm"
-                                                                          else t.balanced_loss))
+        objective = get_objective(t.balanced_loss)
+        loss = t.balanced_loss if objective is None else objective.fallback_loss
+        cfg = dataclasses.replace(t, head="none" if t.head == "none" else "linear", local_epochs=epochs,
+                                  generic_rule="fedavg", rule_params={}, balanced_loss="ce" if t.head == "none" else loss)
         plain = build_rule("fedavg")
         own = model.state_dict()  # a tuned hyper model has no hypernetwork to load
         start = {k: v for k, v in message.weights.items() if k in own}
@@ -194,7 +237,7 @@ class ClientHost:
                              seed=derived_seed(self.cfg.seed, FINETUNE_TAG), client_id=cid, mean=self.mean,
                              std=self.std, augment=self.augment, personal=personal, device=self.device)
                 out.correct[cid], out.total[cid] = personal_class_correct(
-                    model, self.test, data.class_dist, self.cfg.eval.batch_size, model.variant is not None)
+                    model, ctx.test, data.class_dist, self.cfg.eval.batch_size, model.variant is not None)
             except Exception as e:  # noqa: BLE001 - one client's failure must not stop the others'
                 out.failed[cid] = f"{type(e).__name__}: {e}"
         return out
@@ -206,6 +249,6 @@ class ClientHost:
             return self.model
         if self._finetune_model is None:
             m = self.model
-            self._finetune_model = build_model(m.arch, m.num_classes, tuple(self.train_x.shape[1:]), "linear",
+            self._finetune_model = build_model(m.arch, m.num_classes, tuple(self.context.train_x.shape[1:]), "linear",
                                                seed=self.cfg.seed).to(self.device)
         return self._finetune_model

@@ -12,7 +12,8 @@ from .aggregate import StateDict
 from .data import class_names
 from .export import ModelMeta, save_final
 from .metric_schema import EVALUATED
-from .models import MWN, resolve_arch
+from .models import resolve_arch
+from .objectives import model_parts
 from .setup import Setup
 from .state import Snapshot
 from .storage import RunStorage
@@ -39,8 +40,9 @@ def final_model(setup: Setup, snap: Snapshot,
         heads = {cid: st.personal["personal_head.weight"] if st.personal else torch.zeros(shape)
                  for cid, st in sorted(snap.clients.items())}
     meta = model_meta(setup, snap.rounds_done, {k: v for k, v in metrics.items() if k in EVALUATED})
-    # Meta-BSM's Meta-Weight-Net only trains: the served model has none.
-    return meta, {k: v for k, v in snap.global_shared.items() if not k.startswith(MWN)}, heads
+    # A local objective's model parts (Meta-BSM's Meta-Weight-Net) only train: the served model has none.
+    parts = tuple(f"{name}." for name in model_parts(snap.config.train))
+    return meta, {k: v for k, v in snap.global_shared.items() if not k.startswith(parts)}, heads
 
 
 def write_final(storage: RunStorage, setup: Setup, snap: Snapshot, metrics: dict) -> str:

@@ -12,18 +12,19 @@ the same wherever it runs.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .aggregate import StateDict
-from .algorithms import GenericRule
+from .algorithms import GenericRule, LocalCorrection
 from .config import DEFAULT_GAMMA, TrainConfig
-from .data.transforms import augment_batch, normalize, normalized_black
+from .data.transforms import augment_draws, normalize, normalized_black, shift_flip
 from .losses import get_loss
-from .meta_bsm import MetaBSM
 from .models import FedModel
+from .objectives import get_objective
 from .step import make_losses, make_train_step
 
 
@@ -59,7 +60,8 @@ class LocalResult:
     steps: int
     seconds: float  # wall time of the update, so that callers (benchmarks) need not time it again
     upload: StateDict = field(default_factory=dict)  # the rule's per-client message to the server
-    meta_bsm: StateDict = field(default_factory=dict)  # Meta-BSM: the client's new gamma_m, which it keeps
+    # The local objective's new client state under its name (``ClientState.objectives``), which the client keeps.
+    objectives: dict[str, StateDict] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,69 +94,126 @@ def effective_step_sum(steps: int, momentum: float) -> float:
     return sum((1 - momentum ** (steps - s)) / (1 - momentum) for s in range(steps))
 
 
-def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: TrainConfig, rule: GenericRule, *,
-                 round_idx: int, seed: int, client_id: int, mean, std, augment: bool,
-                 personal: StateDict | None = None, rule_state: StateDict | None = None,
-                 initial: StateDict | None = None, meta_set: ClientData | None = None,
-                 meta_state: StateDict | None = None,
-                 device: torch.device | str = "cpu") -> tuple[LocalResult, StateDict | None, StateDict]:
-    """Train ``model`` from the round's global weights on one client's data.
+# A mini-batch of a client's plan: its rows of the client's shard and its augmentation draws (dy, dx, flip),
+# None without augmentation.
+Batch = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
+# What a client update gives back: the result for the server, the new P-head, the new rule state.
+Outcome = tuple[LocalResult, StateDict | None, StateDict]
 
-    ``personal`` is the client's stored P-head (linear head; None means freshly initialised) and
-    ``rule_state`` its state under the generic rule (empty: the rule's initial state). ``initial``, if
-    given, replaces the global weights as the starting point (a rule whose clients keep their own model).
-    Returns the
-    result for the server, the new P-head and the new rule state; ``model`` is left holding the
-    client's local model. Meta-BSM (``cfg.balanced_loss == "meta_bsm"``) takes the server's meta set and
-    the client's state (gamma_m; None: its initial value) and returns the new state in ``result.meta_bsm``.
-    """
-    t0 = time.perf_counter()
-    n = len(data)
+
+def batch_plan(n: int, cfg: TrainConfig, *, seed: int, round_idx: int, client_id: int,
+               augment: bool) -> Iterator[list[Batch]]:
+    """A client's mini-batches, one list per local epoch, drawn (lazily, epoch by epoch) from its own generator
+    seeded by (run seed, round, client id): each epoch's permutation, then each of its batches' augmentation.
+    The per-client and the batched update (``fedrod_ray.batched``) both train on this plan, so a client sees
+    the same batches in either."""
     if n == 0:
         raise LocalTrainingError("the client has no training examples")
-    device = torch.device(device)
-    model.to(device)
-    model.load_partial(message.weights if initial is None else initial)
+    gen = torch.Generator().manual_seed(derived_seed(seed, round_idx, client_id, TRAIN_TAG))
+
+    def epoch() -> list[Batch]:
+        order = torch.randperm(n, generator=gen)
+        return [(idx, augment_draws(len(idx), gen) if augment else None) for idx in order.split(cfg.batch_size)]
+
+    return (epoch() for _ in range(cfg.local_epochs))
+
+
+def load_client_weights(model: FedModel, weights: StateDict, personal: StateDict | None) -> None:
+    """Load a client's model: ``weights`` (the global ones, or its own local model) and, for the linear head,
+    its phi_m (None: a client that never trained, whose head starts at zero)."""
+    model.load_partial(weights)
     if model.variant == "linear":
         if personal is None:
             torch.nn.init.zeros_(model.personal_head.weight)
         else:
             model.load_partial(personal)
+
+
+def finish_update(model: FedModel, local: StateDict, correction: LocalCorrection | None, generic: StateDict, *,
+                  num_samples: int, loss: float, personal_loss: float | None, steps: int, lr: float,
+                  momentum: float, seconds: float, objectives: dict[str, StateDict] | None = None) -> Outcome:
+    """A client update's outcome from its trained weights: ``local`` (every parameter, on the CPU) gives the
+    shared weights for the server and the linear head's phi_m; ``generic`` (theta and psi, on the training
+    device) the rule's new client state and upload."""
+    new_rule_state, upload = {}, {}
+    if correction is not None:
+        with torch.no_grad():
+            new_rule_state, upload = correction.finish(generic, lr * effective_step_sum(steps, momentum))
+    result = LocalResult(
+        shared={k: local[k] for k in model.shared_keys()},
+        num_samples=num_samples,
+        loss=loss,
+        personal_loss=personal_loss,
+        steps=steps,
+        seconds=seconds,
+        upload=to_device(upload, "cpu"),
+        objectives=objectives or {},
+    )
+    personal = {k: local[k] for k in model.personal_keys()} if model.variant == "linear" else None
+    return result, personal, to_device(new_rule_state, "cpu")
+
+
+def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: TrainConfig, rule: GenericRule, *,
+                 round_idx: int, seed: int, client_id: int, mean, std, augment: bool,
+                 personal: StateDict | None = None, rule_state: StateDict | None = None,
+                 initial: StateDict | None = None, meta_set: ClientData | None = None,
+                 objectives: dict[str, StateDict] | None = None,
+                 device: torch.device | str = "cpu") -> Outcome:
+    """Train ``model`` from the round's global weights on one client's data.
+
+    ``personal`` is the client's stored P-head (linear head; None means freshly initialised) and
+    ``rule_state`` its state under the generic rule (empty: the rule's initial state). ``initial``, if
+    given, replaces the global weights as the starting point (a rule whose clients keep their own model).
+    Returns the result for the server, the new P-head and the new rule state; ``model`` is left holding the
+    client's local model. A local objective (``fedrod_ray.objectives``, by ``cfg.balanced_loss``) reads the
+    server's ``meta_set`` and its entry of the client's ``objectives`` (absent: its initial state), and
+    returns the new entry in ``result.objectives``.
+    """
+    t0 = time.perf_counter()
+    n = len(data)
+    plan = batch_plan(n, cfg, seed=seed, round_idx=round_idx, client_id=client_id, augment=augment)
+    device = torch.device(device)
+    model.to(device)
+    load_client_weights(model, message.weights if initial is None else initial, personal)
     model.train()
 
-    gen = torch.Generator().manual_seed(derived_seed(seed, round_idx, client_id, TRAIN_TAG))
     x_all = normalize(data.x, mean, std).to(device)
     y_all = data.y.to(device)
     counts = data.counts.to(device)
     dist = data.class_dist.to(device)
     black = normalized_black(mean, std) if augment else None
-    meta = MetaBSM(cfg, meta_set, meta_state, mean, std, device) if cfg.balanced_loss == "meta_bsm" else None
-    br_loss = get_loss(cfg.balanced_loss) if meta is None else None
-    gamma = DEFAULT_GAMMA if cfg.gamma is None else cfg.gamma
-
     lr = round_lr(cfg, round_idx)
+    objective_cls = get_objective(cfg.balanced_loss)
+    objective = None
+    if objective_cls is not None:
+        meta = None
+        if meta_set is not None and len(meta_set):
+            meta = (normalize(meta_set.x, mean, std).to(device).contiguous(memory_format=torch.channels_last),
+                    meta_set.y.to(device))
+        objective = objective_cls(cfg, meta, (objectives or {}).get(objective_cls.name, {}), device)
+
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     params = dict(model.named_parameters())
     generic = [k for k in model.generic_keys() if k in params]
     anchor = {k: message.weights[k].to(device) for k in generic}
-    correction = rule.start_local(anchor, _to(rule_state or {}, device), _to(message.broadcast, device))
-    if meta is not None:
-        def losses(xb, yb):
-            return meta.step(model, xb, yb, counts, dist, lr)
+    correction = rule.start_local(anchor, to_device(rule_state or {}, device), to_device(message.broadcast, device))
+    if objective is not None:
+        losses = objective.losses(model, counts, dist, lr)
     else:
-        losses = make_losses(model, br_loss, gamma, counts, dist, batch_size=cfg.batch_size, step=cfg.step)
+        gamma = DEFAULT_GAMMA if cfg.gamma is None else cfg.gamma
+        losses = make_losses(model, get_loss(cfg.balanced_loss), gamma, counts, dist, batch_size=cfg.batch_size,
+                             step=cfg.step)
     train_step = make_train_step(model, opt, losses, correction)
 
     loss_sum = torch.zeros((), device=device)
     ploss_sum = torch.zeros((), device=device)
     steps = 0
-    for epoch in range(cfg.local_epochs):
-        order = torch.randperm(n, generator=gen).to(device)
-        for start in range(0, n, cfg.batch_size):
-            idx = order[start:start + cfg.batch_size]
+    for epoch, batches in enumerate(plan):
+        for idx, draws in batches:
+            idx = idx.to(device)
             xb, yb = x_all[idx].contiguous(memory_format=torch.channels_last), y_all[idx]
-            if augment:
-                xb = augment_batch(xb, gen, fill=black)
+            if draws is not None:
+                xb = shift_flip(xb, *draws, fill=black)
             loss_g, loss_p = train_step(xb, yb)
             loss_sum += loss_g
             if loss_p is not None:
@@ -164,27 +223,14 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
         if not torch.isfinite(loss_sum + ploss_sum):
             raise LocalTrainingError(f"non-finite loss in local epoch {epoch + 1} (lr={lr:g})")
 
-    state = model.state_dict()
-    shared = {k: state[k].detach().to("cpu", copy=True) for k in model.shared_keys()}
-    new_personal = ({k: state[k].detach().to("cpu", copy=True) for k in model.personal_keys()}
-                    if model.variant == "linear" else None)
-    new_rule_state, upload = {}, {}
-    if correction is not None:
-        with torch.no_grad():
-            new_rule_state, upload = correction.finish({k: params[k].detach() for k in generic},
-                                                       lr * effective_step_sum(steps, cfg.momentum))
-    result = LocalResult(
-        shared=shared,
-        num_samples=n,
+    local = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return finish_update(
+        model, local, correction, {k: params[k].detach() for k in generic}, num_samples=n,
         loss=(loss_sum / steps).item(),
         personal_loss=(ploss_sum / steps).item() if model.variant is not None else None,
-        steps=steps,
-        seconds=time.perf_counter() - t0,
-        upload=_to(upload, "cpu"),
-        meta_bsm=meta.state() if meta is not None else {},
-    )
-    return result, new_personal, _to(new_rule_state, "cpu")
+        steps=steps, lr=lr, momentum=cfg.momentum, seconds=time.perf_counter() - t0,
+        objectives={objective.name: objective.state()} if objective is not None else None)
 
 
-def _to(state: StateDict, device) -> StateDict:
+def to_device(state: StateDict, device) -> StateDict:
     return {k: v.to(device) for k, v in state.items()}

@@ -99,7 +99,7 @@ def long_tail_indices(labels: np.ndarray, num_classes: int, imbalance_ratio: flo
 
 
 def meta_set_indices(labels: np.ndarray, num_classes: int, per_class: int, seed: int) -> np.ndarray:
-    """Sorted indices of a balanced random subset: ``per_class`` examples of every class (Meta-BSM's D_meta)."""
+    """Sorted indices of a balanced random subset: ``per_class`` examples of every class (a meta set)."""
     labels = np.asarray(labels)
     rng = np.random.default_rng(seed)
     picked = []
@@ -126,7 +126,8 @@ class Partition:
     client_indices: list[np.ndarray]  # into the training set; training clients first, then new clients
     counts: np.ndarray  # (num_train_clients + new clients) x C
     num_train_clients: int
-    # Meta-BSM's balanced meta set, held by the server: training-set rows that no client holds.
+    # The balanced meta set a local objective learns against (``fedrod_ray.objectives``), held by the server:
+    # training-set rows that no client holds.
     meta_indices: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
     @property
@@ -148,7 +149,7 @@ class Partition:
 
 def make_partition(cfg: DataConfig, train_labels: np.ndarray, num_classes: int, seed: int,
                    meta_per_class: int = 0) -> Partition:
-    """Take out the meta set (``meta_per_class`` > 0: Meta-BSM), long-tail (if ``cfg.imbalance_ratio > 1``),
+    """Take out the meta set (``meta_per_class`` > 0: a local objective's, e.g. Meta-BSM), long-tail (if ``cfg.imbalance_ratio > 1``),
     split over ``num_clients + new_clients``, hold some out.
 
     Which clients are held out is a seeded random choice, so new clients are not systematically the
@@ -210,6 +211,6 @@ def format_partition(p: Partition) -> str:
         f"new clients: {', '.join(map(str, new)) if new else 'none'}",
     ]
     if len(p.meta_indices):
-        lines.append(f"meta set (Meta-BSM, held by the server): {len(p.meta_indices)} examples, "
+        lines.append(f"meta set (held by the server): {len(p.meta_indices)} examples, "
                      f"{len(p.meta_indices) // num_classes} per class")
     return "\n".join(lines)

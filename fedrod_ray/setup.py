@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .client import ClientHost
+from .client import ClientContext, ClientHost
 from .config import ExperimentConfig
 from .data import ImageDataset, load_dataset
 from .data.transforms import normalize
 from .metrics import TestSet
 from .models import FedModel, build_model
+from .objectives import meta_per_class, model_parts
 from .partition import Partition, make_partition
 
 
@@ -44,12 +45,12 @@ class Setup:
     def build_model(self) -> FedModel:
         ds = self.dataset
         return build_model(self.cfg.model.arch, ds.num_classes, ds.image_shape, self.cfg.train.variant,
-                           self.cfg.hyper_hidden, self.cfg.seed, self.cfg.train.mwn_hidden, self.cfg.model.init)
+                           self.cfg.hyper_hidden, self.cfg.seed, model_parts(self.cfg.train), self.cfg.model.init)
 
 
 def prepare(cfg: ExperimentConfig) -> Setup:
     ds = load_dataset(cfg.data, seed=cfg.seed)
-    partition = make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed, cfg.train.meta_per_class)
+    partition = make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed, meta_per_class(cfg.train))
     test = TestSet(normalize(ds.test_x, ds.mean, ds.std), ds.test_y, ds.num_classes)
     augment = ds.augment if cfg.train.augment is None else cfg.train.augment
     return Setup(cfg, ds, partition, test, augment)
@@ -57,5 +58,5 @@ def prepare(cfg: ExperimentConfig) -> Setup:
 
 def make_host(setup: Setup, device: str = "cpu") -> ClientHost:
     ds, part = setup.dataset, setup.partition
-    return ClientHost(setup.cfg, ds.train_x, ds.train_y, part.client_indices, part.counts, setup.test,
-                      ds.mean, ds.std, setup.augment, ds.num_classes, device, part.meta_indices)
+    return ClientHost(setup.cfg, ClientContext(ds.train_x, ds.train_y, part.client_indices, part.counts, setup.test,
+                                               ds.mean, ds.std, setup.augment, part.meta_indices, device))

@@ -2,7 +2,7 @@
 generic rule's gradient term and the optimizer's step.
 
 ``make_train_step`` takes the mini-batch's losses as a function, so that a loss with a procedure of its
-own (Meta-BSM's meta step) plugs in where ``make_losses`` gives Fed-RoD's
+own (a local objective's, ``fedrod_ray.objectives``: Meta-BSM's meta step) plugs in where ``make_losses`` gives Fed-RoD's
 
     L = l_BR(h_G(z)) + l_CE(h_G(z).detach() + h_P(z.detach())).
 

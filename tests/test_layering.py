@@ -13,14 +13,6 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "fedrod_ray"
 ROOT = "fedrod_ray"
 
-# Import circles that other work on issue 19 removes; each edge is the one that closes its circle.
-# Empty this once those branches are merged: an edge left here that no longer exists fails the test below.
-KNOWN_EDGES = {
-    # meta_bsm.py imports local.ClientData under TYPE_CHECKING (local <-> meta_bsm).
-    ("fedrod_ray.meta_bsm", "fedrod_ray.local"),
-}
-
-
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -99,7 +91,7 @@ def test_imports_only_go_down():
     upward = []
     for module, targets in GRAPH.items():
         for target in targets:
-            if module == ROOT or target == ROOT or not target.startswith(ROOT) or (module, target) in KNOWN_EDGES:
+            if module == ROOT or target == ROOT or not target.startswith(ROOT):
                 continue
             # A module without a layer fails test_every_module_has_a_layer.
             if None not in (layer_of(module), layer_of(target)) and layer_of(target) > layer_of(module):
@@ -131,16 +123,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_circle():
-    graph = {m: {t for t in targets if (m, t) not in KNOWN_EDGES} for m, targets in GRAPH.items()}
-    circle = _cycle(graph)
+    circle = _cycle(GRAPH)
     assert circle is None, " -> ".join(circle)
-
-
-@pytest.mark.parametrize("edge", sorted(KNOWN_EDGES))
-def test_known_edges_still_exist(edge):
-    """A circle on the allow-list that is gone must leave the list too."""
-    module, target = edge
-    assert target in GRAPH[module], f"{module} no longer imports {target}: remove the edge from KNOWN_EDGES"
 
 
 def test_the_cycle_check_finds_a_circle():

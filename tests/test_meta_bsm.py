@@ -21,8 +21,8 @@ from fedrod_ray.federation import Federation
 from fedrod_ray.final import final_model
 from fedrod_ray.local import ClientData, RoundInput, local_update
 from fedrod_ray.losses import balanced_softmax
-from fedrod_ray.meta_bsm import meta_bsm_step
 from fedrod_ray.models import FedModel, build_model
+from fedrod_ray.objectives.meta_bsm import MetaWeightNet, meta_bsm_step
 from fedrod_ray.partition import make_partition
 from fedrod_ray.setup import make_host, prepare
 from fedrod_ray.state import Snapshot
@@ -39,7 +39,7 @@ COUNTS = torch.tensor([7, 2])  # the client's class counts N_m: skewed towards c
 
 def linear_model() -> FedModel:
     """A FedModel whose body is z = B x (3 -> 4), with bias-free 2-class heads and a width-3 MWNet, float64."""
-    model = FedModel("mnist_cnn", 2, 1, "linear", mwn_hidden=3)
+    model = FedModel("mnist_cnn", 2, 1, "linear", parts={"mwn": lambda: MetaWeightNet(3)})
     model.body = nn.Linear(3, 4, bias=False)
     model.generic_head = nn.Linear(4, 2, bias=False)
     model.personal_head = nn.Linear(4, 2, bias=False)
@@ -197,7 +197,8 @@ def tiny_meta_set() -> ClientData:
 def model_and_global(mwn_hidden: int):
     """A linear Fed-RoD model with a Meta-Weight-Net, and a copy of its shared weights."""
     # PyTorch's init: under He's, gamma_m reaches its bound 0 within the first update on these random pixels.
-    model = build_model("mnist_cnn", 10, SHAPE, "linear", 16, 0, mwn_hidden, init="pytorch")
+    model = build_model("mnist_cnn", 10, SHAPE, "linear", 16, 0, {"mwn": lambda: MetaWeightNet(mwn_hidden)},
+                        init="pytorch")
     state = model.state_dict()
     return model, {k: state[k].clone() for k in model.shared_keys()}
 
@@ -206,7 +207,7 @@ def meta_update(c: TrainConfig, state=None, rule="fedavg", rule_params=None, met
     model, shared = model_and_global(c.mwn_hidden)
     result, personal, _ = local_update(
         model, RoundInput(shared), make_data(), c, build_rule(rule, rule_params or {}), round_idx=0, seed=11,
-        client_id=5, mean=MEAN, std=STD, augment=False, meta_set=meta_set or tiny_meta_set(), meta_state=state)
+        client_id=5, mean=MEAN, std=STD, augment=False, meta_set=meta_set or tiny_meta_set(), objectives=state)
     return result, personal, shared
 
 
@@ -221,7 +222,7 @@ def test_local_update_trains_and_returns_gamma_and_zeta():
     result, personal, shared = meta_update(c)
     assert result.steps == 3 and np.isfinite(result.loss) and np.isfinite(result.personal_loss)
     # gamma_m started from train.gamma and moved; it comes back as the client's to keep.
-    gamma = result.meta_bsm["gamma"]
+    gamma = result.objectives["meta_bsm"]["gamma"]
     assert gamma.shape == () and gamma.item() != 0.5
     # zeta is shared (the server averages it), phi_m is kept.
     mwn = [k for k in result.shared if k.startswith("mwn.")]
@@ -229,10 +230,10 @@ def test_local_update_trains_and_returns_gamma_and_zeta():
     assert set(personal) == {"personal_head.weight"}
     # The same call again is bitwise the same; a call from the returned gamma_m starts there.
     again, _, _ = meta_update(c)
-    assert torch.equal(again.meta_bsm["gamma"], gamma)
+    assert torch.equal(again.objectives["meta_bsm"]["gamma"], gamma)
     assert all(torch.equal(again.shared[k], v) for k, v in result.shared.items())
-    later, _, _ = meta_update(c, state=result.meta_bsm)
-    assert float(later.meta_bsm["gamma"]) != gamma.item()
+    later, _, _ = meta_update(c, state=result.objectives)
+    assert float(later.objectives["meta_bsm"]["gamma"]) != gamma.item()
 
 
 def test_local_update_applies_the_generic_rules_correction():
@@ -335,8 +336,8 @@ def test_a_federation_round_end_to_end(tmp_path):
     for key in ("train_loss", "personal_loss", "gfl_gm", "pfl_gm", "pfl_pm"):
         assert np.isfinite(record[key]), key
     trained = {cid: st for cid, st in fed.clients.items() if st.rounds_trained}
-    assert len(trained) == 3 and all(st.meta_bsm["gamma"].shape == () for st in trained.values())
-    assert all(not st.meta_bsm for cid, st in fed.clients.items() if cid not in trained)
+    assert len(trained) == 3 and all(st.objectives["meta_bsm"]["gamma"].shape == () for st in trained.values())
+    assert all(not st.objectives for cid, st in fed.clients.items() if cid not in trained)
     # zeta is averaged by sample count, like nu; gamma_m stays with its client.
     sizes = setup.partition.sizes
     mwn = [k for k in start if k.startswith("mwn.")]
@@ -368,13 +369,13 @@ def test_a_federation_round_end_to_end(tmp_path):
 def test_client_state_round_trips_gamma(tmp_path):
     cfg = config_from_dict(BASE)
     state = ClientState(personal={"personal_head.weight": torch.ones(10, 50)}, rounds_trained=2,
-                        meta_bsm={"gamma": torch.tensor(0.75)})
+                        objectives={"meta_bsm": {"gamma": torch.tensor(0.75)}})
     storage = RunStorage(str(tmp_path / "run"))
     save_checkpoint(storage, Snapshot(2, cfg, {"generic_head.weight": torch.zeros(10, 50)}, {},
                                       {0: state, 1: ClientState()}))
     loaded = load_checkpoint(storage).clients
-    assert loaded[0].meta_bsm.keys() == {"gamma"} and torch.equal(loaded[0].meta_bsm["gamma"], torch.tensor(0.75))
-    assert loaded[0].rounds_trained == 2 and loaded[1].meta_bsm == {}
+    assert loaded[0].objectives["meta_bsm"].keys() == {"gamma"} and torch.equal(loaded[0].objectives["meta_bsm"]["gamma"], torch.tensor(0.75))
+    assert loaded[0].rounds_trained == 2 and loaded[1].objectives == {}
 
 
 def test_ray_round_equals_in_process(ray_session):

@@ -6,12 +6,11 @@
 
 from __future__ import annotations
 
-import traceback
 import warnings
 from collections.abc import Iterator
 
 from ..batched import BatchJob, batched_local_update, check_supported
-from ..client import ClientFailure, ClientHost, ClientState
+from ..client import ClientFailure, ClientHost
 from ..local import RoundInput
 from .base import Job, TrainOutcome
 from .in_process import InProcessExecutor
@@ -42,7 +41,7 @@ class BatchedExecutor(InProcessExecutor):
                     cid, host.data(cid), state.personal, state.rule_state,
                     state.local_model if host.rule.starts_from_local_model else None)
             except Exception as e:  # noqa: BLE001 - as ClientHost.train: reported, never fatal to the round
-                yield slot, _failure(cid, e)
+                yield slot, ClientFailure.from_exception(cid, e)
         slots = sorted(batch_jobs, key=lambda slot: -len(batch_jobs[slot].data))
         for start in range(0, len(slots), self.max_clients):
             group = slots[start:start + self.max_clients]
@@ -59,17 +58,7 @@ class BatchedExecutor(InProcessExecutor):
                 continue
             for slot, out in zip(group, outcomes):
                 cid, state = jobs[slot]
-                if isinstance(out, Exception):
-                    yield slot, _failure(cid, out)
-                else:
-                    result, personal, rule_state = out
-                    yield slot, (result, ClientState(personal=personal, local_model=result.shared,
-                                                     rule_state=rule_state,
-                                                     rounds_trained=state.rounds_trained + 1))
-
-
-def _failure(client_id: int, e: BaseException) -> ClientFailure:
-    return ClientFailure(client_id, f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))
+                yield slot, ClientFailure.from_exception(cid, out) if isinstance(out, Exception) else state.trained(out)
 
 
 def in_process_executor(host: ClientHost, batched_clients: int) -> InProcessExecutor:

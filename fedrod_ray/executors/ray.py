@@ -201,8 +201,8 @@ class RayExecutor:
             cid = jobs[slot][0]
             if isinstance(value, Exception):
                 kind = " (actor died)" if isinstance(value, RayActorError) else ""
-                first = str(value).splitlines()[0] if str(value) else ""
-                value = ClientFailure(cid, f"{type(value).__name__}{kind}: {first}", str(value))
+                # A Ray error's text holds the remote traceback.
+                value = ClientFailure.from_exception(cid, value, kind, details=str(value))
             yield slot, value
 
     def evaluate(self, jobs: list[Job]) -> EvalCounts:

@@ -2,34 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import INITS
 from .convnet import BUILDERS, FEATURE_DIM
-from .heads import HyperNetwork, MetaWeightNet
+from .heads import HyperNetwork
 
-__all__ = ["FedModel", "HyperNetwork", "MetaWeightNet", "build_model", "count_parameters", "resolve_arch"]
+__all__ = ["FedModel", "HyperNetwork", "build_model", "count_parameters", "resolve_arch"]
 
 # Parameter-name prefixes: what the server averages and what a client keeps.
 BODY = "body."
 GENERIC_HEAD = "generic_head."
 PERSONAL_HEAD = "personal_head."
 HYPERNET = "hypernet."
-MWN = "mwn."  # Meta-BSM's Meta-Weight-Net zeta: shared (averaged like nu), never served
 
 
 class FedModel(nn.Module):
     """Feature extractor f(x; theta), generic head psi and an optional personalized part.
 
     ``variant`` is ``None`` for the plain one-head model (FedAvg and other baselines), ``"linear"`` for
-    a per-client P-head phi_m, or ``"hyper"`` for phi_m = H(a_m; nu). ``mwn_hidden`` adds Meta-BSM's
-    Meta-Weight-Net ``mwn`` (zeta), which no forward pass uses: only the Meta-BSM update does.
+    a per-client P-head phi_m, or ``"hyper"`` for phi_m = H(a_m; nu). ``parts`` adds a local objective's
+    modules (``fedrod_ray.objectives``, e.g. Meta-BSM's Meta-Weight-Net ``mwn``) by attribute name, which no
+    forward pass uses: only the objective's update does.
     """
 
     def __init__(self, arch: str, num_classes: int, in_channels: int, variant: str | None = None,
-                 hyper_hidden: int = 16, mwn_hidden: int | None = None, init: str = "normal"):
+                 hyper_hidden: int = 16, parts: dict[str, Callable[[], nn.Module]] | None = None,
+                 init: str = "normal"):
         super().__init__()
         if arch not in BUILDERS:
             raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(BUILDERS)}")
@@ -54,9 +57,10 @@ class FedModel(nn.Module):
             self.hypernet = HyperNetwork(num_classes, hyper_hidden, self.feature_dim)
             if init == "normal":
                 _he_normal(self.hypernet.net[0])  # its output layer stays at zero (HyperNetwork)
-        # Built last, so that every other initial weight is the same with and without it.
-        if mwn_hidden is not None:
-            self.mwn = MetaWeightNet(mwn_hidden)
+        # Built last, so that every other initial weight is the same with and without them.
+        self.parts = tuple(parts or {})
+        for name, build in (parts or {}).items():
+            self.add_module(name, build())
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
@@ -92,12 +96,16 @@ class FedModel(nn.Module):
             params[k].copy_(v)
 
     def shared_keys(self) -> list[str]:
-        """Parameters the server averages: theta, psi, (hyper) nu and (Meta-BSM) zeta. The linear P-head
+        """Parameters the server averages: theta, psi, (hyper) nu and the objective's parts. The linear P-head
         stays local."""
         return [k for k in self.state_dict() if not k.startswith(PERSONAL_HEAD)]
 
     def personal_keys(self) -> list[str]:
         return [k for k in self.state_dict() if k.startswith(PERSONAL_HEAD)]
+
+    def part_keys(self) -> list[str]:
+        """The objective's parts: they only train, so a served model has none."""
+        return [k for k in self.state_dict() if k.split(".", 1)[0] in self.parts]
 
     def generic_keys(self) -> list[str]:
         """theta and psi: what the balanced loss trains and the generic-FL rules act on."""
@@ -121,14 +129,14 @@ def resolve_arch(arch: str, image_shape: tuple[int, int, int]) -> str:
 
 
 def build_model(arch: str, num_classes: int, image_shape: tuple[int, int, int], variant: str | None,
-                hyper_hidden: int = 16, seed: int = 0, mwn_hidden: int | None = None,
+                hyper_hidden: int = 16, seed: int = 0, parts: dict[str, Callable[[], nn.Module]] | None = None,
                 init: str = "normal") -> FedModel:
     """Build a model whose initial weights depend only on ``seed`` and ``init`` (not on the global RNG's
     state)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = FedModel(resolve_arch(arch, image_shape), num_classes, image_shape[0], variant, hyper_hidden,
-                         mwn_hidden, init)
+                         parts, init)
     # channels_last convolutions train about 1.5x faster on CPU (oneDNN) for these small ConvNets.
     return model.to(memory_format=torch.channels_last)
 

@@ -31,16 +31,3 @@ class HyperNetwork(nn.Module):
         feature_dim)."""
         return self.net(class_dist).view(*class_dist.shape[:-1], self.num_classes, self.feature_dim)
 
-
-class MetaWeightNet(nn.Module):
-    """Meta-BSM's zeta (Shu et al., 2019): an example's loss value -> its weight in (0, 1),
-    Linear(1 -> hidden) -> ReLU -> Linear(hidden -> 1) -> sigmoid. It is learned against the server's meta
-    set (``fedrod_ray.meta_bsm``) and averaged by the server like the rest of the shared weights."""
-
-    def __init__(self, hidden: int = 100):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, 1))
-
-    def forward(self, losses: torch.Tensor) -> torch.Tensor:
-        """Per-example weights (B,) from per-example losses (B,)."""
-        return torch.sigmoid(self.net(losses.unsqueeze(-1))).squeeze(-1)

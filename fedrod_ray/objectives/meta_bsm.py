@@ -8,8 +8,9 @@ The method
 ----------
 The server holds D_meta: ``train.meta_bsm.meta_per_class`` (10) examples of every class, drawn (seeded)
 from the training set before it is split, so no client holds them (``Partition.meta_indices``; every
-host gets them, as it gets the clients' indices). Client m keeps gamma_m (``ClientState.meta_bsm``,
-starting at ``train.gamma``, default 1). The Meta-Weight-Net zeta (``FedModel.mwn``, Shu et al. 2019)
+host gets them, as it gets the clients' indices). Client m keeps gamma_m (``ClientState.objectives``'s
+``meta_bsm``, starting at ``train.gamma``, default 1). The Meta-Weight-Net zeta (the model part ``mwn``,
+``train.meta_bsm.hidden`` wide, Shu et al. 2019)
 maps an example's loss value to a weight in (0, 1): Linear(1 -> hidden) -> ReLU -> Linear(hidden -> 1)
 -> sigmoid. With w = (theta, psi), eta the round's learning rate and beta = ``train.meta_bsm.meta_lr``,
 per mini-batch B of D_m:
@@ -59,22 +60,38 @@ Choices where the paper leaves it open
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.func import functional_call
 
-from .config import DEFAULT_GAMMA, TrainConfig
-from .data.transforms import normalize
-from .losses import balanced_softmax
+from ..config import DEFAULT_GAMMA, TrainConfig
+from ..losses import balanced_softmax
+from .base import LocalObjective, MetaSet
+from .registry import register
 
 if TYPE_CHECKING:
-    from .aggregate import StateDict
-    from .local import ClientData
-    from .models import FedModel
+    from ..aggregate import StateDict
+    from ..models import FedModel
+    from ..step import LossesFn
 
-GAMMA = "gamma"  # gamma_m's key in ClientState.meta_bsm
+GAMMA = "gamma"  # gamma_m's key in the client's state
+
+
+class MetaWeightNet(nn.Module):
+    """zeta: an example's loss value -> its weight in (0, 1), Linear(1 -> hidden) -> ReLU -> Linear(hidden -> 1)
+    -> sigmoid. Learned against the server's meta set and averaged by the server like nu."""
+
+    def __init__(self, hidden: int = 100):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, losses: torch.Tensor) -> torch.Tensor:
+        """Per-example weights (B,) from per-example losses (B,)."""
+        return torch.sigmoid(self.net(losses.unsqueeze(-1))).squeeze(-1)
 
 
 def meta_bsm_step(model: FedModel, gamma: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, counts: torch.Tensor,
@@ -116,26 +133,39 @@ def meta_bsm_step(model: FedModel, gamma: torch.Tensor, xb: torch.Tensor, yb: to
     return loss_g, loss_p, meta_loss.detach()
 
 
-class MetaBSM:
-    """One client's Meta-BSM through one local update: its gamma_m and the server's meta set, ready on the
-    device. ``state()`` is what the client keeps afterwards."""
+@register
+class MetaBSM(LocalObjective):
+    """One client's Meta-BSM through one local update: its gamma_m and the server's meta set, on the device.
+    ``state()`` is what the client keeps afterwards."""
 
-    def __init__(self, cfg: TrainConfig, meta_set: ClientData | None, state: StateDict | None, mean, std,
-                 device: torch.device):
-        if meta_set is None or len(meta_set) == 0:
+    name = "meta_bsm"
+
+    @classmethod
+    def meta_per_class(cls, cfg: TrainConfig) -> int:
+        return cfg.meta_bsm.meta_per_class
+
+    @classmethod
+    def model_parts(cls, cfg: TrainConfig) -> dict[str, Callable[[], nn.Module]]:
+        return {"mwn": lambda: MetaWeightNet(cfg.meta_bsm.hidden)}
+
+    def __init__(self, cfg: TrainConfig, meta: MetaSet, state: StateDict, device: torch.device):
+        super().__init__(cfg, meta, state, device)
+        if meta is None:
             raise ValueError("train.balanced_loss=meta_bsm needs the server's meta set, and this host has none")
-        self.meta_x = normalize(meta_set.x, mean, std).to(device).contiguous(memory_format=torch.channels_last)
-        self.meta_y = meta_set.y.to(device)
+        self.meta_x, self.meta_y = meta
         start = state[GAMMA] if state else torch.tensor(DEFAULT_GAMMA if cfg.gamma is None else cfg.gamma)
         self.gamma = start.to(device, torch.float32, copy=True).requires_grad_()
         self.meta_lr = cfg.meta_bsm.meta_lr
 
-    def step(self, model: FedModel, xb: torch.Tensor, yb: torch.Tensor, counts: torch.Tensor,
-             dist: torch.Tensor | None, lr: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``meta_bsm_step`` on this mini-batch: (weighted balanced loss, personalized loss or None)."""
-        loss_g, loss_p, _ = meta_bsm_step(model, self.gamma, xb, yb, counts, dist, self.meta_x, self.meta_y, lr,
-                                          self.meta_lr)
-        return loss_g, loss_p
+    def losses(self, model: FedModel, counts: torch.Tensor, dist: torch.Tensor, lr: float) -> LossesFn:
+        """``meta_bsm_step`` on each mini-batch: (weighted balanced loss, personalized loss or None)."""
+
+        def losses(xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            loss_g, loss_p, _ = meta_bsm_step(model, self.gamma, xb, yb, counts, dist, self.meta_x, self.meta_y,
+                                              lr, self.meta_lr)
+            return loss_g, loss_p
+
+        return losses
 
     def state(self) -> StateDict:
         return {GAMMA: self.gamma.detach().to("cpu", copy=True)}

@@ -1,0 +1,64 @@
+"""The seam for local objectives: a generic-head loss with a procedure of its own (Meta-BSM's meta step).
+
+An objective, chosen by ``train.balanced_loss: <name>`` and configured by the section ``train.<name>``,
+replaces step 2's l_BR for one client update (FEDROD.md, "One round"); the personalized loss, the generic
+rule's correction, the optimizer and the server's average stay as they are. Besides its step it may own:
+
+- client state: a ``StateDict`` the client keeps between rounds, ``ClientState.objectives[name]`` (absent:
+  its initial state), which checkpoints store under the part ``<name>/``;
+- a meta set: ``meta_per_class`` examples of every class that the server takes out of the training set
+  before the split (``Partition.meta_indices``), so that no client holds them; every host gets them and
+  each update reads them, normalised and on the training device;
+- model parts: modules the model gets besides its heads (``model_parts``), built after every other weight,
+  used by no forward pass, shared (averaged by sample count, like nu) and never served.
+
+One object serves one client update: built from the meta set and the client's state, it gives the
+mini-batches' losses and, afterwards, the state the client keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..aggregate import StateDict
+from ..config import TrainConfig
+from ..models import FedModel
+from ..step import LossesFn
+
+# The server's meta set on the training device: (normalised images, labels), or None when it has none.
+MetaSet = tuple[torch.Tensor, torch.Tensor] | None
+
+
+class LocalObjective:
+    """Base class: an objective without state, meta set or model parts. Subclasses give ``losses``."""
+
+    name: ClassVar[str] = ""
+    # The plain balanced loss (``losses.BALANCED_LOSSES``) that takes its place where its procedure cannot
+    # run: fine-tuning trains from the global model with no meta step.
+    fallback_loss: ClassVar[str] = "bsm"
+
+    @classmethod
+    def meta_per_class(cls, cfg: TrainConfig) -> int:
+        """Examples of every class in the server's meta set (0: none)."""
+        return 0
+
+    @classmethod
+    def model_parts(cls, cfg: TrainConfig) -> dict[str, Callable[[], nn.Module]]:
+        """The model's extra modules by attribute name, each built (seeded) by calling its factory."""
+        return {}
+
+    def __init__(self, cfg: TrainConfig, meta: MetaSet, state: StateDict, device: torch.device):
+        self.cfg = cfg
+
+    def losses(self, model: FedModel, counts: torch.Tensor, dist: torch.Tensor, lr: float) -> LossesFn:
+        """Each mini-batch's (generic loss, personalized loss or None) for the client with class ``counts``
+        and distribution ``dist``, at the round's learning rate ``lr``."""
+        raise NotImplementedError
+
+    def state(self) -> StateDict:
+        """The client's state after the update."""
+        return {}
