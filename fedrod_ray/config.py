@@ -153,7 +153,7 @@ class ModelConfig:
 
 @dataclass(config=_CLOSED)
 class MetaBSMConfig:
-    """Fed-RoD (Meta-BSM), ``train.balanced_loss: meta_bsm`` only (fedrod_ray.meta_bsm)."""
+    """Fed-RoD (Meta-BSM), ``train.balanced_loss: meta_bsm`` only (fedrod_ray.objectives.meta_bsm)."""
 
     meta_lr: PositiveFloat = 1.0  # SGD step size of gamma_m and the Meta-Weight-Net on the meta loss, per batch
     meta_per_class: PositiveInt = 10  # the server's balanced meta set: examples per class taken out of training
@@ -186,15 +186,6 @@ class TrainConfig:
         """The model's personalized part (``FedModel.variant``): None for the one-head model."""
         return None if self.head == "none" else self.head
 
-    @property
-    def mwn_hidden(self) -> int | None:
-        """The model's Meta-Weight-Net width (``FedModel.mwn``): None without Meta-BSM."""
-        return self.meta_bsm.hidden if self.balanced_loss == "meta_bsm" else None
-
-    @property
-    def meta_per_class(self) -> int:
-        """Examples per class of the server's meta set (0: no meta set, the training set is all the clients')."""
-        return self.meta_bsm.meta_per_class if self.balanced_loss == "meta_bsm" else 0
 
 
 @dataclass(config=_CLOSED)

@@ -22,6 +22,7 @@ from fedrod_ray.final import final_model
 from fedrod_ray.local import ClientData, RoundInput, local_update
 from fedrod_ray.losses import balanced_softmax
 from fedrod_ray.models import FedModel, build_model
+from fedrod_ray.objectives import meta_per_class, model_parts
 from fedrod_ray.objectives.meta_bsm import MetaWeightNet, meta_bsm_step
 from fedrod_ray.partition import make_partition
 from fedrod_ray.setup import make_host, prepare
@@ -204,7 +205,7 @@ def model_and_global(mwn_hidden: int):
 
 
 def meta_update(c: TrainConfig, state=None, rule="fedavg", rule_params=None, meta_set=None):
-    model, shared = model_and_global(c.mwn_hidden)
+    model, shared = model_and_global(c.meta_bsm.hidden)
     result, personal, _ = local_update(
         model, RoundInput(shared), make_data(), c, build_rule(rule, rule_params or {}), round_idx=0, seed=11,
         client_id=5, mean=MEAN, std=STD, augment=False, meta_set=meta_set or tiny_meta_set(), objectives=state)
@@ -285,11 +286,11 @@ def test_meta_set_needs_enough_examples_of_every_class():
 def test_config_defaults_and_gamma():
     t = config_from_dict({}, ["train.balanced_loss=meta_bsm"]).train
     assert (t.meta_bsm.meta_lr, t.meta_bsm.meta_per_class, t.meta_bsm.hidden) == (1.0, 10, 100)
-    assert t.mwn_hidden == 100 and t.meta_per_class == 10
+    assert meta_per_class(t) == 10 and list(model_parts(t)) == ["mwn"]
     # train.gamma is gamma_m's initial value.
     assert config_from_dict({}, ["train.balanced_loss=meta_bsm", "train.gamma=0.5"]).train.gamma == 0.5
     other = config_from_dict({}).train
-    assert other.mwn_hidden is None and other.meta_per_class == 0
+    assert meta_per_class(other) == 0 and model_parts(other) == {}
 
 
 @pytest.mark.parametrize("overrides, message", [
