@@ -1,6 +1,6 @@
 """The API on Ray Serve, for traffic one process cannot take: replicas of the same FastAPI app.
 
-``serve run api.serve:app model_dir=RUN_DIR``, ``serve run deploy/serve_config.yaml`` (autoscaling) or
+``serve run fedrod_ray_api.serve:app model_dir=RUN_DIR``, ``serve run deploy/serve_config.yaml`` (autoscaling) or
 ``fedrod-ray serve RUN_DIR --ray``. The only module of ``api`` that imports Ray.
 """
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import schemathesis
+from fedrod_ray_api.app import create_app
+from fedrod_ray_api.settings import Settings
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import (
     content_type_conformance,
@@ -14,9 +16,6 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 from served import make_final
-
-from api.app import create_app
-from api.settings import Settings
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 TOKEN = "fuzz-token"

@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from fedrod_ray_api.schemas import EXAMPLE_PNG
 from served import make_final
 
-from api.schemas import EXAMPLE_PNG
 from fedrod_ray.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,8 +70,7 @@ def _talk(base: str) -> dict:
 
 def _in_process(run_dir: Path) -> dict:
     from fastapi.testclient import TestClient
-
-    from api.app import create_app
+    from fedrod_ray_api.app import create_app
 
     with TestClient(create_app(str(run_dir))) as client:
         head = client.post("/v1/heads", json={"class_counts": COUNTS}).json()
@@ -119,12 +118,11 @@ def test_fedrod_ray_serve_on_uvicorn(run_dir):
 
 
 def test_ray_serve_deployment(ray_session, run_dir):
+    from fedrod_ray_api.serve import FedRodAPI
+    from fedrod_ray_api.settings import Settings
     from ray import serve
     from ray.serve import Application
     from ray.serve.schema import ServeDeploySchema
-
-    from api.serve import FedRodAPI
-    from api.settings import Settings
 
     config = yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
     ServeDeploySchema.model_validate(config)  # what `serve run` / `serve deploy` check

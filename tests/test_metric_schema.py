@@ -7,13 +7,13 @@ import pickle
 from pathlib import Path
 
 import pytest
+from fedrod_ray_tune.reproduce import build_spec, trial_line
+from fedrod_ray_tune.sweep import TrialLines
 
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.metric_schema import ACCURACIES, EVALUATED, METRICS, markdown_table, values_line
 from fedrod_ray.runner import run_local
 from fedrod_ray.storage import RunStorage
-from tune.reproduce import build_spec, trial_line
-from tune.sweep import TrialLines
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,10 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from fedrod_ray.cli import main
-from fedrod_ray.config import ConfigError
-from tune.reproduce import (
+from fedrod_ray_tune.reproduce import (
     FINETUNE_EPOCHS,
     SPEC_FILE,
     TABLES,
@@ -26,7 +23,10 @@ from tune.reproduce import (
     parse_sets,
     reproduce,
 )
-from tune.sweep import start_dir
+from fedrod_ray_tune.sweep import start_dir
+
+from fedrod_ray.cli import main
+from fedrod_ray.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "synthetic_tiny.yaml"

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fedrod_ray_tune.space import load_sweep
+from fedrod_ray_tune.sweep import pareto_front, run_sweep
+from fedrod_ray_tune.trial import objective
 
 from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError, load_config
-from tune.space import load_sweep
-from tune.sweep import pareto_front, run_sweep
-from tune.trial import objective
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "tune" / "quickstart.yaml"

@@ -1,0 +1,47 @@
+"""What fedrod-ray installs: every package folder, under names that collide with no other project."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+SETUPTOOLS = PROJECT["tool"]["setuptools"]
+
+
+def _folder(package: str) -> Path:
+    top, *rest = package.split(".")
+    return REPO / SETUPTOOLS["package-dir"].get(top, top) / Path(*rest)
+
+
+def test_every_package_folder_is_installed_and_nothing_else():
+    folders = {p.parent for p in (REPO / "fedrod_ray").rglob("__init__.py")}
+    folders |= {REPO / "api", REPO / "tune"}
+    assert {_folder(p) for p in SETUPTOOLS["packages"]} == folders
+
+
+def test_api_and_tune_install_under_the_projects_own_names():
+    """The repository keeps its api/ and tune/ folders; installed, they are fedrod_ray_api and fedrod_ray_tune
+    (a package named "tune" is on the public index, and "api" is anyone's name)."""
+    tops = {p.split(".")[0] for p in SETUPTOOLS["packages"]}
+    assert tops == {"fedrod_ray", "fedrod_ray_api", "fedrod_ray_tune"}
+    assert SETUPTOOLS["package-dir"] == {"fedrod_ray_api": "api", "fedrod_ray_tune": "tune"}
+
+
+def test_the_commands_load_from_the_installed_names():
+    commands = {e.name: e for e in entry_points(group="fedrod_ray.commands")}
+    assert {name: e.value.split(".")[0] for name, e in commands.items()} == {
+        "serve": "fedrod_ray_api", "tune": "fedrod_ray_tune", "reproduce": "fedrod_ray_tune"}
+    for e in commands.values():
+        assert callable(e.load())
+
+
+def test_dependencies_are_declared_and_floored_where_the_suite_runs():
+    deps = PROJECT["project"]["dependencies"]
+    assert any(d.startswith("pydantic>=2") for d in deps)  # config and api/ use it directly
+    assert "ray[default,tune]>=2.60" in deps
+    assert "torch>=2.4" in deps  # a range: CI and the README install the CPU wheel first
+    assert "vision" not in PROJECT["project"]["optional-dependencies"]  # nothing imports torchvision
