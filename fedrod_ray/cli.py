@@ -75,18 +75,23 @@ def _resume_hint(storage) -> str:
 
 @contextlib.contextmanager
 def _stop_on_sigterm(storage):
-    """SIGTERM raises Terminated while the run lasts (from the main thread: signals go nowhere else)."""
+    """SIGTERM raises Terminated while the run lasts (from the main thread: signals go nowhere else). Yields
+    a list that holds the signal once it came: Ray's calls may turn the exception into a plain
+    KeyboardInterrupt on its way out."""
+    received: list[int] = []
+
     def stop(signum, frame):
         # Said at once, not after unwinding: a Ray job's supervisor follows SIGTERM with SIGKILL in seconds.
         print(f"fedrod-ray: stopped by SIGTERM; {_resume_hint(storage)}", file=sys.stderr, flush=True)
+        received.append(signum)
         raise Terminated
 
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield received
         return
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        yield
+        yield received
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -133,12 +138,13 @@ def cmd_train(args) -> int:
     progress = RoundProgress(cfg.train.rounds, cfg.runtime.progress_seconds)
     log = progress.log(lambda s: print(s, flush=True))
     t0 = time.perf_counter()
+    terminated: list[int] = []
     try:
-        with _stop_on_sigterm(storage):
+        with _stop_on_sigterm(storage) as terminated:
             records = run(cfg, storage, ckpt, log=log, progress=progress.update)
-    except Terminated:
-        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
+        if terminated:  # its line is out already
+            return 128 + signal.SIGTERM
         print(f"fedrod-ray: interrupted; {_resume_hint(storage)}", file=sys.stderr, flush=True)
         return 130
     print(format_summary(records, time.perf_counter() - t0, storage.uri), flush=True)
