@@ -146,36 +146,36 @@ def test_mean_std_by_hand():
 
 def record(row: str, seed: int, status: str = "finished", **metrics) -> dict:
     base = {k: math.nan for k in ("gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before",
-                                  "pfl_new_after", "pfl_ft")}
+                                  "pfl_new_after", "pfl_ft", "wall_s")}
     return {"row": row, "seed": seed, "rounds": 2, "eval_round": 2, "status": status, **base, **metrics}
 
 
 def test_the_table_by_hand():
     spec = build_spec("ablation", TINY, [0, 1], rounds=2, rows=["FedAvg", "FedAvg (BRM, FT)", "Fed-RoD (linear)"])
     records = [
-        record("FedAvg", 0, gfl_gm=0.5, pfl_gm=0.4, pfl_pm=0.9, pfl_pm_global=0.4),
-        record("FedAvg", 1, gfl_gm=0.7, pfl_gm=0.6, pfl_pm=0.7, pfl_pm_global=0.6),
+        record("FedAvg", 0, gfl_gm=0.5, pfl_gm=0.4, pfl_pm=0.9, pfl_pm_global=0.4, wall_s=3600.0),
+        record("FedAvg", 1, gfl_gm=0.7, pfl_gm=0.6, pfl_pm=0.7, pfl_pm_global=0.6, wall_s=7200.0),
         record("FedAvg (BRM, FT)", 0, gfl_gm=0.6, pfl_gm=0.6, pfl_pm=0.1, pfl_pm_global=0.6, pfl_ft=0.8),
         record("FedAvg (BRM, FT)", 1, gfl_gm=0.6, pfl_gm=0.6, pfl_pm=0.1, pfl_pm_global=0.6, pfl_ft=0.9),
-        record("Fed-RoD (linear)", 0, gfl_gm=0.25, pfl_gm=0.5, pfl_pm=0.75),
+        record("Fed-RoD (linear)", 0, gfl_gm=0.25, pfl_gm=0.5, pfl_pm=0.75, wall_s=900.0),
         record("Fed-RoD (linear)", 1, "error"),
     ]
     lines = format_table(spec, records).splitlines()
     assert lines[0].startswith("Table ablation: base synthetic_tiny.yaml, 2 rounds, seeds 0, 1; mean ± std")
-    assert lines[2] == "| method | G-FL (GM) | P-FL (GM) | P-FL (PM) | P-FL (PM, global) |"
-    assert lines[4] == "| FedAvg | 60.00 ± 14.14 | 50.00 ± 14.14 | 80.00 ± 14.14 | 50.00 ± 14.14 |"
+    assert lines[2] == "| method | G-FL (GM) | P-FL (GM) | P-FL (PM) | P-FL (PM, global) | wall (h) |"
+    assert lines[4] == "| FedAvg | 60.00 ± 14.14 | 50.00 ± 14.14 | 80.00 ± 14.14 | 50.00 ± 14.14 | 1.50 |"
     # The FT row's P-FL (PM) is pfl_ft, marked, with a footnote.
-    assert lines[5] == "| FedAvg (BRM, FT) | 60.00 ± 0.00 | 60.00 ± 0.00 | 85.00 ± 7.07 † | 60.00 ± 0.00 |"
+    assert lines[5] == "| FedAvg (BRM, FT) | 60.00 ± 0.00 | 60.00 ± 0.00 | 85.00 ± 7.07 † | 60.00 ± 0.00 | - |"
     # An errored seed is left out and said so; a metric no seed has is "-".
-    assert lines[6] == "| Fed-RoD (linear) (1 of 2 seeds) | 25.00 | 50.00 | 75.00 | - |"
+    assert lines[6] == "| Fed-RoD (linear) (1 of 2 seeds) | 25.00 | 50.00 | 75.00 | - | 0.25 |"
     assert lines[8].startswith(f"† FedAvg (BRM, FT): P-FL (PM) is `pfl_ft`, the global model fine-tuned for "
                                f"{FINETUNE_EPOCHS} epochs")
 
     new = build_spec("new-clients", TINY, [0], rounds=2, rows=["Fed-RoD (hyper)"], finetune_epochs=3)
     lines = format_table(new, [record("Fed-RoD (hyper)", 0, gfl_gm=0.5, pfl_new_before=0.6, pfl_new_after=0.8)])
     lines = lines.splitlines()
-    assert lines[2] == "| method | G-FL (GM) | new clients, before | new clients, after |"
-    assert lines[4] == "| Fed-RoD (hyper) | 50.00 | 60.00 | 80.00 |"
+    assert lines[2] == "| method | G-FL (GM) | new clients, before | new clients, after | wall (h) |"
+    assert lines[4] == "| Fed-RoD (hyper) | 50.00 | 60.00 | 80.00 | - |"
     assert "fine-tuning it on their own data for 3 epochs" in lines[6]
 
 
@@ -192,10 +192,10 @@ def test_an_unfinished_row_says_how_far_it_got():
     ]
     lines = format_table(spec, records).splitlines()
     # Never a blank or an extrapolation: the values of the last evaluation, at the round they were measured.
-    assert lines[4] == "| FedAvg (not finished: round 37 of 100; values at round 20) | 60.00 ± 14.14 | - | 80.00 ± 14.14 | - |"
-    assert lines[5] == "| FedProx (not finished: round 12 of 100; not yet evaluated) | - | - | - | - |"
-    assert lines[6] == "| SCAFFOLD (not started) | - | - | - | - |"
-    assert lines[7] == "| FedDyn (1 of 2 seeds) | 25.00 | - | - | - |"  # finished seeds only, once one has
+    assert lines[4] == "| FedAvg (not finished: round 37 of 100; values at round 20) | 60.00 ± 14.14 | - | 80.00 ± 14.14 | - | - |"
+    assert lines[5] == "| FedProx (not finished: round 12 of 100; not yet evaluated) | - | - | - | - | - |"
+    assert lines[6] == "| SCAFFOLD (not started) | - | - | - | - | - |"
+    assert lines[7] == "| FedDyn (1 of 2 seeds) | 25.00 | - | - | - | - |"  # finished seeds only, once one has
 
 
 def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
@@ -205,7 +205,7 @@ def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
     spec = build_spec("ablation", TINY, [0], rounds=4, rows=["FedAvg", "Fed-RoD (linear)"])
     start_dir(out, SPEC_FILE, spec.to_dict(), "a reproduction", "--out")
     reports = {"FedAvg": [{"round": 1}, {"round": 2, "gfl_gm": 0.1, "pfl_pm": 0.2}, {"round": 3},
-                          {"round": 2, "gfl_gm": 0.3, "pfl_pm": 0.4}, {"round": 3}],
+                          {"round": 2, "gfl_gm": 0.3, "pfl_pm": 0.4}, {"round": 3, "time_total_s": 5400.0}],
                "Fed-RoD (linear)": []}
     for i, (row, lines) in enumerate(reports.items()):
         folder = out / "trials" / f"run_trial_{i}"
@@ -217,9 +217,9 @@ def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
     assert "0 of 2 trials finished" in console
     with open(out / "results.csv") as f:
         results = list(csv.DictReader(f))
-    assert [(r["row"], r["rounds"], r["eval_round"], r["status"], r["gfl_gm"]) for r in results] == [
-        ("FedAvg", "3", "2", "incomplete", "0.3"), ("Fed-RoD (linear)", "0", "0", "incomplete", "")]
-    assert "| FedAvg (not finished: round 3 of 4; values at round 2) | 30.00 |" in console
+    assert [(r["row"], r["rounds"], r["eval_round"], r["status"], r["gfl_gm"], r["wall_s"]) for r in results] == [
+        ("FedAvg", "3", "2", "incomplete", "0.3", "5400.0"), ("Fed-RoD (linear)", "0", "0", "incomplete", "", "")]
+    assert "| FedAvg (not finished: round 3 of 4; values at round 2) | 30.00 | - | 40.00 | - | 1.50 |" in console
     assert "| Fed-RoD (linear) (not started) |" in console
     assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
     assert main(["reproduce", "--status", str(out), "--seeds", "2"]) == 2

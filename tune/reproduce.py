@@ -96,7 +96,7 @@ NEW_COLUMNS = ("gfl_gm", "pfl_new_before", "pfl_new_after")
 LINE_METRICS = tuple(k for k in ACCURACIES if k != "pfl_gm_new")
 CURVES = ("gfl_gm", "pfl_pm")
 # eval_round: the round the metrics were measured at (the last evaluated one; rounds for a finished trial).
-CSV_COLUMNS = ("row", "seed", "rounds", "eval_round", "status", *ACCURACIES)
+CSV_COLUMNS = ("row", "seed", "rounds", "eval_round", "status", *ACCURACIES, "wall_s")
 
 
 @dataclass
@@ -312,12 +312,14 @@ def collect(spec: ReproSpec, grid) -> tuple[list[dict], dict[tuple[str, int], di
                      else None)
         last = evaluated.iloc[-1].to_dict() if evaluated is not None and len(evaluated) else {}
         records.append({"row": row, "seed": seed, "rounds": done, "eval_round": int(last.get("round", 0)),
-                        "status": status, **{k: _value(last.get(k)) for k in ACCURACIES}})
+                        "status": status, **{k: _value(last.get(k)) for k in ACCURACIES},
+                        # Tune's time_total_s: the trial's wall time over all its runs (resumes included)
+                        "wall_s": _value((result.metrics or {}).get("time_total_s"))})
         if last:
             curves[row, seed] = {k: [float(v) for v in evaluated[k]] for k in ("round", *CURVES)}
     seen = {(r["row"], r["seed"]) for r in records}
     records += [{"row": row, "seed": seed, "rounds": 0, "eval_round": 0, "status": "not started",
-                 **dict.fromkeys(ACCURACIES, math.nan)}
+                 **dict.fromkeys((*ACCURACIES, "wall_s"), math.nan)}
                 for row in spec.rows for seed in spec.seeds if (row, seed) not in seen]
     order = {label: i for i, label in enumerate(spec.rows)}
     records.sort(key=lambda r: (order[r["row"]], r["seed"]))
@@ -382,9 +384,11 @@ def format_table(spec: ReproSpec, records: list[dict]) -> str:
     columns = NEW_COLUMNS if spec.table == "new-clients" else COLUMNS
     seeds = ", ".join(map(str, spec.seeds))
     heading = (f"Table {spec.table}: base {Path(spec.base).name}, {spec.rounds} rounds, seeds {seeds}; "
-               "mean ± std over the seeds (sample std), accuracies in %.")
+               "mean ± std over the seeds (sample std), accuracies in %; wall (h): a trial's wall time as it ran "
+               "(Tune's time_total_s), its seeds' mean, beside the trials that shared the machine.")
     lines = [heading, "",
-             "| method | " + " | ".join(map(title, columns)) + " |", "|---|" + "|".join("---:" for _ in columns) + "|"]
+             "| method | " + " | ".join(map(title, columns)) + " | wall (h) |",
+             "|---|" + "|".join("---:" for _ in columns) + "|---:|"]
     footnotes = []
     for label, overrides in spec.rows.items():
         mine = [r for r in records if r["row"] == label and r["status"] == "finished"]
@@ -405,6 +409,8 @@ def format_table(spec: ReproSpec, records: list[dict]) -> str:
                             "at the last round.")
                 footnotes += [footnote] if footnote not in footnotes else []
             cells.append(mean_std([r[key] for r in mine]) + mark)
+        walls = [r["wall_s"] for r in mine if not math.isnan(r["wall_s"])]
+        cells.append(f"{statistics.fmean(walls) / 3600:.2f}" if walls else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if spec.table == "new-clients":
         epochs = sorted({row["eval.finetune_epochs"] for row in spec.rows.values()})
