@@ -10,8 +10,8 @@ client's own, as ``local.local_update`` has it:
 - its data order and augmentation: its ``local.batch_plan``, as ``local_update``'s, so it sees the same batches;
 - its losses, the step seam's ``fedrod_losses``: the balanced loss with its own class counts, the
   personalized one with its own head or, for the hypernetwork, its own class distribution;
-- its momentum buffers (SGD as ``torch.optim.SGD`` computes it, on its rows of the stack) and its rule
-  state;
+- its momentum buffers (SGD as ``torch.optim.SGD`` computes it, on its rows of the stack: from zero, or
+  from the buffers it kept with ``train.momentum_buffers: keep``) and its rule state;
 - its number of steps: clients are stacked most steps first, so the clients still training at a step are
   a prefix of the stack and a client whose shard has run out costs nothing; a last batch shorter than
   ``batch_size`` is padded with rows that weigh zero in its losses.
@@ -45,6 +45,7 @@ from .local import (
     RoundInput,
     batch_plan,
     finish_update,
+    kept_momentum,
     load_client_weights,
     round_lr,
     to_device,
@@ -63,6 +64,7 @@ class BatchJob:
     personal: StateDict | None = None  # linear head: phi_m (None: freshly initialised)
     rule_state: StateDict = field(default_factory=dict)
     initial: StateDict | None = None  # replaces the global weights as the start (``local_update``'s ``initial``)
+    momentum: StateDict = field(default_factory=dict)  # its kept momentum buffers (``local_update``'s)
 
 
 @dataclass
@@ -127,7 +129,7 @@ def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJ
 
     outcomes: list[Outcome | Exception | None] = [None] * len(jobs)
     plans: dict[int, _Plan] = {}
-    starts: dict[int, tuple[StateDict, StateDict]] = {}
+    starts: dict[int, tuple[StateDict, StateDict, StateDict]] = {}
     for i, job in enumerate(jobs):
         try:
             plans[i] = _plan(batch_plan(len(job.data), cfg, seed=seed, round_idx=round_idx, client_id=job.client_id,
@@ -145,13 +147,16 @@ def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJ
     stacked_state = {k: torch.stack([starts[i][1].get(k, torch.zeros_like(anchor[k])) for i in order])
                      for k in state_keys}
     correction = rule.start_local(anchor, stacked_state, broadcast)
-    weights, history = _train(model, [jobs[i] for i in order], [plans[i] for i in order],
-                              [starts[i][0] for i in order], steps, correction, cfg, round_idx=round_idx, mean=mean,
-                              std=std, augment=augment, device=device)
+    weights, momentum, history = _train(
+        model, [jobs[i] for i in order], [plans[i] for i in order], [starts[i][0] for i in order],
+        [starts[i][2] for i in order], steps, correction, cfg, round_idx=round_idx, mean=mean, std=std,
+        augment=augment, device=device)
 
     lr = round_lr(cfg, round_idx)
     seconds = time.perf_counter() - t0
     stacked = {k: w.cpu() for k, w in weights.items()}
+    # Cloned per client below, so that a client's buffers pickle without the whole stack.
+    buffers = {k: b.cpu() for k, b in momentum.items()} if cfg.momentum_buffers == "keep" else None
     for pos, i in enumerate(order):
         k_steps = steps[pos]
         per_step = history[:k_steps, pos]
@@ -168,23 +173,30 @@ def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJ
             personal_loss=float(per_step[:, 1].sum() / k_steps) if model.variant is not None else None,
             steps=k_steps, lr=lr, momentum=cfg.momentum,
             # The pass's wall time, shared out by steps: the clients' seconds add up to it.
-            seconds=seconds * k_steps / sum(steps))
+            seconds=seconds * k_steps / sum(steps),
+            momentum_buffers=None if buffers is None else {k: b[pos].clone() for k, b in buffers.items()})
     return outcomes
 
 
-def _train(model: FedModel, jobs: list[BatchJob], plans: list[_Plan], starts: list[StateDict], steps: list[int],
-           correction: LocalCorrection | None, cfg: TrainConfig, *, round_idx: int, mean, std, augment: bool,
-           device: torch.device) -> tuple[StateDict, torch.Tensor]:
-    """Every client's SGD steps, clients ordered by ``steps`` (most first), from their ``starts``: the
-    stacked trained weights (detached, on ``device``) and each step's (l_BR, l_P) per client (steps x
-    clients x 2, on the CPU; zeros after a client's last step)."""
+def _train(model: FedModel, jobs: list[BatchJob], plans: list[_Plan], starts: list[StateDict],
+           kept: list[StateDict], steps: list[int], correction: LocalCorrection | None, cfg: TrainConfig, *,
+           round_idx: int, mean, std, augment: bool, device: torch.device) -> tuple[StateDict, StateDict, torch.Tensor]:
+    """Every client's SGD steps, clients ordered by ``steps`` (most first), from their ``starts`` and their
+    ``kept`` momentum buffers (a buffer not kept starts at zero): the stacked trained weights (detached, on
+    ``device``), the stacked momentum buffers (empty without momentum) and each step's (l_BR, l_P) per
+    client (steps x clients x 2, on the CPU; zeros after a client's last step)."""
     batches = _Batches([job.data for job in jobs], plans, cfg.batch_size, mean, std, augment, device)
     counts = torch.stack([job.data.counts for job in jobs]).to(device)
     dists = torch.stack([job.data.class_dist for job in jobs]).to(device)
     losses = _client_losses(model, cfg)
     lr = round_lr(cfg, round_idx)
     weights = {k: torch.stack([start[k] for start in starts]).requires_grad_() for k in starts[0]}
-    momentum = [torch.zeros_like(w) for w in weights.values()] if cfg.momentum else None
+    momentum = {k: torch.zeros_like(w) for k, w in weights.items()} if cfg.momentum else {}
+    for k, buf in momentum.items():
+        for row, own in zip(buf, kept):
+            if k in own:
+                row.copy_(own[k])
+    buffers = list(momentum.values()) or None
     # One copy to the host at the end: a check per step would synchronise a GPU on every batch.
     history = torch.zeros(steps[0], len(jobs), 2, device=device)
     for s in range(steps[0]):
@@ -199,17 +211,20 @@ def _train(model: FedModel, jobs: list[BatchJob], plans: list[_Plan], starts: li
         with torch.no_grad():
             if correction is not None:
                 correction.apply(weights)
-            _sgd_step(list(weights.values()), momentum, active, lr, cfg)
+            _sgd_step(list(weights.values()), buffers, active, lr, cfg)
             history[s, :active, 0] = loss_g
             history[s, :active, 1] = loss_p
-    return {k: w.detach() for k, w in weights.items()}, history.cpu()
+    return {k: w.detach() for k, w in weights.items()}, momentum, history.cpu()
 
 
 def _start(model: FedModel, message: RoundInput, job: BatchJob, anchor: StateDict,
-           device: torch.device) -> tuple[StateDict, StateDict]:
-    """A client's starting weights and its rule state on ``device``, checked as ``local_update`` loads them."""
+           device: torch.device) -> tuple[StateDict, StateDict, StateDict]:
+    """A client's starting weights, its rule state and its kept momentum buffers on ``device``, checked as
+    ``local_update`` loads them."""
     load_client_weights(model, message.weights if job.initial is None else job.initial, job.personal)
-    start = {k: p.detach().clone() for k, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    start = {k: p.detach().clone() for k, p in params.items()}
+    buffers = kept_momentum(params, job.momentum)
     # Stacked with the other clients', a state must have exactly the shape its rule gives it; the rule
     # reads only the generic weights' keys.
     state = {k: v.to(device) for k, v in job.rule_state.items() if k in anchor}
@@ -217,7 +232,7 @@ def _start(model: FedModel, message: RoundInput, job: BatchJob, anchor: StateDic
         if v.shape != anchor[k].shape:
             raise ValueError(f"rule state {k}: shape {tuple(v.shape)} does not match the model's "
                              f"{tuple(anchor[k].shape)}")
-    return start, state
+    return start, state, buffers
 
 
 def _plan(epochs: Iterator[list[Batch]], b: int, augment: bool) -> _Plan:

@@ -47,8 +47,11 @@ class ClientState:
     rounds_trained: int = 0
     # Owned by the local objective (``fedrod_ray.objectives``), under its name (absent: its initial state).
     objectives: dict[str, StateDict] = field(default_factory=dict)
+    # Its optimiser's momentum buffers, by parameter name, with ``train.momentum_buffers: keep`` (else empty):
+    # its own history, which its next local update continues, whatever the server sends.
+    momentum: StateDict = field(default_factory=dict)
 
-    _PARTS = ("personal", "local_model", "rule_state")
+    _PARTS = ("personal", "local_model", "rule_state", "momentum")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor, keyed ``<part>/<name>``; an objective's part is its name."""
@@ -73,7 +76,8 @@ class ClientState:
         """The result of a local update that started from this state, and the client's state after it."""
         result, personal, rule_state = outcome
         # The new local model *is* the upload: the same tensors, pickled once on the way back.
-        return result, ClientState(personal, result.shared, rule_state, self.rounds_trained + 1, result.objectives)
+        return result, ClientState(personal, result.shared, rule_state, self.rounds_trained + 1, result.objectives,
+                                   result.momentum)
 
     def for_training(self, keep_local_model: bool = False) -> ClientState:
         """What a local update reads: the last local model only matters to evaluation (and to rules whose
@@ -176,7 +180,8 @@ class ClientHost:
                 round_idx=round_idx, seed=self.cfg.seed, client_id=client_id, mean=self.mean, std=self.std,
                 augment=self.augment, personal=state.personal, rule_state=state.rule_state,
                 initial=state.local_model if self.rule.starts_from_local_model else None,
-                meta_set=self.meta_set, objectives=state.objectives, device=self.device,
+                meta_set=self.meta_set, objectives=state.objectives, momentum_buffers=state.momentum,
+                device=self.device,
             )
         except Exception as e:  # noqa: BLE001 - any client error is reported, never fatal to the round
             return ClientFailure.from_exception(client_id, e)
@@ -220,6 +225,7 @@ class ClientHost:
         objective = get_objective(t.balanced_loss)
         loss = t.balanced_loss if objective is None else objective.fallback_loss
         cfg = dataclasses.replace(t, head="none" if t.head == "none" else "linear", local_epochs=epochs,
+                                  momentum_buffers="reset",
                                   generic_rule="fedavg", rule_params={}, balanced_loss="ce" if t.head == "none" else loss)
         plain = build_rule("fedavg")
         own = model.state_dict()  # a tuned hyper model has no hypernetwork to load

@@ -87,6 +87,11 @@ HEADS = ("none", "linear", "hyper")
 # default (Kaiming-uniform, a = sqrt(5)), what versions before 0.3 used.
 INITS = ("normal", "pytorch")
 STEPS = ("eager", "compiled")  # train.step (fedrod_ray.step)
+# train.momentum_buffers: what a client's SGD momentum buffers do between the rounds it trains in, which the
+# paper does not say. "reset": a new optimiser per local update, buffers from zero (the usual FedAvg reading,
+# and every version before this switch); "keep": the client keeps the buffers of the parameters it trains, and
+# its next local update continues them (only the weights come from the server).
+MOMENTUM_BUFFERS = ("reset", "keep")
 PARTITIONS = ("dirichlet", "iid")
 MODES = ("auto", "local", "ray")
 
@@ -176,6 +181,7 @@ class TrainConfig:
     lr: PositiveFloat = 0.01
     lr_decay: PositiveFloat = 0.99  # multiplied into lr once per round
     momentum: NonNegativeFloat = 0.9
+    momentum_buffers: Annotated[StrictStr, OneOf(MOMENTUM_BUFFERS)] = "reset"  # see MOMENTUM_BUFFERS
     weight_decay: NonNegativeFloat = 1e-5
     augment: StrictBool | None = None  # None: the dataset's default (on for CIFAR)
     # How a mini-batch's losses run (fedrod_ray.step): compiled is torch.compile, slower on CPU
@@ -380,6 +386,15 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     if ev.finetune_epochs > 0 and not ev.finetune_train and cfg.data.new_clients == 0:
         raise ConfigError("eval.finetune_epochs: has no effect without held-out clients (data.new_clients) or "
                           "eval.finetune_train=true")
+    if t.momentum_buffers == "keep" and t.momentum == 0:
+        raise ConfigError("train.momentum_buffers: keep has no effect with train.momentum=0 (plain SGD has no "
+                          "momentum buffers to keep); remove it or set train.momentum")
+    if t.momentum_buffers == "keep" and t.generic_rule == "scaffold":
+        # Option II reads c_m from how far the K steps moved w, per unit of gradient, from buffers at zero
+        # (local.effective_step_sum): a kept buffer moves w along earlier rounds' gradients as well, which
+        # c_m would take for this round's.
+        raise ConfigError("train.momentum_buffers: keep cannot be used with train.generic_rule=scaffold, whose "
+                          "control variate assumes each local update's momentum starts at zero; use reset")
     if t.generic_rule == "local" and t.head == "hyper":
         raise ConfigError("train.generic_rule: local (local-only training) cannot use train.head=hyper, whose "
                           "hypernetwork the server averages; use train.head=none or linear")

@@ -62,6 +62,9 @@ class LocalResult:
     upload: StateDict = field(default_factory=dict)  # the rule's per-client message to the server
     # The local objective's new client state under its name (``ClientState.objectives``), which the client keeps.
     objectives: dict[str, StateDict] = field(default_factory=dict)
+    # The optimiser's momentum buffers after the update, by parameter name (``train.momentum_buffers: keep``;
+    # else empty), which the client keeps (``ClientState.momentum``); the server never reads them.
+    momentum: StateDict = field(default_factory=dict)
 
 
 @dataclass
@@ -92,6 +95,21 @@ def effective_step_sum(steps: int, momentum: float) -> float:
     if momentum == 0:
         return float(steps)
     return sum((1 - momentum ** (steps - s)) / (1 - momentum) for s in range(steps))
+
+
+def kept_momentum(params: dict[str, torch.Tensor], kept: StateDict) -> StateDict:
+    """A client's kept momentum buffers (``ClientState.momentum``) as new tensors on its parameters' device
+    and in their memory layout, for the optimiser to update in place: the kept ones are the client's
+    committed state, which training never writes into. A buffer that fits no parameter is an error, as a
+    rule state that does not fit the model is."""
+    out = {}
+    for k, v in kept.items():
+        p = params.get(k)
+        if p is None or p.shape != v.shape:
+            raise ValueError(f"momentum buffer {k}: shape {tuple(v.shape)} fits no parameter of the model"
+                             + ("" if p is None else f" (its is {tuple(p.shape)})"))
+        out[k] = torch.empty_like(p, requires_grad=False).copy_(v)
+    return out
 
 
 # A mini-batch of a client's plan: its rows of the client's shard and its augmentation draws (dy, dx, flip),
@@ -131,10 +149,12 @@ def load_client_weights(model: FedModel, weights: StateDict, personal: StateDict
 
 def finish_update(model: FedModel, local: StateDict, correction: LocalCorrection | None, generic: StateDict, *,
                   num_samples: int, loss: float, personal_loss: float | None, steps: int, lr: float,
-                  momentum: float, seconds: float, objectives: dict[str, StateDict] | None = None) -> Outcome:
+                  momentum: float, seconds: float, objectives: dict[str, StateDict] | None = None,
+                  momentum_buffers: StateDict | None = None) -> Outcome:
     """A client update's outcome from its trained weights: ``local`` (every parameter, on the CPU) gives the
     shared weights for the server and the linear head's phi_m; ``generic`` (theta and psi, on the training
-    device) the rule's new client state and upload."""
+    device) the rule's new client state and upload; ``momentum_buffers`` (on the CPU) are what the client
+    keeps of its optimiser."""
     new_rule_state, upload = {}, {}
     if correction is not None:
         with torch.no_grad():
@@ -148,6 +168,7 @@ def finish_update(model: FedModel, local: StateDict, correction: LocalCorrection
         seconds=seconds,
         upload=to_device(upload, "cpu"),
         objectives=objectives or {},
+        momentum=momentum_buffers or {},
     )
     personal = {k: local[k] for k in model.personal_keys()} if model.variant == "linear" else None
     return result, personal, to_device(new_rule_state, "cpu")
@@ -157,7 +178,7 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
                  round_idx: int, seed: int, client_id: int, mean, std, augment: bool,
                  personal: StateDict | None = None, rule_state: StateDict | None = None,
                  initial: StateDict | None = None, meta_set: ClientData | None = None,
-                 objectives: dict[str, StateDict] | None = None,
+                 objectives: dict[str, StateDict] | None = None, momentum_buffers: StateDict | None = None,
                  device: torch.device | str = "cpu") -> Outcome:
     """Train ``model`` from the round's global weights on one client's data.
 
@@ -167,7 +188,9 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
     Returns the result for the server, the new P-head and the new rule state; ``model`` is left holding the
     client's local model. A local objective (``fedrod_ray.objectives``, by ``cfg.balanced_loss``) reads the
     server's ``meta_set`` and its entry of the client's ``objectives`` (absent: its initial state), and
-    returns the new entry in ``result.objectives``.
+    returns the new entry in ``result.objectives``. ``momentum_buffers`` are the client's kept momentum
+    buffers (``train.momentum_buffers: keep``; absent or empty: from zero), continued by this update's
+    optimiser, whose buffers then come back in ``result.momentum``.
     """
     t0 = time.perf_counter()
     n = len(data)
@@ -194,6 +217,8 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
 
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     params = dict(model.named_parameters())
+    for k, buf in kept_momentum(params, momentum_buffers or {}).items():
+        opt.state[params[k]]["momentum_buffer"] = buf
     generic = [k for k in model.generic_keys() if k in params]
     anchor = {k: message.weights[k].to(device) for k in generic}
     correction = rule.start_local(anchor, to_device(rule_state or {}, device), to_device(message.broadcast, device))
@@ -224,12 +249,17 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
             raise LocalTrainingError(f"non-finite loss in local epoch {epoch + 1} (lr={lr:g})")
 
     local = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    buffers = None
+    if cfg.momentum_buffers == "keep":
+        buffers = {k: opt.state[p]["momentum_buffer"].to("cpu", copy=True) for k, p in params.items()
+                   if "momentum_buffer" in opt.state.get(p, {})}
     return finish_update(
         model, local, correction, {k: params[k].detach() for k in generic}, num_samples=n,
         loss=(loss_sum / steps).item(),
         personal_loss=(ploss_sum / steps).item() if model.variant is not None else None,
         steps=steps, lr=lr, momentum=cfg.momentum, seconds=time.perf_counter() - t0,
-        objectives={objective.name: objective.state()} if objective is not None else None)
+        objectives={objective.name: objective.state()} if objective is not None else None,
+        momentum_buffers=buffers)
 
 
 def to_device(state: StateDict, device) -> StateDict:

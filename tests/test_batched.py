@@ -79,7 +79,8 @@ def sequential(variant, message, jobs, cfg, rule, augment):
             out.append(local_update(model, message, job.data, cfg, rule, round_idx=ROUND, seed=SEED,
                                     client_id=job.client_id, mean=MEAN, std=STD, augment=augment,
                                     personal=job.personal, rule_state=job.rule_state,
-                                    initial=job.initial if rule.starts_from_local_model else None))
+                                    initial=job.initial if rule.starts_from_local_model else None,
+                                    momentum_buffers=job.momentum))
         except LocalTrainingError as e:
             out.append(e)
     return out
@@ -95,7 +96,8 @@ def assert_same(got, expected, atol):
     else:
         assert res.personal_loss == pytest.approx(ref.personal_loss, rel=1e-5, abs=1e-6)
     for name, a, b in (("shared", res.shared, ref.shared), ("personal", personal or {}, ref_personal or {}),
-                       ("rule state", state, ref_state), ("upload", res.upload, ref.upload)):
+                       ("rule state", state, ref_state), ("upload", res.upload, ref.upload),
+                       ("momentum", res.momentum, ref.momentum)):
         assert a.keys() == b.keys(), name
         for k in b:
             assert a[k].device.type == "cpu"
@@ -111,6 +113,10 @@ def run_both(variant, rule_name, augment=False, sizes=SIZES, **cfg_kw):
     if not rule.starts_from_local_model:
         for job in jobs:
             job.initial = None
+    if cfg.momentum_buffers == "keep":
+        # Every other client continues buffers of its own; the others start theirs at zero.
+        for i, job in enumerate(jobs[1::2]):
+            job.momentum = {k: random_like(p.detach(), 400 + i) for k, p in model.named_parameters()}
     got = batched_local_update(model, message, jobs, cfg, rule, round_idx=ROUND, seed=SEED, mean=MEAN, std=STD,
                                augment=augment)
     return got, sequential(variant, message, jobs, cfg, rule, augment), shared
@@ -129,6 +135,17 @@ def test_batched_equals_per_client_updates(variant, rule_name):
     assert not torch.allclose(moved[0], moved[2])
     if rule_name in ("scaffold", "feddyn"):
         assert all(g[2] for g in got)  # a new rule state for every client
+
+
+@pytest.mark.parametrize(("variant", "rule_name"), [("linear", "fedavg"), ("hyper", "feddyn"), (None, "local")])
+def test_batched_equals_per_client_updates_keeping_momentum_buffers(variant, rule_name):
+    """train.momentum_buffers: keep, with clients that kept buffers and clients that start at zero in one
+    pass: the same weights and the same buffers to keep (of every parameter) as one client at a time."""
+    got, expected, _ = run_both(variant, rule_name, momentum_buffers="keep")
+    model, _ = model_and_global(variant)
+    for g, e in zip(got, expected):
+        assert_same(g, e, ATOL)
+        assert set(g[0].momentum) == {k for k, _ in model.named_parameters()}
 
 
 def test_batched_equals_per_client_updates_with_augmentation():
@@ -212,6 +229,38 @@ def test_federation_round_batched_equals_in_process():
         assert mine.tensors().keys() == state.tensors().keys()
         for k, v in state.tensors().items():
             torch.testing.assert_close(mine.tensors()[k], v, rtol=0, atol=ATOL)
+
+
+def test_federation_rounds_keeping_momentum_batched_equal_in_process():
+    """train.momentum_buffers=keep through both executors: each round's clients continue the buffers they
+    kept, and both give the same weights and states. Each round starts both federations from the
+    in-process one's state: the rounding differences of a round, carried in a client's buffers into a
+    longer trajectory, can flip a max-pooling tie in a later round (a 1e-7 change of client 1's
+    start weights moves its round-2 ones by 1e-2 here), which would compare chaos, not the two paths."""
+    cfg = config_from_dict(BASE, ["runtime.batched_clients=2", "train.generic_rule=fedavg",
+                                  "train.momentum_buffers=keep"])
+    setup = prepare(cfg)
+    batched = Federation(setup, in_process_executor(make_host(setup), cfg.runtime.batched_clients), log=print)
+    plain = Federation(setup, InProcessExecutor(make_host(setup)), log=print)
+    for r in range(2):
+        batched.restore(plain.snapshot())
+        a, b = batched.step(r), plain.step(r)
+        assert a["clients_done"] == b["clients_done"] == a["clients"] > 2
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert batched.global_shared.keys() == plain.global_shared.keys()
+        for k, v in plain.global_shared.items():
+            torch.testing.assert_close(batched.global_shared[k], v, rtol=0, atol=ATOL)
+        for cid, state in plain.clients.items():
+            mine = batched.clients[cid]
+            assert mine.rounds_trained == state.rounds_trained
+            assert mine.tensors().keys() == state.tensors().keys()
+            for k, v in state.tensors().items():
+                torch.testing.assert_close(mine.tensors()[k], v, rtol=0, atol=ATOL)
+    # Round 2 continued kept buffers: some client trained in both rounds, and every trained client keeps
+    # a buffer per parameter.
+    assert any(st.rounds_trained == 2 for st in plain.clients.values())
+    params = {k for k, _ in batched.model.named_parameters()}
+    assert all(set(st.momentum) == params for st in plain.clients.values() if st.rounds_trained)
 
 
 def test_executor_reports_a_client_it_cannot_train():

@@ -149,6 +149,7 @@ def test_wrong_type_names_the_field(override, field):
     ("data.dataset=imagenet", "data.dataset"),
     ("train.generic_rule=scaffold_v2", "train.generic_rule"),
     ("runtime.mode=slurm", "runtime.mode"),
+    ("train.momentum_buffers=carry", "train.momentum_buffers"),
 ])
 def test_bad_choice_names_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -180,6 +181,8 @@ def test_out_of_range_names_the_field(override, field):
     (["train.generic_rule=fedprox", "train.rule_params.alpha=0.1"], r"train\.rule_params\.alpha.*valid keys here: mu"),
     (["runtime.mode=local", "runtime.address=auto"], r"runtime\.address: has no effect with runtime\.mode=local"),
     (["runtime.mode=ray", "runtime.device=cuda"], r"runtime\.device: has no effect with runtime\.mode=ray"),
+    (["train.momentum=0", "train.momentum_buffers=keep"],
+     r"train\.momentum_buffers: keep has no effect with train\.momentum=0"),
 ])
 def test_a_setting_without_effect_is_an_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -281,3 +284,18 @@ def test_load_config_with_overrides_and_empty_file(tmp_path):
     assert load_config(p, ["train.rounds=3"]).train.lr == 0.2
     assert load_config(p, ["train.rounds=3"]).train.rounds == 3
     assert load_config(None) == resolved_defaults()
+
+
+def test_momentum_buffers_default_to_reset_and_keep_refuses_scaffold():
+    """The paper does not say whether momentum buffers survive between a client's rounds: the default is
+    reset (what every earlier version did). SCAFFOLD's control variate assumes buffers from zero."""
+    assert config_from_dict({}).train.momentum_buffers == "reset"
+    assert config_from_dict({}, ["train.momentum_buffers=keep"]).train.momentum_buffers == "keep"
+    for rule in ("fedavg", "fedprox", "feddyn", "local"):
+        config_from_dict({}, ["train.momentum_buffers=keep", f"train.generic_rule={rule}", "train.head=linear"])
+    with pytest.raises(ConfigError, match=r"^train\.momentum_buffers: keep cannot be used with "
+                                          r"train\.generic_rule=scaffold, whose control variate assumes"):
+        config_from_dict({}, ["train.momentum_buffers=keep", "train.generic_rule=scaffold"])
+    saved = config_from_dict({}, ["train.rounds=10"])
+    with pytest.raises(ConfigError, match=r"^train\.momentum_buffers: the checkpoint was trained with 'reset'"):
+        check_resume(saved, config_from_dict({}, ["train.rounds=10", "train.momentum_buffers=keep"]), rounds_done=3)

@@ -29,10 +29,11 @@ def random_personal(seed=4):
     return {"personal_head.weight": torch.randn(10, 50, generator=g) * 0.3}
 
 
-def run(model, shared, data, c, round_idx=0, client_id=5, personal=None, rule_state=None, std=STD, augment=False):
+def run(model, shared, data, c, round_idx=0, client_id=5, personal=None, rule_state=None, std=STD, augment=False,
+        momentum_buffers=None):
     return local_update(model, RoundInput(shared), data, c, build_rule(c.generic_rule, c.rule_params),
                         round_idx=round_idx, seed=11, client_id=client_id, mean=MEAN, std=std, augment=augment,
-                        personal=personal, rule_state=rule_state)
+                        personal=personal, rule_state=rule_state, momentum_buffers=momentum_buffers)
 
 
 def reference_step(variant, shared, personal, data, lr, client_id=5, round_idx=0, leaky=False):
@@ -312,3 +313,64 @@ def test_augmentation_pads_with_black():
     augmented, _, _ = run(model, shared, data, c, augment=True)
     for k in plain.shared:
         assert torch.equal(plain.shared[k], augmented.shared[k]), k
+
+
+@pytest.mark.parametrize("variant", ["linear", "hyper"])
+def test_kept_momentum_buffers_carry_into_the_clients_next_round(variant):
+    """Two rounds of one client, one full-batch step each (momentum beta = 0.9, lr = 0.1). Round 1 starts
+    from zero buffers, so its buffer is its gradient g1 and w1 = w0 - lr g1. Round 2 starts from new global
+    weights w0' (the server's average) with the same batch, gradient g2: reset gives w0' - lr g2; keep
+    continues the buffer, b2 = beta g1 + g2, so its weights end lr beta g1 below reset's."""
+    data = make_data()
+    model, shared = model_and_global(variant)
+    keep, reset = cfg(momentum=0.9, momentum_buffers="keep"), cfg(momentum=0.9)
+    personal = random_personal() if variant == "linear" else None
+    r1, p1, _ = run(model, shared, data, keep, personal=personal)
+    start1 = {**shared, **(personal or {})}
+    trained1 = {**r1.shared, **(p1 or {})}
+    assert r1.steps == 1 and set(r1.momentum) == set(dict(model.named_parameters())) == set(trained1)
+    for k, g1 in r1.momentum.items():
+        torch.testing.assert_close(g1, (start1[k] - trained1[k]) / 0.1, rtol=1e-3, atol=1e-5, msg=k)
+    assert all(g.abs().max() > 1e-4 for g in r1.momentum.values())
+
+    noise = torch.Generator().manual_seed(9)
+    shared2 = {k: v + 0.01 * torch.randn(v.shape, generator=noise) for k, v in r1.shared.items()}
+    kept = {k: v.clone() for k, v in r1.momentum.items()}
+    r2r, p2r, _ = run(model, shared2, data, reset, round_idx=1, personal=p1)
+    r2k, p2k, _ = run(model, shared2, data, keep, round_idx=1, personal=p1, momentum_buffers=r1.momentum)
+    assert r2r.momentum == {}  # reset: nothing to keep
+    # The kept buffers are the client's committed state: read, never written into.
+    assert all(torch.equal(kept[k], r1.momentum[k]) for k in kept)
+    start2 = {**shared2, **(p1 or {})}
+    w_reset, w_keep = {**r2r.shared, **(p2r or {})}, {**r2k.shared, **(p2k or {})}
+    for k, g1 in kept.items():
+        g2 = (start2[k] - w_reset[k]) / 0.1
+        torch.testing.assert_close(w_keep[k] - w_reset[k], -0.1 * 0.9 * g1, rtol=1e-3, atol=1e-6, msg=k)
+        torch.testing.assert_close(r2k.momentum[k], 0.9 * g1 + g2, rtol=1e-3, atol=1e-5, msg=k)
+
+
+def test_a_kept_momentum_buffer_that_fits_no_parameter_is_an_error():
+    data = make_data()
+    model, shared = model_and_global("linear")
+    keep = cfg(momentum=0.9, momentum_buffers="keep")
+    with pytest.raises(ValueError, match=r"momentum buffer generic_head.weight: shape \(3,\) fits no parameter"):
+        run(model, shared, data, keep, momentum_buffers={"generic_head.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"momentum buffer hypernet.net.0.weight: .* fits no parameter"):
+        run(model, shared, data, keep, momentum_buffers={"hypernet.net.0.weight": torch.zeros(16, 10)})
+
+
+def test_a_kept_buffer_stored_contiguous_continues_to_the_same_bits():
+    """A checkpoint stores a buffer contiguous, whatever the layout its channels_last conv weight gave it:
+    the next update from it is the same bits as from the buffer as it was kept."""
+    data = make_data()
+    model, shared = model_and_global("linear")
+    keep = cfg(momentum=0.9, momentum_buffers="keep", local_epochs=2, batch_size=8)
+    r1, p1, _ = run(model, shared, data, keep)
+    # The second conv's (the first has one input channel, for which both layouts are the same).
+    assert any(v.dim() == 4 and not v.is_contiguous() for v in r1.momentum.values())
+    contiguous = {k: v.contiguous() for k, v in r1.momentum.items()}
+    a, _, _ = run(model, r1.shared, data, keep, round_idx=1, personal=p1, momentum_buffers=r1.momentum)
+    b, _, _ = run(model, r1.shared, data, keep, round_idx=1, personal=p1, momentum_buffers=contiguous)
+    for part_a, part_b in ((a.shared, b.shared), (a.momentum, b.momentum)):
+        assert part_a.keys() == part_b.keys()
+        assert all(torch.equal(part_a[k], part_b[k]) for k in part_a)

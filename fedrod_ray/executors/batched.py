@@ -39,7 +39,7 @@ class BatchedExecutor(InProcessExecutor):
             try:
                 batch_jobs[slot] = BatchJob(
                     cid, host.data(cid), state.personal, state.rule_state,
-                    state.local_model if host.rule.starts_from_local_model else None)
+                    state.local_model if host.rule.starts_from_local_model else None, state.momentum)
             except Exception as e:  # noqa: BLE001 - as ClientHost.train: reported, never fatal to the round
                 yield slot, ClientFailure.from_exception(cid, e)
         slots = sorted(batch_jobs, key=lambda slot: -len(batch_jobs[slot].data))
