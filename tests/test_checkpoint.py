@@ -84,6 +84,20 @@ def test_round_trip_is_bitwise(tmp_path):
     assert load_checkpoint(storage, name).rounds_done == 3
 
 
+def test_kept_momentum_buffers_round_trip_bitwise(tmp_path):
+    """train.momentum_buffers=keep's part of a client's state, a channels_last buffer among them (as a conv
+    weight's), comes back with the same values; a state without buffers stays without."""
+    storage = RunStorage(str(tmp_path / "run"))
+    ckpt = make_checkpoint()
+    conv = _rand(4, 3, 3, 3, seed=9).contiguous(memory_format=torch.channels_last)
+    ckpt.clients[0].momentum = {"body.0.weight": conv, "generic_head.weight": _rand(10, 4, seed=10)}
+    save_checkpoint(storage, ckpt)
+    loaded = load_checkpoint(storage)
+    _assert_dicts_equal(loaded.clients[0].momentum, ckpt.clients[0].momentum)
+    assert loaded.clients[2].momentum == {} and loaded.clients[1].momentum == {}
+    _assert_dicts_equal(loaded.clients[0].rule_state, ckpt.clients[0].rule_state)
+
+
 def test_no_server_state_and_no_clients(tmp_path):
     storage = RunStorage(str(tmp_path / "run"))
     ckpt = make_checkpoint()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fedrod_ray.aggregate import weighted_average
+from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.executors.in_process import InProcessExecutor
@@ -170,7 +171,8 @@ def _same(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("overrides", [
     ("train.generic_rule=feddyn", "train.rule_params={alpha: 0.1}"),
     ("train.generic_rule=scaffold", "train.head=hyper"),
-], ids=["feddyn-linear", "scaffold-hyper"])
+    ("train.generic_rule=feddyn", "train.head=hyper", "train.momentum_buffers=keep"),
+], ids=["feddyn-linear", "scaffold-hyper", "feddyn-hyper-keep"])
 def test_snapshot_restore_continues_bitwise(overrides):
     """A federation restored from a snapshot continues exactly as the original: global weights, the
     rule's server state and every client's state (including the rule's per-client state)."""
@@ -192,6 +194,30 @@ def test_snapshot_restore_continues_bitwise(overrides):
     for cid in sa:
         assert sa[cid].rounds_trained == sb[cid].rounds_trained
         assert _same(sa[cid].tensors(), sb[cid].tensors()), cid
+
+
+def test_a_run_resumed_from_its_checkpoint_continues_bitwise_keeping_momentum(tmp_path):
+    """train.momentum_buffers=keep: the clients' buffers go through the checkpoint's files (safetensors,
+    contiguous) and the resumed federation trains on to the same bits as the uninterrupted one."""
+    overrides = ("train.head=linear", "train.momentum_buffers=keep", "train.rounds=4")
+    a = make_federation(*overrides)
+    a.step(0)
+    a.step(1)
+    storage = RunStorage(str(tmp_path))
+    save_checkpoint(storage, a.snapshot())
+    snap = load_checkpoint(storage)
+    assert any(st.momentum for st in snap.clients.values())
+    b = make_federation(*overrides)
+    b.restore(snap)
+    for r in (2, 3):
+        ra, rb = a.step(r), b.step(r)
+        assert {k: v for k, v in ra.items() if "seconds" not in k} == {k: v for k, v in rb.items() if "seconds" not in k}
+    assert _same(a.global_shared, b.global_shared)
+    # Buffers continued from the checkpoint: some client trained both before and after it.
+    assert any(st.rounds_trained > snap.clients[cid].rounds_trained > 0 for cid, st in a.clients.items())
+    for cid, st in a.clients.items():
+        assert st.rounds_trained == b.clients[cid].rounds_trained
+        assert _same(st.tensors(), b.clients[cid].tensors()), cid
 
 
 def test_run_local_writes_every_result_file(tmp_path):
