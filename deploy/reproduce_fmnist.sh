@@ -6,7 +6,8 @@
 #
 #   FEDROD_DATA_DIR=/path/to/data bash deploy/reproduce_fmnist.sh OUT [JOB ...]
 #
-# JOB: main_a0.3 new_clients main_a0.1 init_a0.3 seeds_a0.3 normalize_a0.3 (default: all, in that order).
+# JOB: main_a0.3 new_clients main_a0.1 init_a0.3 seeds_a0.3 normalize_a0.3 momentum_a0.3 (default: all, in
+# that order).
 set -uo pipefail
 out=${1:?usage: reproduce_fmnist.sh OUT [JOB ...]}
 shift
@@ -30,12 +31,14 @@ job_args() {
     init_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 --set model.init=pytorch "${two_rows[@]}") ;;
     seeds_a0.3) args=(--table main --seeds 1,2 --set data.alpha=0.3 "${two_rows[@]}") ;;
     normalize_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 --set data.normalize=false "${two_rows[@]}") ;;
+    momentum_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 --set train.momentum_buffers=keep
+                         "${two_rows[@]}") ;;
     *) echo "unknown job $1" >&2; return 2 ;;
   esac
 }
 
 jobs=("$@")
-[ ${#jobs[@]} -gt 0 ] || jobs=(main_a0.3 new_clients main_a0.1 init_a0.3 seeds_a0.3 normalize_a0.3)
+[ ${#jobs[@]} -gt 0 ] || jobs=(main_a0.3 new_clients main_a0.1 init_a0.3 seeds_a0.3 normalize_a0.3 momentum_a0.3)
 # A private Ray per table, under its own temp dir: never one that a test or another run started.
 export RAY_TMPDIR=${RAY_TMPDIR:-/tmp/fmnist-repro} RAY_USAGE_STATS_ENABLED=0
 mkdir -p "$RAY_TMPDIR"
