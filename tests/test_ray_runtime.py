@@ -119,6 +119,8 @@ VARIANTS = {
     # The compiled step (every actor compiles its own; batch 10 as in tests/test_step.py, whose graph the
     # on-disk inductor cache then holds for whichever test compiles second).
     "linear_compiled": ("train.step=compiled", "train.batch_size=10"),
+    # Every client's momentum buffers travel with its state to whichever actor trains it next.
+    "linear_keep": ("train.momentum_buffers=keep",),
 }
 _baselines: dict[str, tuple] = {}
 
@@ -139,8 +141,9 @@ ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources
 @pytest.mark.parametrize(
     "variant, layout_overrides",
     [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ()),
-     ("hyper_scaffold", ()), ("linear_compiled", ())],
-    ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold", "linear-compiled"],
+     ("hyper_scaffold", ()), ("linear_compiled", ()), ("linear_keep", ())],
+    ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold", "linear-compiled",
+         "linear-keep"],
 )
 def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
                                                      variant, layout_overrides):
@@ -192,6 +195,9 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
         assert rec["clients_failed"] == 0
     assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn"))
     assert ("pfl_ft" in records[-1]) == (variant == "fedavg_feddyn")
+    assert any(st.momentum for st in states.values()) == (variant == "linear_keep")
+    if variant == "linear_keep":  # and some client continued its buffers on an actor
+        assert any(st.rounds_trained > 1 for st in states.values())
     # The checkpoint of the Ray run's snapshot holds the same weights and states.
     ckpt = load_checkpoint(storage)
     assert ckpt.rounds_done == 3
