@@ -105,9 +105,11 @@ def kept_momentum(params: dict[str, torch.Tensor], kept: StateDict) -> StateDict
     out = {}
     for k, v in kept.items():
         p = params.get(k)
-        if p is None or p.shape != v.shape:
-            raise ValueError(f"momentum buffer {k}: shape {tuple(v.shape)} fits no parameter of the model"
-                             + ("" if p is None else f" (its is {tuple(p.shape)})"))
+        if p is None:
+            raise ValueError(f"momentum buffer {k}: the model has no such parameter")
+        if p.shape != v.shape:
+            raise ValueError(f"momentum buffer {k}: shape {tuple(v.shape)} does not match the parameter's "
+                             f"{tuple(p.shape)}")
         out[k] = torch.empty_like(p, requires_grad=False).copy_(v)
     return out
 

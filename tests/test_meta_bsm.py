@@ -237,6 +237,14 @@ def test_local_update_trains_and_returns_gamma_and_zeta():
     assert float(later.objectives["meta_bsm"]["gamma"]) != gamma.item()
 
 
+def test_kept_momentum_buffers_are_those_of_the_sgd_step():
+    """train.momentum_buffers=keep: the client keeps the buffers of what the optimiser trains (w, phi_m),
+    none of zeta, which only the meta step moves."""
+    result, _, _ = meta_update(meta_cfg(momentum=0.9, momentum_buffers="keep"))
+    assert {k for k in result.momentum} == {k for k in result.shared if not k.startswith("mwn.")} | {
+        "personal_head.weight"}
+
+
 def test_local_update_applies_the_generic_rules_correction():
     c = meta_cfg()
     plain, _, _ = meta_update(c)
