@@ -15,6 +15,9 @@ from pydantic_core import PydanticCustomError
 HEAD_ID_PATTERN = r"^[0-9a-f]{32}$"
 # Counts above 2**53 would lose precision as floats.
 MAX_COUNT = 2**53
+# A bound for the schema only (the service checks top_k against the model's classes): it keeps a
+# 5,000-digit top_k out of the error message.
+MAX_TOP_K = 2**20
 
 Weight = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
 Count = Annotated[int, Strict(), Field(ge=0, le=MAX_COUNT)]
@@ -123,7 +126,7 @@ class PredictRequest(_Distribution):
                            "(pixel / 255 - mean) / std per channel (mean, std from GET /v1/model)")
     images_png: Annotated[list[str], Field(min_length=1)] | None = Field(
         None, description="images as base64 PNGs, H x W pixels, 8-bit grayscale (1 channel) or RGB (3)")
-    top_k: int | None = Field(None, ge=1, description="how many top classes to list per image (default 3, "
+    top_k: Annotated[int, Strict()] | None = Field(None, ge=1, le=MAX_TOP_K, description="how many top classes to list per image (default 3, "
                                                       "or the number of classes if fewer)")
     head_id: str | None = Field(None, pattern=HEAD_ID_PATTERN,
                                 description="personalize with a head made by POST /v1/heads")

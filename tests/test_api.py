@@ -354,6 +354,12 @@ BAD_PREDICTS = [
     ({"images_png": [_truncated_png()]}, "images_png[0]", "cannot be decoded"),
     ({"images": [IMG], "top_k": 0}, "top_k", "greater than or equal to 1"),
     ({"images": [IMG], "top_k": 11}, "top_k", "only 10 classes"),
+    # Strict numbers, as the schema's "integer" says: no strings, booleans or floats.
+    ({"images": [IMG], "top_k": "3"}, "top_k", "valid integer"),
+    ({"images": [IMG], "top_k": True}, "top_k", "valid integer"),
+    ({"images": [IMG], "top_k": 2.0}, "top_k", "valid integer"),
+    ({"images": [IMG], "client_id": 1.0}, "client_id", "valid integer"),
+    ({"images": [IMG], "class_counts": [2.0] * 10}, "class_counts[0]", "valid integer"),
     ({"images": [IMG], "head_id": "xyz"}, "head_id", "pattern"),
     ({"images": [IMG], "client_id": -1}, "client_id", "greater than or equal to 0"),
     ({"images": [IMG], "class_counts": [1] * 10, "head_id": "0" * 32}, "head_id", "at most one"),
