@@ -339,7 +339,7 @@ BAD_PREDICTS = [
     ({"images": [[[[-1] + [0] * 27] + [[0] * 28] * 27]]}, "images[0][0][0][0]", "outside 0..255"),
     ({"images": [[[[3.5] * 28] * 28]], "pixels": "normalized"}, "images[0][0][0][0]", "[-0.4252, 2.8225]"),
     ({"images": [[[["a"] * 28] * 28]]}, "images[0][0][0][0]", "number"),
-    ({"images": [[[0] * 28] * 28]}, "images[0][0][0]", "valid list"),
+    ({"images": [[[0] * 28] * 28]}, "images[0][0][0]", "valid array"),
     ({"images": []}, "images", "at least 1"),
     ({"images": [IMG] * 5}, "images", "at most 4"),
     ({"images_png": [EXAMPLE_PNG] * 5}, "images_png", "at most 4"),
@@ -400,6 +400,51 @@ def test_body_over_the_limit_is_413(hyper):
     assert r.status_code == 413 and "more than" in r.json()["detail"]
     assert hyper.post("/v1/heads", content=b"[" + b"1," * 40000 + b"1]").status_code == 413
     assert hyper.get("/readyz").status_code == 200
+
+
+@pytest.mark.parametrize("headers,field,words", [
+    ({"content-type": "application/x-www-form-urlencoded"}, "Content-Type", "takes application/json"),
+    ({"content-type": "text/plain"}, "Content-Type", "'text/plain'"),
+    ({"content-type": "application/vnd.api+json"}, "Content-Type", "takes application/json"),
+    ({"content-type": "application/json; charset=latin-1"}, "Content-Type", "UTF-8"),
+    ({}, "Content-Type", "missing"),
+    ({"content-type": "application/json", "content-encoding": "gzip"}, "Content-Encoding", "gzip is not"),
+])
+def test_not_a_plain_json_body_is_415(hyper, headers, field, words):
+    body = json.dumps({"class_counts": [1] * 10}).encode()
+    r = hyper.post("/v1/heads", content=body, headers=headers)
+    assert r.status_code == 415, r.text
+    assert r.json()["field"] == field and r.json()["detail"].startswith(field) and words in r.json()["detail"]
+    ok = hyper.post("/v1/heads", content=body, headers={"content-type": "application/json; charset=UTF-8"})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("text,words", [
+    ("[" * 1000 + "]" * 1000, "nested more than 200"),
+    ('{"class_counts": [' + "9" * 5000 + "]}", "too large to read"),
+    ('{"class_counts": [1, 1', "invalid JSON: EOF while parsing a list at line 1 column 22"),
+    ('{"class_counts": [1 1]}', "invalid JSON: expected `,` or `]`"),
+    (b'{"class_counts": "\xc0\xff"}', "not valid UTF-8"),
+    ("", "is empty"),
+])
+def test_unparsable_bodies_say_why(hyper, text, words):
+    r = hyper.post("/v1/heads", content=text, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["field"] == "body", r.text
+    assert words in r.json()["detail"], r.text
+
+
+def test_more_values_than_a_request_can_need_is_413_before_parsing(hyper):
+    # hyper: max_batch 4 of 1x28x28, 10 classes. A body of tiny images or of zeros, well under the byte limit.
+    tiny = hyper.post("/v1/predict", content=b'{"images": [' + b",".join([b"[[[0]]]"] * 5000) + b"]}",
+                      headers={"content-type": "application/json"})
+    assert tiny.status_code == 413 and tiny.json()["field"] == "body", tiny.text
+    assert "4 images of shape [1, 28, 28] and 10 classes" in tiny.json()["detail"]
+    zeros = hyper.post("/v1/heads", content=b'{"class_distribution": [' + b"0," * 20000 + b"0]}",
+                       headers={"content-type": "application/json"})
+    assert zeros.status_code == 413 and "JSON values" in zeros.json()["detail"], zeros.text
+    # A request a few images or classes over the limit still gets the 422 naming the field.
+    assert hyper.post("/v1/predict", json={"images": [IMG] * 8}).status_code == 422
+    assert hyper.post("/v1/heads", json={"class_counts": [1] * 40}).json()["field"] == "class_counts"
 
 
 def test_unknown_route_and_method(hyper):
