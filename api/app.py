@@ -75,7 +75,7 @@ def _model_info(loaded: Loaded, settings: Settings) -> ModelInfo:
         metrics={k: v if math.isfinite(v) else None for k, v in meta.metrics.items()},
         client_ids=sorted(loaded.served.personal_heads),
         limits=Limits(max_batch=settings.max_batch, max_body_bytes=settings.max_body_bytes,
-                      head_cache_size=settings.head_cache_size),
+                      body_timeout_s=settings.body_timeout_s, head_cache_size=settings.head_cache_size),
     )
 
 
@@ -161,7 +161,7 @@ def create_app(settings: Settings | str, admin_token: str | None = None) -> Fast
     # cores: on 2 cores this gave ~45% more requests/s at concurrency 8 than the default thread pool, and
     # less than half its p99 (bench/serve_latency.py). More traffic takes more processes (Ray Serve).
     inference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrod-inference")
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     errors.install(app)
     _document_bodies(app)
 

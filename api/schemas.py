@@ -190,6 +190,7 @@ class InputSpec(BaseModel):
 class Limits(BaseModel):
     max_batch: int
     max_body_bytes: int
+    body_timeout_s: float
     head_cache_size: int
 
 
@@ -200,7 +201,8 @@ class ModelInfo(BaseModel):
         "input": {"shape": [1, 28, 28], "mean": [0.1307], "std": [0.3081], "png_mode": "L"},
         "head": "hyper", "arch": "mnist_cnn", "hyper_hidden": 16, "rule": "fedavg", "balanced_loss": "bsm",
         "round": 5, "metrics": {"gfl_gm": 0.9763, "pfl_pm": 0.9769}, "client_ids": [],
-        "limits": {"max_batch": 256, "max_body_bytes": 16777216, "head_cache_size": 1024}}]})
+        "limits": {"max_batch": 256, "max_body_bytes": 16777216, "body_timeout_s": 30.0,
+                   "head_cache_size": 1024}}]})
 
     version_id: str
     dataset: str
