@@ -36,7 +36,16 @@ from .schemas import (
     ReloadResponse,
     TopClass,
 )
-from .service import Loaded, ModelService, cached_head, personal_head, probabilities, request_dist, zero_shot
+from .service import (
+    Loaded,
+    ModelService,
+    cached_head,
+    personal_head,
+    probabilities,
+    request_dist,
+    zero_head_note,
+    zero_shot,
+)
 from .settings import ADMIN_TOKEN_ENV, Settings
 
 DEFAULT_TOP_K = 3
@@ -73,7 +82,7 @@ def _model_info(loaded: Loaded, settings: Settings) -> ModelInfo:
         rule=meta.rule, balanced_loss=meta.balanced_loss, round=meta.round,
         # JSON has no NaN: a metric that could not be computed is null.
         metrics={k: v if math.isfinite(v) else None for k, v in meta.metrics.items()},
-        client_ids=sorted(loaded.served.personal_heads),
+        client_ids=sorted(loaded.served.personal_heads), trained_client_ids=sorted(loaded.trained_clients),
         limits=Limits(max_batch=settings.max_batch, max_body_bytes=settings.max_body_bytes,
                       body_timeout_s=settings.body_timeout_s, head_cache_size=settings.head_cache_size),
     )
@@ -90,8 +99,10 @@ def _predict(loaded: Loaded, req: PredictRequest, max_batch: int) -> PredictResp
     probs = probabilities(loaded, x, personal.head if personal else None)
     personalized = None
     if personal:
+        note = zero_head_note(personal)
         personalized = PersonalizedPredictions(**_predictions(probs[1], k, meta.class_names), by=personal.by,
-                                               head_id=personal.head_id, client_id=personal.client_id)
+                                               head_id=personal.head_id, client_id=personal.client_id,
+                                               personalized=note is None, note=note)
     return PredictResponse(model_version=loaded.served.version_id,
                            generic=Predictions(**_predictions(probs[0], k, meta.class_names)),
                            personalized=personalized)

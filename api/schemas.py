@@ -163,6 +163,9 @@ class PersonalizedPredictions(Predictions):
     # Defaults, so that an example may leave them out: FastAPI drops nulls from the schema's examples.
     head_id: str | None = Field(None, description="the zero-shot head used (hyper), for reuse by head_id")
     client_id: int | None = None
+    personalized: bool = Field(True, description="false when the head is all zero (a client that never "
+                                                  "trained), so these are the generic predictions")
+    note: str | None = Field(None, description="why the predictions are not personalized, when they are not")
 
 
 class PredictResponse(BaseModel):
@@ -172,7 +175,7 @@ class PredictResponse(BaseModel):
                     "top_k": [[{"index": 7, "label": "7", "probability": 0.9987}]]},
         "personalized": {"probabilities": [[0.0, 0.0, 0.0001, 0.0, 0.0, 0.0, 0.0, 0.9999, 0.0, 0.0]],
                          "top_k": [[{"index": 7, "label": "7", "probability": 0.9999}]],
-                         "by": "class_counts", "head_id": EXAMPLE_HEAD_ID}}]})
+                         "by": "class_counts", "head_id": EXAMPLE_HEAD_ID, "personalized": True}}]})
 
     model_version: str
     generic: Predictions = Field(description="the generic model: h_G(f(x))")
@@ -200,7 +203,7 @@ class ModelInfo(BaseModel):
         "num_classes": 10,
         "input": {"shape": [1, 28, 28], "mean": [0.1307], "std": [0.3081], "png_mode": "L"},
         "head": "hyper", "arch": "mnist_cnn", "hyper_hidden": 16, "rule": "fedavg", "balanced_loss": "bsm",
-        "round": 5, "metrics": {"gfl_gm": 0.9763, "pfl_pm": 0.9769}, "client_ids": [],
+        "round": 5, "metrics": {"gfl_gm": 0.9763, "pfl_pm": 0.9769}, "client_ids": [], "trained_client_ids": [],
         "limits": {"max_batch": 256, "max_body_bytes": 16777216, "body_timeout_s": 30.0,
                    "head_cache_size": 1024}}]})
 
@@ -219,6 +222,8 @@ class ModelInfo(BaseModel):
     round: int = Field(description="training rounds completed when the model was saved")
     metrics: dict[str, float | None] = Field(description="the last evaluation's accuracies (fractions)")
     client_ids: list[int] = Field(description="clients with a stored head (linear head only)")
+    trained_client_ids: list[int] = Field(description="those of client_ids whose head is not all zero; the "
+                                                      "others' personalized predictions are the generic ones")
     limits: Limits
 
 

@@ -110,11 +110,11 @@ def test_health_and_model(hyper, linear, runs, tmp_path):
         "num_classes": 10,
         "input": {"shape": SHAPE, "mean": MEAN, "std": STD, "png_mode": "L"}, "head": "hyper",
         "arch": "mnist_cnn", "hyper_hidden": 16, "rule": "fedavg", "balanced_loss": "bsm", "round": 5,
-        "metrics": {"gfl_gm": 0.5, "pfl_pm": 0.75}, "client_ids": [],
+        "metrics": {"gfl_gm": 0.5, "pfl_pm": 0.75}, "client_ids": [], "trained_client_ids": [],
         "limits": {"max_batch": 4, "max_body_bytes": 2**16, "body_timeout_s": 30.0, "head_cache_size": 2},
     }
     info = linear.get("/v1/model").json()
-    assert info["head"] == "linear" and info["client_ids"] == list(CLIENT_IDS)
+    assert info["head"] == "linear" and info["client_ids"] == info["trained_client_ids"] == list(CLIENT_IDS)
     assert info["hyper_hidden"] is None
     assert info["version_id"] == load_final(str(runs / "linear")).version_id
 
@@ -253,11 +253,33 @@ def test_linear_client_heads_by_hand(linear, runs):
         assert r.status_code == 200
         personal = r.json()["personalized"]
         assert personal["by"] == "client_id" and personal["client_id"] == cid and personal["head_id"] is None
+        assert personal["personalized"] is True and personal["note"] is None
         assert torch.allclose(torch.tensor(personal["probabilities"]), expected, atol=1e-5)
     r = linear.post("/v1/predict", json={"images": x.tolist(), "client_id": 2})
     assert r.status_code == 404 and r.json()["field"] == "client_id" and "no client 2" in r.json()["detail"]
     r = linear.post("/v1/predict", json={"images": x.tolist(), "class_counts": [1] * 10})
     assert r.status_code == 409 and r.json()["field"] == "class_counts"
+
+
+def test_a_zero_head_says_it_is_not_personalized(tmp_path):
+    make_final(tmp_path / "linear", "linear", zero_clients=(7,))
+    make_final(tmp_path / "hyper", "hyper", zero_hypernet=True)
+    x = _pixels(2, seed=3).tolist()
+    with TestClient(create_app(str(tmp_path / "linear"))) as linear:
+        info = linear.get("/v1/model").json()
+        assert info["client_ids"] == [*CLIENT_IDS, 7] and info["trained_client_ids"] == list(CLIENT_IDS)
+        body = linear.post("/v1/predict", json={"images": x, "client_id": 7}).json()
+        personal = body["personalized"]
+        assert personal["personalized"] is False and personal["client_id"] == 7
+        assert "client 7's head is all zero" in personal["note"] and "generic" in personal["note"]
+        assert personal["probabilities"] == body["generic"]["probabilities"]
+        assert linear.post("/v1/predict", json={"images": x, "client_id": 0}).json()["personalized"][
+            "personalized"] is True
+    with TestClient(create_app(str(tmp_path / "hyper"))) as hyper:
+        body = hyper.post("/v1/predict", json={"images": x, "class_counts": [1] * 10}).json()
+        personal = body["personalized"]
+        assert personal["personalized"] is False and "all-zero head" in personal["note"]
+        assert personal["probabilities"] == body["generic"]["probabilities"]
 
 
 def test_plain_model_predicts_generic_only(plain, hyper):
