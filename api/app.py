@@ -16,6 +16,7 @@ from fedrod_ray import __version__
 
 from . import errors, images
 from .body_limit import BodyLimit
+from .body_schema import body_schemas
 from .errors import ApiError, Forbidden, Unauthorized, responses
 from .json_body import json_body, request_body
 from .schemas import (
@@ -108,8 +109,6 @@ def _predict(loaded: Loaded, req: PredictRequest, max_batch: int) -> PredictResp
                            personalized=personalized)
 
 
-# The request bodies, documented by hand in the OpenAPI schema (json_body parses them, not FastAPI).
-BODIES = (HeadRequest, PredictRequest, ReloadRequest)
 # Top-level values a predict request has besides its images and class list: the root object, the lists,
 # top_k, pixels, head_id, client_id.
 PREDICT_OTHER_VALUES = 8
@@ -140,15 +139,15 @@ RELOAD_BODY = json_body(ReloadRequest, optional=True)
 
 
 def _document_bodies(app: FastAPI) -> None:
-    """Add the request bodies to the components of FastAPI's OpenAPI schema."""
+    """Add the request bodies, as the served model takes them, to FastAPI's OpenAPI schema (json_body
+    parses them, not FastAPI). A reload that changes the model clears app.openapi_schema."""
     generate = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = generate()
             found = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in BODIES:
-                found[model.__name__] = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            found.update(body_schemas(app.state.service.current.served.meta, app.state.settings.max_batch))
         return app.openapi_schema
 
     app.openapi = openapi
@@ -227,6 +226,8 @@ def create_app(settings: Settings | str, admin_token: str | None = None) -> Fast
               summary="Serve the final/ of model_dir (default: the served run's, e.g. after new training)")
     def reload(req: Annotated[ReloadRequest | None, RELOAD_BODY]):
         previous, now = service.reload(req.model_dir if req else None)
+        if now is not previous:
+            app.openapi_schema = None  # the next /openapi.json describes the new model
         return ReloadResponse(version_id=now.served.version_id,
                               previous_version_id=previous.served.version_id, changed=now is not previous)
 

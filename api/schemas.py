@@ -131,7 +131,8 @@ class PredictRequest(_Distribution):
     head_id: str | None = Field(None, pattern=HEAD_ID_PATTERN,
                                 description="personalize with a head made by POST /v1/heads")
     client_id: Annotated[int, Strict()] | None = Field(
-        None, ge=0, description="personalize with a training client's own head (linear head only)")
+        None, ge=0, le=MAX_COUNT,
+        description="personalize with a training client's own head (linear head only)")
 
     @model_validator(mode="after")
     def _one_source(self):

@@ -140,6 +140,14 @@ def test_openapi_lists_every_endpoint_with_examples(hyper):
         assert hyper.post("/v1/predict", json=example).status_code == 200
     for example in parts["HeadRequest"]["examples"]:
         assert hyper.post("/v1/heads", json=example).status_code == 200
+    # The rules across fields, and the served model's sizes, are in the schema.
+    assert [o["required"] for o in parts["HeadRequest"]["oneOf"]] == [["class_distribution"], ["class_counts"]]
+    sources, personal = parts["PredictRequest"]["allOf"]
+    assert [o["required"] for o in sources["oneOf"]] == [["images"], ["images", "pixels"], ["images_png"]]
+    assert len(personal["oneOf"]) == 5  # one of the four heads, or none
+    image = parts["PredictRequest"]["properties"]["images"]["anyOf"][0]
+    assert image["maxItems"] == 4 and image["items"]["maxItems"] == 1
+    assert parts["HeadRequest"]["properties"]["class_counts"]["anyOf"][0]["maxItems"] == 10
     errors = schema["paths"]["/v1/predict"]["post"]["responses"]
     assert {"404", "409", "413", "422"} <= set(errors)
     assert errors["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
