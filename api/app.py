@@ -11,6 +11,7 @@ from typing import Annotated
 import torch
 from fastapi import Depends, FastAPI, Path
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi_offline import FastAPIOffline
 
 from fedrod_ray import __version__
 
@@ -163,7 +164,9 @@ def create_app(settings: Settings | str, admin_token: str | None = None) -> Fast
     if isinstance(settings, str):
         settings = Settings(model_dir=settings)
     service = ModelService(settings.model_dir, settings.head_cache_size)
-    app = FastAPI(title="fedrod-ray", version=__version__, description=DESCRIPTION)
+    # /docs and /redoc with Swagger UI's and ReDoc's scripts served from the fastapi-offline package rather
+    # than a CDN: a federation's server often runs without internet.
+    app = FastAPIOffline(title="fedrod-ray", version=__version__, description=DESCRIPTION)
     app.state.service = service
     app.state.settings = settings
     # Predictions run one at a time on their own thread, in arrival order, while the event loop parses and
