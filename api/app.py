@@ -11,12 +11,15 @@ from typing import Annotated
 import torch
 from fastapi import Depends, FastAPI, Path
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi_offline import FastAPIOffline
 
 from fedrod_ray import __version__
 
 from . import errors, images
 from .body_limit import BodyLimit
+from .body_schema import body_schemas
 from .errors import ApiError, Forbidden, Unauthorized, responses
+from .json_body import json_body, request_body
 from .schemas import (
     EXAMPLE_HEAD_ID,
     HEAD_ID_PATTERN,
@@ -35,7 +38,16 @@ from .schemas import (
     ReloadResponse,
     TopClass,
 )
-from .service import Loaded, ModelService, cached_head, personal_head, probabilities, request_dist, zero_shot
+from .service import (
+    Loaded,
+    ModelService,
+    cached_head,
+    personal_head,
+    probabilities,
+    request_dist,
+    zero_head_note,
+    zero_shot,
+)
 from .settings import ADMIN_TOKEN_ENV, Settings
 
 DEFAULT_TOP_K = 3
@@ -72,9 +84,9 @@ def _model_info(loaded: Loaded, settings: Settings) -> ModelInfo:
         rule=meta.rule, balanced_loss=meta.balanced_loss, round=meta.round,
         # JSON has no NaN: a metric that could not be computed is null.
         metrics={k: v if math.isfinite(v) else None for k, v in meta.metrics.items()},
-        client_ids=sorted(loaded.served.personal_heads),
+        client_ids=sorted(loaded.served.personal_heads), trained_client_ids=sorted(loaded.trained_clients),
         limits=Limits(max_batch=settings.max_batch, max_body_bytes=settings.max_body_bytes,
-                      head_cache_size=settings.head_cache_size),
+                      body_timeout_s=settings.body_timeout_s, head_cache_size=settings.head_cache_size),
     )
 
 
@@ -89,11 +101,57 @@ def _predict(loaded: Loaded, req: PredictRequest, max_batch: int) -> PredictResp
     probs = probabilities(loaded, x, personal.head if personal else None)
     personalized = None
     if personal:
+        note = zero_head_note(personal)
         personalized = PersonalizedPredictions(**_predictions(probs[1], k, meta.class_names), by=personal.by,
-                                               head_id=personal.head_id, client_id=personal.client_id)
+                                               head_id=personal.head_id, client_id=personal.client_id,
+                                               personalized=note is None, note=note)
     return PredictResponse(model_version=loaded.served.version_id,
                            generic=Predictions(**_predictions(probs[0], k, meta.class_names)),
                            personalized=personalized)
+
+
+# Top-level values a predict request has besides its images and class list: the root object, the lists,
+# top_k, pixels, head_id, client_id.
+PREDICT_OTHER_VALUES = 8
+# The values bound is the most a valid request holds, times this, plus SLACK: a request a few images or
+# classes off still gets its 422 naming the field, not a 413.
+HEADROOM, SLACK = 2, 1024
+
+
+def _predict_values(loaded: Loaded, max_batch: int) -> tuple[int, str]:
+    meta = loaded.served.meta
+    c, h, w = meta.image_shape
+    per_image = c * h * w + c * h + c + 1  # the pixels, the rows, the channels, the image's own list
+    bound = max_batch * per_image + meta.num_classes + PREDICT_OTHER_VALUES
+    return HEADROOM * bound + SLACK, f"{max_batch} images of shape {list(meta.image_shape)} and {meta.num_classes} classes"
+
+
+def _head_values(loaded: Loaded) -> tuple[int, str]:
+    n = loaded.served.meta.num_classes
+    return HEADROOM * (n + 2) + SLACK, f"{n} classes"
+
+
+# Module level: FastAPI resolves the (string) annotations of the routes in this module's globals.
+HEADS_BODY = json_body(HeadRequest, lambda app: _head_values(app.state.service.current))
+PREDICT_BODY = json_body(PredictRequest, lambda app: _predict_values(app.state.service.current,
+                                                                     app.state.settings.max_batch))
+# Only the admin sends it, after the token check: no bound on its values (a path may hold commas).
+RELOAD_BODY = json_body(ReloadRequest, optional=True)
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Add the request bodies, as the served model takes them, to FastAPI's OpenAPI schema (json_body
+    parses them, not FastAPI). A reload that changes the model clears app.openapi_schema."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            found = schema.setdefault("components", {}).setdefault("schemas", {})
+            found.update(body_schemas(app.state.service.current.served.meta, app.state.settings.max_batch))
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def create_app(settings: Settings | str, admin_token: str | None = None) -> FastAPI:
@@ -106,15 +164,19 @@ def create_app(settings: Settings | str, admin_token: str | None = None) -> Fast
     if isinstance(settings, str):
         settings = Settings(model_dir=settings)
     service = ModelService(settings.model_dir, settings.head_cache_size)
-    app = FastAPI(title="fedrod-ray", version=__version__, description=DESCRIPTION)
+    # /docs and /redoc with Swagger UI's and ReDoc's scripts served from the fastapi-offline package rather
+    # than a CDN: a federation's server often runs without internet.
+    app = FastAPIOffline(title="fedrod-ray", version=__version__, description=DESCRIPTION)
     app.state.service = service
+    app.state.settings = settings
     # Predictions run one at a time on their own thread, in arrival order, while the event loop parses and
     # answers the other requests. With torch on one core, more threads only contend for the GIL and the
     # cores: on 2 cores this gave ~45% more requests/s at concurrency 8 than the default thread pool, and
     # less than half its p99 (bench/serve_latency.py). More traffic takes more processes (Ray Serve).
     inference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrod-inference")
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     errors.install(app)
+    _document_bodies(app)
 
     @app.get("/healthz", response_model=Health, tags=["health"], summary="Liveness: the process answers")
     async def healthz():
@@ -130,9 +192,10 @@ def create_app(settings: Settings | str, admin_token: str | None = None) -> Fast
     async def model_info():
         return _model_info(service.current, settings)
 
-    @app.post("/v1/heads", response_model=HeadResponse, tags=["heads"], responses=responses(409, 413, 422),
+    @app.post("/v1/heads", response_model=HeadResponse, tags=["heads"],
+              responses=responses(408, 409, 413, 415, 422), openapi_extra=request_body(HeadRequest),
               summary="The zero-shot personalized head H(a; nu) of a new client's class distribution")
-    async def make_head(req: HeadRequest):  # microseconds of torch: cheaper than a hop to a thread
+    async def make_head(req: Annotated[HeadRequest, HEADS_BODY]):  # microseconds of torch: cheaper than a hop to a thread
         loaded = service.current
         _, a = request_dist(loaded, req)  # the schema makes sure one distribution field is given
         key, head = zero_shot(loaded, a)
@@ -146,9 +209,9 @@ def create_app(settings: Settings | str, admin_token: str | None = None) -> Fast
         return _head_response(loaded, head_id, a, head)
 
     @app.post("/v1/predict", response_model=PredictResponse, tags=["predict"],
-              responses=responses(404, 409, 413, 422),
+              responses=responses(404, 408, 409, 413, 415, 422), openapi_extra=request_body(PredictRequest),
               summary="Generic class probabilities, and personalized ones when a head is named")
-    async def predict(req: PredictRequest):
+    async def predict(req: Annotated[PredictRequest, PREDICT_BODY]):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(inference, _predict, service.current, req, settings.max_batch)
 
@@ -161,10 +224,13 @@ def create_app(settings: Settings | str, admin_token: str | None = None) -> Fast
             raise Unauthorized("Authorization", f"needs 'Bearer <token>', the token in ${ADMIN_TOKEN_ENV}")
 
     @app.post("/v1/admin/reload", response_model=ReloadResponse, tags=["admin"],
-              dependencies=[Depends(admin)], responses=responses(401, 403, 409, 413, 422),
+              dependencies=[Depends(admin)], responses=responses(401, 403, 408, 409, 413, 415, 422),
+              openapi_extra=request_body(ReloadRequest, required=False),
               summary="Serve the final/ of model_dir (default: the served run's, e.g. after new training)")
-    def reload(req: ReloadRequest | None = None):
+    def reload(req: Annotated[ReloadRequest | None, RELOAD_BODY]):
         previous, now = service.reload(req.model_dir if req else None)
+        if now is not previous:
+            app.openapi_schema = None  # the next /openapi.json describes the new model
         return ReloadResponse(version_id=now.served.version_id,
                               previous_version_id=previous.served.version_id, changed=now is not previous)
 

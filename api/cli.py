@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="images per /v1/predict request (default %(default)s)")
     serve.add_argument("--max-body-bytes", type=int, default=Settings.model_fields["max_body_bytes"].default,
                        help="request body limit, 413 above (default %(default)s)")
+    serve.add_argument("--body-timeout", type=float, default=Settings.model_fields["body_timeout_s"].default,
+                       help="seconds a request body may take to arrive, 408 after (default %(default)s)")
     serve.add_argument("--ray", action="store_true",
                        help="run on Ray Serve: joins the Ray cluster running on this machine or starts one")
     serve.set_defaults(handler=serve_command)
@@ -41,10 +43,11 @@ def serve_command(args) -> int:
 
     try:
         settings = Settings(model_dir=args.run_dir, max_batch=args.max_batch,
-                            max_body_bytes=args.max_body_bytes)
+                            max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout)
     except ValidationError as e:
         err = e.errors()[0]
-        name = "RUN_DIR" if err["loc"][0] == "model_dir" else "--" + str(err["loc"][0]).replace("_", "-")
+        flags = {"model_dir": "RUN_DIR", "body_timeout_s": "--body-timeout"}
+        name = flags.get(err["loc"][0], "--" + str(err["loc"][0]).replace("_", "-"))
         raise ConfigError(f"{name}: {err['msg']}") from None
     if args.ray and args.port == 0:
         raise ConfigError("--port 0 does not work with --ray: Ray Serve needs a fixed port")

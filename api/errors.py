@@ -21,7 +21,9 @@ DESCRIPTIONS = {
     403: "reload is disabled on this server",
     404: "unknown head_id or client_id",
     409: "the served model cannot do this (e.g. no hypernetwork), or a reload target is not servable",
-    413: "request body over the size limit",
+    408: "the request body did not arrive in time",
+    413: "request body over the size limit, or more JSON values than a request can need",
+    415: "not a JSON body (Content-Type), or a compressed one (Content-Encoding)",
     422: "invalid input; the message names the field",
 }
 
@@ -57,6 +59,14 @@ class Conflict(ApiError):
     status = 409
 
 
+class TooLarge(ApiError):
+    status = 413
+
+
+class UnsupportedMediaType(ApiError):
+    status = 415
+
+
 def error_response(status: int, field: str | None, detail: str, headers: dict | None = None) -> JSONResponse:
     body = ErrorBody(detail=detail, field=field).model_dump()
     return JSONResponse(body, status_code=status, headers=headers)
@@ -77,8 +87,6 @@ def field_name(loc: tuple) -> str:
 
 
 def _validation_message(err: dict) -> tuple[str, str]:
-    if err["type"] == "json_invalid":
-        return "body", f"body: invalid JSON at character {err['loc'][-1]} ({err['ctx']['error']})"
     if err["type"] == FIELDS_ERROR:
         field = err["ctx"]["field"]
     else:
@@ -104,7 +112,4 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 400:
-            # FastAPI's answer to a JSON body that is not UTF-8; broken JSON is a 422, and so is this.
-            return error_response(422, "body", f"body: invalid JSON ({exc.detail}: is it UTF-8?)")
         return error_response(exc.status_code, None, str(exc.detail), exc.headers)

@@ -15,6 +15,9 @@ from pydantic_core import PydanticCustomError
 HEAD_ID_PATTERN = r"^[0-9a-f]{32}$"
 # Counts above 2**53 would lose precision as floats.
 MAX_COUNT = 2**53
+# A bound for the schema only (the service checks top_k against the model's classes): it keeps a
+# 5,000-digit top_k out of the error message.
+MAX_TOP_K = 2**20
 
 Weight = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
 Count = Annotated[int, Strict(), Field(ge=0, le=MAX_COUNT)]
@@ -123,12 +126,13 @@ class PredictRequest(_Distribution):
                            "(pixel / 255 - mean) / std per channel (mean, std from GET /v1/model)")
     images_png: Annotated[list[str], Field(min_length=1)] | None = Field(
         None, description="images as base64 PNGs, H x W pixels, 8-bit grayscale (1 channel) or RGB (3)")
-    top_k: int | None = Field(None, ge=1, description="how many top classes to list per image (default 3, "
+    top_k: Annotated[int, Strict()] | None = Field(None, ge=1, le=MAX_TOP_K, description="how many top classes to list per image (default 3, "
                                                       "or the number of classes if fewer)")
     head_id: str | None = Field(None, pattern=HEAD_ID_PATTERN,
                                 description="personalize with a head made by POST /v1/heads")
     client_id: Annotated[int, Strict()] | None = Field(
-        None, ge=0, description="personalize with a training client's own head (linear head only)")
+        None, ge=0, le=MAX_COUNT,
+        description="personalize with a training client's own head (linear head only)")
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -160,6 +164,9 @@ class PersonalizedPredictions(Predictions):
     # Defaults, so that an example may leave them out: FastAPI drops nulls from the schema's examples.
     head_id: str | None = Field(None, description="the zero-shot head used (hyper), for reuse by head_id")
     client_id: int | None = None
+    personalized: bool = Field(True, description="false when the head is all zero (a client that never "
+                                                  "trained), so these are the generic predictions")
+    note: str | None = Field(None, description="why the predictions are not personalized, when they are not")
 
 
 class PredictResponse(BaseModel):
@@ -169,7 +176,7 @@ class PredictResponse(BaseModel):
                     "top_k": [[{"index": 7, "label": "7", "probability": 0.9987}]]},
         "personalized": {"probabilities": [[0.0, 0.0, 0.0001, 0.0, 0.0, 0.0, 0.0, 0.9999, 0.0, 0.0]],
                          "top_k": [[{"index": 7, "label": "7", "probability": 0.9999}]],
-                         "by": "class_counts", "head_id": EXAMPLE_HEAD_ID}}]})
+                         "by": "class_counts", "head_id": EXAMPLE_HEAD_ID, "personalized": True}}]})
 
     model_version: str
     generic: Predictions = Field(description="the generic model: h_G(f(x))")
@@ -187,6 +194,7 @@ class InputSpec(BaseModel):
 class Limits(BaseModel):
     max_batch: int
     max_body_bytes: int
+    body_timeout_s: float
     head_cache_size: int
 
 
@@ -196,8 +204,9 @@ class ModelInfo(BaseModel):
         "num_classes": 10,
         "input": {"shape": [1, 28, 28], "mean": [0.1307], "std": [0.3081], "png_mode": "L"},
         "head": "hyper", "arch": "mnist_cnn", "hyper_hidden": 16, "rule": "fedavg", "balanced_loss": "bsm",
-        "round": 5, "metrics": {"gfl_gm": 0.9763, "pfl_pm": 0.9769}, "client_ids": [],
-        "limits": {"max_batch": 256, "max_body_bytes": 16777216, "head_cache_size": 1024}}]})
+        "round": 5, "metrics": {"gfl_gm": 0.9763, "pfl_pm": 0.9769}, "client_ids": [], "trained_client_ids": [],
+        "limits": {"max_batch": 256, "max_body_bytes": 16777216, "body_timeout_s": 30.0,
+                   "head_cache_size": 1024}}]})
 
     version_id: str
     dataset: str
@@ -214,6 +223,8 @@ class ModelInfo(BaseModel):
     round: int = Field(description="training rounds completed when the model was saved")
     metrics: dict[str, float | None] = Field(description="the last evaluation's accuracies (fractions)")
     client_ids: list[int] = Field(description="clients with a stored head (linear head only)")
+    trained_client_ids: list[int] = Field(description="those of client_ids whose head is not all zero; the "
+                                                      "others' personalized predictions are the generic ones")
     limits: Limits
 
 

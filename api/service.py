@@ -22,6 +22,9 @@ class Loaded:
 
     served: ServedModel
     heads: HeadCache
+    # Clients whose stored head is not all zero: one that never trained (or was held out) keeps its zero
+    # phi, and its personalized predictions are the generic ones.
+    trained_clients: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,8 @@ def load(model_dir: str, head_cache_size: int) -> Loaded:
     for name, t in tensors.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise ExportError(f"{model_dir}/final: {name} has non-finite values (a diverged run?)")
-    return Loaded(served, HeadCache(head_cache_size))
+    trained = frozenset(cid for cid, head in served.personal_heads.items() if head.any())
+    return Loaded(served, HeadCache(head_cache_size), trained)
 
 
 def _need_head(loaded: Loaded, want: str, field: str) -> None:
@@ -97,6 +101,17 @@ def personal_head(loaded: Loaded, req: PredictRequest) -> Personal | None:
     field, a = found
     key, head = zero_shot(loaded, a)
     return Personal(field, head, head_id=key)
+
+
+def zero_head_note(personal: Personal) -> str | None:
+    """Why a personalized prediction is the generic one, or None when its head does something."""
+    if personal.head.any():
+        return None
+    if personal.by == "client_id":
+        why = f"client {personal.client_id}'s head is all zero (the client never trained, or was held out)"
+    else:
+        why = "the hypernetwork makes an all-zero head for this distribution (is the model trained?)"
+    return f"{why}: the personalized predictions are the generic ones"
 
 
 @torch.inference_mode()

@@ -15,4 +15,6 @@ class Settings(BaseModel):
     max_batch: int = Field(256, ge=1, le=65536, description="images per /v1/predict request")
     # 16 MiB: 256 CIFAR-sized images as normalised JSON floats fit; a stray upload does not.
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="request body limit in bytes (413 above)")
+    body_timeout_s: float = Field(30.0, gt=0, le=3600, description="seconds a request body may take to "
+                                                                  "arrive after its headers (408 after)")
     head_cache_size: int = Field(1024, ge=1, description="zero-shot heads kept for GET /v1/heads/{head_id}")

@@ -1,7 +1,9 @@
-"""Latency and throughput of the HTTP API: ``fedrod-ray serve`` (uvicorn) on loopback, driven by client
-threads on keep-alive connections.
+"""Latency and throughput of the HTTP API on loopback, driven by client threads on keep-alive connections:
+``fedrod-ray serve`` (uvicorn) and Ray Serve (one replica, the deployment options of
+deploy/serve_config.yaml) in the same run, and the ratio of the two; then, with --autoscale, Ray Serve
+adding a replica under load.
 
-    python bench/serve_latency.py [RUN_DIR] [--requests 400] [--seconds 5]
+    python bench/serve_latency.py [RUN_DIR] [--requests 400] [--seconds 5] [--servers uvicorn serve] [--autoscale]
 
 Without RUN_DIR it serves a freshly built MNIST-shaped hyper model (random weights: the latency does not
 depend on them). Cells: POST /v1/heads (a new class distribution each request, so every head is computed)
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -24,9 +28,11 @@ import threading
 import time
 from pathlib import Path
 
+import yaml
 from _common import machine_note, md_table
 
 REPO = Path(__file__).resolve().parents[1]
+SERVE_CONFIG = REPO / "deploy" / "serve_config.yaml"
 CONCURRENCY = (1, 8, 32)
 WARMUP = 5  # requests per connection before timing
 
@@ -88,11 +94,22 @@ def run_cell(host: str, port: int, path: str, payloads: list[bytes], concurrency
         conn = http.client.HTTPConnection(host, port, timeout=60)
         headers = {"Content-Type": "application/json"}
 
+        def send(body: bytes) -> http.client.HTTPResponse:
+            nonlocal conn
+            try:
+                conn.request("POST", path, body=body, headers=headers)
+                return conn.getresponse()
+            except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+                # The server closed the idle keep-alive connection while the others warmed up: reconnect.
+                conn.close()
+                conn = http.client.HTTPConnection(host, port, timeout=60)
+                conn.request("POST", path, body=body, headers=headers)
+                return conn.getresponse()
+
         def call(i: int) -> float:
             body = payloads[i % len(payloads)]
             t0 = time.perf_counter()
-            conn.request("POST", path, body=body, headers=headers)
-            resp = resp_data = conn.getresponse()
+            resp = send(body)
             resp_data = resp.read()
             if resp.status != 200:
                 errors.append(f"{resp.status}: {resp_data[:200]!r}")
@@ -129,37 +146,141 @@ def percentile(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_options() -> tuple[dict, dict]:
+    """(the FedRodAPI deployment's options, the application's runtime_env) from deploy/serve_config.yaml."""
+    (app,) = yaml.safe_load(SERVE_CONFIG.read_text())["applications"]
+    (deployment,) = app["deployments"]
+    return {k: v for k, v in deployment.items() if k != "name"}, app.get("runtime_env", {})
+
+
+SERVE_PORT = free_port()
+
+
+def start_serve(run_dir: Path, options: dict) -> tuple[str, int]:
+    """Ray Serve on a private local Ray (started once, on SERVE_PORT), the FedRodAPI deployment with
+    ``options``."""
+    import ray
+    from fedrod_ray_api.serve import FedRodAPI
+    from fedrod_ray_api.settings import Settings
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+    app = FedRodAPI.options(**options).bind(Settings(model_dir=str(run_dir), max_batch=64).model_dump())
+    serve.run(app, name="bench", route_prefix="/")
+    return "127.0.0.1", SERVE_PORT
+
+
+def bench(host: str, port: int, server: str, args, rows: list, results: dict) -> None:
+    rng = random.Random(0)
+    for path, kind, batch in (("/v1/heads", "heads", "-"), ("/v1/predict", "1", 1), ("/v1/predict", "64", 64)):
+        payloads = bodies(kind, args.requests + max(CONCURRENCY) * (WARMUP + 1), rng)
+        for c in CONCURRENCY:
+            lat, wall = run_cell(host, port, path, payloads, c, args.requests, args.seconds)
+            rps = len(lat) / wall
+            p50, p99 = percentile(lat, 50) * 1e3, percentile(lat, 99) * 1e3
+            results[server, path, batch, c] = (p50, p99, rps)
+            images = f"{rps * batch:.0f}" if batch != "-" else "-"
+            rows.append([server, path, batch, c, len(lat), f"{p50:.1f}", f"{p99:.1f}", f"{rps:.0f}", images])
+
+
+def replicas(app: str = "bench") -> int:
+    from ray import serve
+
+    (status,) = serve.status().applications[app].deployments.values()
+    return status.replica_states.get("RUNNING", 0)
+
+
+def autoscale(run_dir: Path, options: dict, seconds: float) -> list[str]:
+    """Predict load at concurrency 8 against 1..2 replicas scaling to 1 request in flight each: the
+    replica count over time."""
+    options = {**{k: v for k, v in options.items() if k != "num_replicas"}, "autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
+        "downscale_delay_s": 60, "look_back_period_s": 2}}
+    host, port = start_serve(run_dir, options)
+    payloads = bodies("1", 64, random.Random(1))
+    done = threading.Event()
+    load = threading.Thread(target=lambda: (run_cell(host, port, "/v1/predict", payloads, 8, 10**9, seconds),
+                                            done.set()))
+    t0 = time.perf_counter()
+    load.start()
+    timeline = [f"{0:.0f} s: {replicas()} replica(s)"]
+    last = replicas()
+    while not done.wait(0.5):
+        now = replicas()
+        if now != last:
+            timeline.append(f"{time.perf_counter() - t0:.0f} s: {now} replicas")
+            last = now
+    load.join()
+    return timeline
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", nargs="?", help="run directory holding final/ (default: build one)")
     parser.add_argument("--requests", type=int, default=400, help="timed requests per cell (default 400)")
     parser.add_argument("--seconds", type=float, default=5.0, help="time limit per cell (default 5)")
+    parser.add_argument("--servers", nargs="+", choices=["uvicorn", "serve"], default=["uvicorn", "serve"])
+    parser.add_argument("--autoscale", action="store_true",
+                        help="then show Ray Serve adding a replica under load (target_ongoing_requests 1)")
     args = parser.parse_args()
 
+    rows: list = []
+    results: dict = {}
+    timeline: list[str] = []
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         run_dir = Path(args.run_dir) if args.run_dir else build_run(Path(tmp) / "run")
-        proc, host, port = start_server(run_dir, Path(tmp) / "server.log")
-        rng = random.Random(0)
-        rows = []
-        try:
-            for path, kind, batch in (("/v1/heads", "heads", "-"), ("/v1/predict", "1", 1),
-                                      ("/v1/predict", "64", 64)):
-                payloads = bodies(kind, args.requests + max(CONCURRENCY) * (WARMUP + 1), rng)
-                for c in CONCURRENCY:
-                    lat, wall = run_cell(host, port, path, payloads, c, args.requests, args.seconds)
-                    rps = len(lat) / wall
-                    images = f"{rps * batch:.0f}" if batch != "-" else "-"
-                    rows.append([path, batch, c, len(lat), f"{percentile(lat, 50) * 1e3:.1f}",
-                                 f"{percentile(lat, 99) * 1e3:.1f}", f"{rps:.0f}", images])
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+        if "uvicorn" in args.servers:
+            proc, host, port = start_server(run_dir, Path(tmp) / "server.log")
+            try:
+                bench(host, port, "uvicorn", args, rows, results)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+        if "serve" in args.servers or args.autoscale:
+            import ray
+            from ray import serve
+
+            options, runtime_env = serve_options()
+            options = {k: v for k, v in options.items() if k != "autoscaling_config"}
+            actor = dict(options.get("ray_actor_options", {}))
+            if runtime_env:
+                actor["runtime_env"] = runtime_env
+            options = {**options, "num_replicas": 1, "ray_actor_options": actor}
+            try:
+                if "serve" in args.servers:
+                    host, port = start_serve(run_dir, options)
+                    bench(host, port, "serve", args, rows, results)
+                    serve.delete("bench")
+                if args.autoscale:
+                    timeline = autoscale(run_dir, options, max(30.0, 6 * args.seconds))
+            finally:
+                serve.shutdown()
+                ray.shutdown()
     print(machine_note())
-    print(f"server: fedrod-ray serve (uvicorn, access log on) on {host}; client: {sys.executable} threads, "
-          f"one keep-alive connection each, on the same machine\n")
-    print(md_table("endpoint|batch|concurrency|requests|p50 ms|p99 ms|requests/s|images/s", rows,
-                   right=[False, True, True, True, True, True, True, True]))
+    print(f"uvicorn: fedrod-ray serve (access log on); serve: Ray Serve, 1 replica, {SERVE_CONFIG.name}'s "
+          f"deployment options; client: {sys.executable} threads, one keep-alive connection each, on the "
+          f"same machine\n")
+    print(md_table("server|endpoint|batch|concurrency|requests|p50 ms|p99 ms|requests/s|images/s", rows,
+                   right=[False, False, True, True, True, True, True, True, True]))
+    pairs = [(k[1:], results[k], results[("serve", *k[1:])]) for k in results
+             if k[0] == "uvicorn" and ("serve", *k[1:]) in results]
+    if pairs:
+        print("\nRay Serve / uvicorn (p99: lower is better; requests/s: higher is better)\n")
+        print(md_table("endpoint|batch|concurrency|p99 ratio|requests/s ratio",
+                       [[path, batch, c, f"{s[1] / u[1]:.2f}", f"{s[2] / u[2]:.2f}"]
+                        for (path, batch, c), u, s in pairs], right=[False, True, True, True, True]))
+    if timeline:
+        print("\nAutoscaling (1..2 replicas, target_ongoing_requests 1, predict at concurrency 8): "
+              + "; ".join(timeline))
 
 
 if __name__ == "__main__":

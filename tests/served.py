@@ -2,29 +2,76 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import torch
 
 from fedrod_ray.export import ModelMeta, save_final
 from fedrod_ray.models import build_model
 from fedrod_ray.storage import RunStorage
 
+REPO = Path(__file__).resolve().parents[1]
 SHAPE = [1, 28, 28]
 MEAN, STD = [0.1307], [0.3081]
 CLIENT_IDS = (0, 1, 5)  # not contiguous, like a linear run's clients after some never trained
 
 
-def make_final(run_dir, head: str = "hyper", seed: int = 1) -> str:
-    """Save an MNIST-shaped model with random weights to run_dir/final/; returns its version id."""
+def make_final(run_dir, head: str = "hyper", seed: int = 1, zero_clients: tuple[int, ...] = (),
+               zero_hypernet: bool = False) -> str:
+    """Save an MNIST-shaped model with random weights to run_dir/final/; returns its version id.
+
+    ``zero_clients`` (linear): more clients, with the all-zero head of one that never trained;
+    ``zero_hypernet`` (hyper): the hypernetwork's output layer as initialised, zero, as before training.
+    """
     model = build_model("mnist_cnn", 10, tuple(SHAPE), None if head == "none" else head, 16, seed)
     g = torch.Generator().manual_seed(seed)
-    if head == "hyper":
+    if head == "hyper" and not zero_hypernet:
         # The hypernetwork's output layer starts at zero, which would make every generated head zero.
         with torch.no_grad():
             out = model.hypernet.net[2].weight
             out.copy_(torch.randn(out.shape, generator=g) * 0.1)
     weights = {k: v for k, v in model.state_dict().items() if not k.startswith("personal_head.")}
-    heads = {cid: torch.randn(10, 50, generator=g) for cid in CLIENT_IDS} if head == "linear" else None
+    heads = None
+    if head == "linear":
+        heads = {cid: torch.randn(10, 50, generator=g) for cid in CLIENT_IDS}
+        heads.update({cid: torch.zeros(10, 50) for cid in zero_clients})
     meta = ModelMeta(dataset="mnist", class_names=[str(i) for i in range(10)], image_shape=SHAPE, mean=MEAN,
                      std=STD, arch="mnist_cnn", head=head, hyper_hidden=16, rule="fedavg",
                      balanced_loss="bsm", round=5, metrics={"gfl_gm": 0.5, "pfl_pm": 0.75})
     return save_final(RunStorage(str(run_dir)), meta, weights, heads)
+
+
+@contextlib.contextmanager
+def uvicorn_server(run_dir, *flags: str, env: dict | None = None):
+    """``fedrod-ray serve run_dir --port 0 *flags`` in a subprocess; yields (process, base URL, output lines).
+
+    Stopped with Ctrl-C (SIGINT) at the end if still running, killed if that does not stop it.
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "fedrod_ray.cli", "serve", str(run_dir), "--port", "0", *flags],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        deadline, first = time.monotonic() + 120, ""
+        while "serving" not in first:
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+            first = lines.get(timeout=120)
+        assert first.startswith(f"fedrod-ray: serving {run_dir} "), first
+        yield proc, first.split(" at ")[1].split()[0], lines
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -110,11 +110,11 @@ def test_health_and_model(hyper, linear, runs, tmp_path):
         "num_classes": 10,
         "input": {"shape": SHAPE, "mean": MEAN, "std": STD, "png_mode": "L"}, "head": "hyper",
         "arch": "mnist_cnn", "hyper_hidden": 16, "rule": "fedavg", "balanced_loss": "bsm", "round": 5,
-        "metrics": {"gfl_gm": 0.5, "pfl_pm": 0.75}, "client_ids": [],
-        "limits": {"max_batch": 4, "max_body_bytes": 2**16, "head_cache_size": 2},
+        "metrics": {"gfl_gm": 0.5, "pfl_pm": 0.75}, "client_ids": [], "trained_client_ids": [],
+        "limits": {"max_batch": 4, "max_body_bytes": 2**16, "body_timeout_s": 30.0, "head_cache_size": 2},
     }
     info = linear.get("/v1/model").json()
-    assert info["head"] == "linear" and info["client_ids"] == list(CLIENT_IDS)
+    assert info["head"] == "linear" and info["client_ids"] == info["trained_client_ids"] == list(CLIENT_IDS)
     assert info["hyper_hidden"] is None
     assert info["version_id"] == load_final(str(runs / "linear")).version_id
 
@@ -140,6 +140,14 @@ def test_openapi_lists_every_endpoint_with_examples(hyper):
         assert hyper.post("/v1/predict", json=example).status_code == 200
     for example in parts["HeadRequest"]["examples"]:
         assert hyper.post("/v1/heads", json=example).status_code == 200
+    # The rules across fields, and the served model's sizes, are in the schema.
+    assert [o["required"] for o in parts["HeadRequest"]["oneOf"]] == [["class_distribution"], ["class_counts"]]
+    sources, personal = parts["PredictRequest"]["allOf"]
+    assert [o["required"] for o in sources["oneOf"]] == [["images"], ["images", "pixels"], ["images_png"]]
+    assert len(personal["oneOf"]) == 5  # one of the four heads, or none
+    image = parts["PredictRequest"]["properties"]["images"]["anyOf"][0]
+    assert image["maxItems"] == 4 and image["items"]["maxItems"] == 1
+    assert parts["HeadRequest"]["properties"]["class_counts"]["anyOf"][0]["maxItems"] == 10
     errors = schema["paths"]["/v1/predict"]["post"]["responses"]
     assert {"404", "409", "413", "422"} <= set(errors)
     assert errors["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
@@ -253,11 +261,33 @@ def test_linear_client_heads_by_hand(linear, runs):
         assert r.status_code == 200
         personal = r.json()["personalized"]
         assert personal["by"] == "client_id" and personal["client_id"] == cid and personal["head_id"] is None
+        assert personal["personalized"] is True and personal["note"] is None
         assert torch.allclose(torch.tensor(personal["probabilities"]), expected, atol=1e-5)
     r = linear.post("/v1/predict", json={"images": x.tolist(), "client_id": 2})
     assert r.status_code == 404 and r.json()["field"] == "client_id" and "no client 2" in r.json()["detail"]
     r = linear.post("/v1/predict", json={"images": x.tolist(), "class_counts": [1] * 10})
     assert r.status_code == 409 and r.json()["field"] == "class_counts"
+
+
+def test_a_zero_head_says_it_is_not_personalized(tmp_path):
+    make_final(tmp_path / "linear", "linear", zero_clients=(7,))
+    make_final(tmp_path / "hyper", "hyper", zero_hypernet=True)
+    x = _pixels(2, seed=3).tolist()
+    with TestClient(create_app(str(tmp_path / "linear"))) as linear:
+        info = linear.get("/v1/model").json()
+        assert info["client_ids"] == [*CLIENT_IDS, 7] and info["trained_client_ids"] == list(CLIENT_IDS)
+        body = linear.post("/v1/predict", json={"images": x, "client_id": 7}).json()
+        personal = body["personalized"]
+        assert personal["personalized"] is False and personal["client_id"] == 7
+        assert "client 7's head is all zero" in personal["note"] and "generic" in personal["note"]
+        assert personal["probabilities"] == body["generic"]["probabilities"]
+        assert linear.post("/v1/predict", json={"images": x, "client_id": 0}).json()["personalized"][
+            "personalized"] is True
+    with TestClient(create_app(str(tmp_path / "hyper"))) as hyper:
+        body = hyper.post("/v1/predict", json={"images": x, "class_counts": [1] * 10}).json()
+        personal = body["personalized"]
+        assert personal["personalized"] is False and "all-zero head" in personal["note"]
+        assert personal["probabilities"] == body["generic"]["probabilities"]
 
 
 def test_plain_model_predicts_generic_only(plain, hyper):
@@ -339,7 +369,7 @@ BAD_PREDICTS = [
     ({"images": [[[[-1] + [0] * 27] + [[0] * 28] * 27]]}, "images[0][0][0][0]", "outside 0..255"),
     ({"images": [[[[3.5] * 28] * 28]], "pixels": "normalized"}, "images[0][0][0][0]", "[-0.4252, 2.8225]"),
     ({"images": [[[["a"] * 28] * 28]]}, "images[0][0][0][0]", "number"),
-    ({"images": [[[0] * 28] * 28]}, "images[0][0][0]", "valid list"),
+    ({"images": [[[0] * 28] * 28]}, "images[0][0][0]", "valid array"),
     ({"images": []}, "images", "at least 1"),
     ({"images": [IMG] * 5}, "images", "at most 4"),
     ({"images_png": [EXAMPLE_PNG] * 5}, "images_png", "at most 4"),
@@ -354,6 +384,12 @@ BAD_PREDICTS = [
     ({"images_png": [_truncated_png()]}, "images_png[0]", "cannot be decoded"),
     ({"images": [IMG], "top_k": 0}, "top_k", "greater than or equal to 1"),
     ({"images": [IMG], "top_k": 11}, "top_k", "only 10 classes"),
+    # Strict numbers, as the schema's "integer" says: no strings, booleans or floats.
+    ({"images": [IMG], "top_k": "3"}, "top_k", "valid integer"),
+    ({"images": [IMG], "top_k": True}, "top_k", "valid integer"),
+    ({"images": [IMG], "top_k": 2.0}, "top_k", "valid integer"),
+    ({"images": [IMG], "client_id": 1.0}, "client_id", "valid integer"),
+    ({"images": [IMG], "class_counts": [2.0] * 10}, "class_counts[0]", "valid integer"),
     ({"images": [IMG], "head_id": "xyz"}, "head_id", "pattern"),
     ({"images": [IMG], "client_id": -1}, "client_id", "greater than or equal to 0"),
     ({"images": [IMG], "class_counts": [1] * 10, "head_id": "0" * 32}, "head_id", "at most one"),
@@ -394,6 +430,51 @@ def test_body_over_the_limit_is_413(hyper):
     assert r.status_code == 413 and "more than" in r.json()["detail"]
     assert hyper.post("/v1/heads", content=b"[" + b"1," * 40000 + b"1]").status_code == 413
     assert hyper.get("/readyz").status_code == 200
+
+
+@pytest.mark.parametrize("headers,field,words", [
+    ({"content-type": "application/x-www-form-urlencoded"}, "Content-Type", "takes application/json"),
+    ({"content-type": "text/plain"}, "Content-Type", "'text/plain'"),
+    ({"content-type": "application/vnd.api+json"}, "Content-Type", "takes application/json"),
+    ({"content-type": "application/json; charset=latin-1"}, "Content-Type", "UTF-8"),
+    ({}, "Content-Type", "missing"),
+    ({"content-type": "application/json", "content-encoding": "gzip"}, "Content-Encoding", "gzip is not"),
+])
+def test_not_a_plain_json_body_is_415(hyper, headers, field, words):
+    body = json.dumps({"class_counts": [1] * 10}).encode()
+    r = hyper.post("/v1/heads", content=body, headers=headers)
+    assert r.status_code == 415, r.text
+    assert r.json()["field"] == field and r.json()["detail"].startswith(field) and words in r.json()["detail"]
+    ok = hyper.post("/v1/heads", content=body, headers={"content-type": "application/json; charset=UTF-8"})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("text,words", [
+    ("[" * 1000 + "]" * 1000, "nested more than 200"),
+    ('{"class_counts": [' + "9" * 5000 + "]}", "too large to read"),
+    ('{"class_counts": [1, 1', "invalid JSON: EOF while parsing a list at line 1 column 22"),
+    ('{"class_counts": [1 1]}', "invalid JSON: expected `,` or `]`"),
+    (b'{"class_counts": "\xc0\xff"}', "not valid UTF-8"),
+    ("", "is empty"),
+])
+def test_unparsable_bodies_say_why(hyper, text, words):
+    r = hyper.post("/v1/heads", content=text, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["field"] == "body", r.text
+    assert words in r.json()["detail"], r.text
+
+
+def test_more_values_than_a_request_can_need_is_413_before_parsing(hyper):
+    # hyper: max_batch 4 of 1x28x28, 10 classes. A body of tiny images or of zeros, well under the byte limit.
+    tiny = hyper.post("/v1/predict", content=b'{"images": [' + b",".join([b"[[[0]]]"] * 5000) + b"]}",
+                      headers={"content-type": "application/json"})
+    assert tiny.status_code == 413 and tiny.json()["field"] == "body", tiny.text
+    assert "4 images of shape [1, 28, 28] and 10 classes" in tiny.json()["detail"]
+    zeros = hyper.post("/v1/heads", content=b'{"class_distribution": [' + b"0," * 20000 + b"0]}",
+                       headers={"content-type": "application/json"})
+    assert zeros.status_code == 413 and "JSON values" in zeros.json()["detail"], zeros.text
+    # A request a few images or classes over the limit still gets the 422 naming the field.
+    assert hyper.post("/v1/predict", json={"images": [IMG] * 8}).status_code == 422
+    assert hyper.post("/v1/heads", json={"class_counts": [1] * 40}).json()["field"] == "class_counts"
 
 
 def test_unknown_route_and_method(hyper):

@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import queue
 import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 from fedrod_ray_api.schemas import EXAMPLE_PNG
-from served import make_final
+from served import make_final, uvicorn_server
 
 from fedrod_ray.cli import main
 
@@ -40,11 +34,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _lines(stream, out: queue.Queue) -> None:
-    for line in stream:
-        out.put(line)
 
 
 def _talk(base: str) -> dict:
@@ -92,29 +81,14 @@ def _assert_close(got, want, where="") -> None:
 
 
 def test_fedrod_ray_serve_on_uvicorn(run_dir):
-    env = {**os.environ, "FEDROD_ADMIN_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fedrod_ray.cli", "serve", str(run_dir), "--port", "0", "--max-body-bytes",
-         str(LIMIT)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
-    try:
-        deadline, first = time.monotonic() + 60, ""
-        while "serving" not in first:
-            assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-            first = lines.get(timeout=60)
-        assert first.startswith(f"fedrod-ray: serving {run_dir} ")
-        base = first.split(" at ")[1].split()[0]
+    with uvicorn_server(run_dir, "--max-body-bytes", str(LIMIT), env={"FEDROD_ADMIN_TOKEN": TOKEN}) as (
+            proc, base, _):
         assert base.startswith("http://127.0.0.1:")
         _assert_close(_talk(base), _in_process(run_dir))
         reload = httpx.post(f"{base}/v1/admin/reload", headers={"Authorization": f"Bearer {TOKEN}"})
         assert reload.status_code == 200 and reload.json()["changed"] is False
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0  # Ctrl-C is the normal way to stop it
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_ray_serve_deployment(ray_session, run_dir):
@@ -165,6 +139,7 @@ def test_serve_refuses_what_it_cannot_serve(capsys, tmp_path, run_dir):
     meta = json.loads((run_dir / "final" / "meta.json").read_text())
     assert meta["head"] == "hyper"
     assert "--max-batch" in _error_of(capsys, str(run_dir), "--max-batch", "0")
+    assert "--body-timeout" in _error_of(capsys, str(run_dir), "--body-timeout", "0")
     assert "--port 0" in _error_of(capsys, str(run_dir), "--ray", "--port", "0")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

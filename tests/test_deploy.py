@@ -34,9 +34,9 @@ DEPLOY = REPO / "deploy"
 IMAGE_REPO = "ghcr.io/fedrod-ray/fedrod-ray:"
 DATA_MOUNT, RUNS_MOUNT = "/mnt/data", "/mnt/runs"
 CONFIG_REF = re.compile(r"configs/[\w.-]+\.ya?ml")
-# Provided by the image (deploy/Dockerfile), or needed only by the HTTP service (pillow: its PNG input), not
-# by training jobs.
-NOT_IN_JOB_PIP = {"torch", "ray", "fastapi", "uvicorn", "pillow"}
+# Provided by the image (deploy/Dockerfile), or needed only by the HTTP service (pillow: its PNG input;
+# fastapi-offline: its /docs assets), not by training jobs.
+NOT_IN_JOB_PIP = {"torch", "ray", "fastapi", "uvicorn", "pillow", "fastapi-offline"}
 
 
 def _yaml(rel: str) -> dict:
