@@ -15,8 +15,13 @@ PSS from the smallest size by the clients added: with the same dataset, that is 
 A last row runs the smallest federation with as many clients per round as the largest, since a
 checkpoint writes the states of the round's clients.
 
+With ``--s3``, every round is also checkpointed into ``s3://`` on moto's S3 server started on loopback
+(the tests' server, through pyarrow's S3 filesystem as a user's bucket would be), after the local save of
+the same round: the last table compares the two with the round they follow.
+
     FEDROD_DATA_DIR=../shared/data python bench/scale.py                       # 100 and 1,000 clients
     FEDROD_DATA_DIR=../shared/data python bench/scale.py --clients 100 1000 10000
+    FEDROD_DATA_DIR=../shared/data python bench/scale.py --clients 1000 --rounds 4 --s3   # local vs S3
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # before anything imports
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local Ray: nothing written to ~/.ray
 
 import argparse
+import contextlib
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +46,9 @@ from fedrod_ray.coordinator import Coordinator
 from fedrod_ray.setup import prepare
 
 NEVER = 10**6
+
+
+S3_BUCKET = "fedrod-bench"
 
 
 def run(args, data: dict, num_clients: int, fraction: float, workdir: Path) -> dict:
@@ -54,13 +64,20 @@ def run(args, data: dict, num_clients: int, fraction: float, workdir: Path) -> d
     run_dir = workdir / f"run_{num_clients}"
     coordinator = Coordinator.options(num_cpus=0, max_concurrency=2).remote(setup, None)
     try:
-        rounds, evals, checkpoints = [], [], []
+        rounds, evals, checkpoints, s3_checkpoints = [], [], [], []
         for r in range(args.rounds):
             rec = ray.get(coordinator.step.remote(r))
             t0 = time.perf_counter()
             ray.get(coordinator.save_checkpoint.remote(str(run_dir)))
+            local = time.perf_counter() - t0
+            if args.s3:
+                t1 = time.perf_counter()
+                ray.get(coordinator.save_checkpoint.remote(f"s3://{S3_BUCKET}/run_{num_clients}_{fraction}"))
+                print(f"  checkpoint on S3 {time.perf_counter() - t1:.3f} s", flush=True)
             if r:
-                checkpoints.append(time.perf_counter() - t0)
+                checkpoints.append(local)
+                if args.s3:
+                    s3_checkpoints.append(time.perf_counter() - t1)
                 rounds.append(rec["train_seconds"])
                 evals.append(rec["seconds"] - rec["train_seconds"])
             print(f"  {num_clients} clients, round {r + 1}: train {rec['train_seconds']:.2f} s, evaluation "
@@ -76,6 +93,7 @@ def run(args, data: dict, num_clients: int, fraction: float, workdir: Path) -> d
     shutil.rmtree(run_dir, ignore_errors=True)
     return {
         "clients": num_clients, "per_round": round(num_clients * fraction), "round": median(rounds), "eval": median(evals), "ckpt": median(checkpoints),
+        "s3_ckpt": median(s3_checkpoints) if s3_checkpoints else None,
         "state": sum(held) / max(len(held), 1), "holding": len(held), "ckpt_bytes": ckpt_bytes,
         "ray_pss": sum(pss for kind, (_, _, pss) in memory.items() if kind != "driver"),
         "driver_pss": memory["driver"][2],
@@ -89,6 +107,7 @@ def parse_args():
     p.add_argument("--fraction", type=float, default=0.02)
     p.add_argument("--head", default="hyper", choices=["none", "linear", "hyper"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--s3", action="store_true", help="also checkpoint every round into moto's S3 server")
     return p.parse_args()
 
 
@@ -97,7 +116,22 @@ def main() -> int:
     print(machine_note())
     data = mnist_data_section(os.environ.get("FEDROD_DATA_DIR"))
     workdir = Path(tempfile.mkdtemp(prefix="fedrod-scale-"))
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    with contextlib.ExitStack() as stack:
+        env = {}
+        if args.s3:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from servers import s3_server
+
+            env = stack.enter_context(s3_server(workdir))
+            os.environ.update(env)
+            import boto3
+
+            boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
+        return measure(args, data, workdir, env)
+
+
+def measure(args, data: dict, workdir: Path, env: dict) -> int:
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     try:
         results = [run(args, data, n, args.fraction, workdir) for n in args.clients]
         # The smallest federation again with as many clients per round as the largest: a checkpoint
@@ -125,6 +159,15 @@ def main() -> int:
     print(md_table("clients|per round|s / round|s / evaluation|s / checkpoint|checkpoint vs first|committed state "
                    "per trained client|clients holding state|checkpoint files MiB|Ray processes PSS MiB|"
                    "PSS per extra client|driver PSS MiB", rows))
+    if args.s3:
+        print("\nA checkpoint on local disk and on the S3 server (moto on loopback), against the round "
+              "(training and evaluation) it follows:\n")
+        print(md_table("clients|per round|s / round with evaluation|s / checkpoint, local|share of the round|"
+                       "s / checkpoint, S3|share of the round|S3 vs local", [
+            [res["clients"], res["per_round"], f"{res['round'] + res['eval']:.2f}", f"{res['ckpt']:.3f}",
+             f"{res['ckpt'] / (res['round'] + res['eval']):.1%}", f"{res['s3_ckpt']:.3f}",
+             f"{res['s3_ckpt'] / (res['round'] + res['eval']):.1%}", f"{res['s3_ckpt'] / res['ckpt']:.1f}x"]
+            for res in results]))
     return 0
 
 

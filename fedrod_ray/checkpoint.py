@@ -11,10 +11,15 @@ Layout under ``<run_dir>/checkpoints/``:
 A client's state changes only when it trains, so a save writes the round's clients, not all of them,
 and the manifest points every other client at the file an earlier save wrote. When the files still
 referenced hold more than ``COMPACT_RATIO`` times the live states (old versions of clients that trained
-again), the next save writes every client afresh and the old files go. Files are written under
-temporary names and moved into place; the round folder is renamed when complete and ``latest``
-replaced after that, so an interrupted save never hides the previous checkpoint. Tensors are
-safetensors and the rest JSON: loading never unpickles code.
+again), the next save writes every client afresh and the old files go.
+
+A save commits in two steps, so that an interrupted one never hides the previous checkpoint: the round
+folder becomes complete, then ``latest`` names it. Where the filesystem renames (local disk), the folder
+is written under a temporary name and renamed when complete. An object store cannot rename a folder
+(S3; GCS only copies), so there the files go in place under the round's prefix and ``manifest.json``,
+written last, is the round's commit point: readers ignore a round folder without it, and the next save
+removes what an interrupted one left (a round folder without a manifest, a temporary folder, client files
+no kept manifest names). Tensors are safetensors and the rest JSON: loading never unpickles code.
 
 The run's randomness is a pure function of (seed, round, client id) (client sampling, shuffling,
 augmentation, initialisation), so the seed in the saved config *is* the RNG state to restore.
@@ -87,7 +92,10 @@ class CheckpointWriter:
         for cid in set(self.saved) - set(snap.clients):
             del self.saved[cid]
 
-        tmp = f"checkpoints/.{name}.tmp-{uuid.uuid4().hex[:8]}"
+        # Written in place on an object store (the manifest last), else renamed into place when complete.
+        folder = f"checkpoints/{name}"
+        if not storage.object_store:
+            folder = f"checkpoints/.{name}.tmp-{uuid.uuid4().hex[:8]}"
         rule = snap.config.train.generic_rule
         global_tensors = {f"global/{k}": v.contiguous() for k, v in snap.global_shared.items()}
         global_tensors.update({f"server/{rule}/{k}": v.contiguous() for k, v in snap.server_state.items()})
@@ -99,26 +107,36 @@ class CheckpointWriter:
             "clients": {str(cid): {"rounds_trained": st.rounds_trained, "file": self.saved[cid][1]}
                         for cid, st in sorted(snap.clients.items())},
         }
-        storage.write_bytes(f"{tmp}/global.safetensors", st_save(global_tensors))
+        self._discard(name)  # a complete folder of this round that ``latest`` never named (a resumed run)
+        storage.write_bytes(f"{folder}/global.safetensors", st_save(global_tensors))
         # Compact: an indented dump goes through json's pure-Python encoder, slow at 10,000 clients.
-        storage.write_bytes(f"{tmp}/manifest.json", json.dumps(manifest, separators=(",", ":")).encode())
-        storage.delete_dir(f"checkpoints/{name}")
-        storage.move_dir(tmp, f"checkpoints/{name}")
+        storage.write_bytes(f"{folder}/manifest.json", json.dumps(manifest, separators=(",", ":")).encode())
+        if folder != f"checkpoints/{name}":
+            storage.move_dir(folder, f"checkpoints/{name}")
         storage.write_bytes("checkpoints/latest", name.encode())
         self._retain()
         return name
 
     def _remove_leftovers(self) -> None:
-        """What an interrupted save left behind: never loaded (``latest`` never named it)."""
+        """What an interrupted save left behind: never loaded (no manifest, or ``latest`` never named it).
+        Its client files go in ``_retain``, which keeps only those a complete round's manifest names."""
         for leftover in self.storage.list_dirs("checkpoints"):
-            if leftover.startswith(".") and ".tmp-" in leftover:
+            temporary = leftover.startswith(".") and ".tmp-" in leftover
+            if temporary or (leftover.startswith("round_") and not _complete(self.storage, leftover)):
                 self.storage.delete_dir(f"checkpoints/{leftover}")
+
+    def _discard(self, name: str) -> None:
+        """Delete a round folder, its manifest first: a deletion cut short leaves an incomplete folder,
+        never a manifest naming files that are gone."""
+        self.storage.delete_file(f"checkpoints/{name}/manifest.json")
+        self.storage.delete_dir(f"checkpoints/{name}")
 
     def _retain(self) -> None:
         """Keep the newest KEEP round folders and the client files their manifests name."""
-        rounds = [d for d in self.storage.list_dirs("checkpoints") if d.startswith("round_")]
+        rounds = [d for d in self.storage.list_dirs("checkpoints")
+                  if d.startswith("round_") and _complete(self.storage, d)]
         for old in rounds[:-KEEP]:
-            self.storage.delete_dir(f"checkpoints/{old}")
+            self._discard(old)
         needed = set()
         for kept in rounds[-KEEP:]:
             manifest = _read_manifest(self.storage, kept)
@@ -132,6 +150,10 @@ class CheckpointWriter:
 def save_checkpoint(storage: RunStorage, snap: Snapshot) -> str:
     """A full save (every client's state) of ``snap``; runs save through a ``CheckpointWriter``."""
     return CheckpointWriter(storage).save(snap)
+
+
+def _complete(storage: RunStorage, name: str) -> bool:
+    return storage.exists(f"checkpoints/{name}/manifest.json")
 
 
 def _read_manifest(storage: RunStorage, name: str) -> dict:
@@ -148,6 +170,9 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
     name = name or latest_checkpoint_name(storage)
     if name is None:
         raise FileNotFoundError(f"no checkpoint in {storage.uri}/checkpoints")
+    if not _complete(storage, name):
+        raise FileNotFoundError(f"checkpoint {storage.uri}/checkpoints/{name} is incomplete (no manifest.json): "
+                                "its save was interrupted")
     manifest = _read_manifest(storage, name)
     version = manifest.get("format_version")
     if version not in READABLE:

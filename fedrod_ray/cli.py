@@ -13,7 +13,7 @@ import time
 from importlib.metadata import entry_points
 
 from . import __version__
-from .config import ConfigError, check_resume, config_from_dict, config_schema, load_config
+from .config import LOGGERS, ConfigError, check_resume, config_from_dict, config_schema, load_config
 
 COMMANDS = "fedrod_ray.commands"  # entry-point group: callables that add a subcommand to the parser
 
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     train.add_argument("--mode", choices=["local", "ray"], help="in-process or on Ray (default: runtime.mode)")
     train.add_argument("--address", help="Ray cluster address ('auto' or ray://host:port); implies --mode ray")
+    add_logger_argument(train)
 
     part = sub.add_parser("partition", help="print the clients' class counts for a config")
     _add_config_args(part)
@@ -58,7 +59,18 @@ def _overrides(args) -> list[str]:
         extra.append(f"runtime.mode={args.mode}")
     if getattr(args, "address", None):
         extra += ["runtime.mode=ray", f"runtime.address={args.address}"]
-    return extra
+    return extra + logger_overrides(args)
+
+
+def logger_overrides(args) -> list[str]:
+    """``--logger tensorboard --logger mlflow`` as the config key ``tracking.loggers``."""
+    return [f"tracking.loggers=[{', '.join(args.logger)}]"] if getattr(args, "logger", None) else []
+
+
+def add_logger_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--logger", action="append", choices=LOGGERS, metavar="{" + ",".join(LOGGERS) + "}",
+                   help="log every round's metrics, the config and the final model to this experiment "
+                        "tracker (repeat for several; tracking.loggers; needs pip install -e '.[tracking]')")
 
 
 class Terminated(KeyboardInterrupt):

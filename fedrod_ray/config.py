@@ -223,6 +223,18 @@ class RuntimeConfig:
     progress_seconds: NonNegativeFloat = 30.0  # not on a terminal: a progress line inside a round at most this often
 
 
+# Experiment trackers a run can log to (fedrod_ray.tracking; `pip install -e ".[tracking]"`).
+LOGGERS = ("tensorboard", "mlflow")
+
+
+@dataclass(config=_CLOSED)
+class TrackingConfig:
+    # Each round's metrics, the config as hyperparameters, the final metrics (MLflow: and final/ as an
+    # artifact): tensorboard into <run_dir>/tensorboard, mlflow into mlflow_uri. Empty: no tracking.
+    loggers: list[StrictStr] = field(default_factory=list)
+    mlflow_uri: StrictStr | None = None  # an MLflow tracking URI; None: a local store, <run_dir>/mlruns
+
+
 @dataclass(config=_CLOSED)
 class ExperimentConfig:
     """A fedrod-ray experiment: ``fedrod-ray train --config FILE``. Every key may be left out (its default)."""
@@ -235,6 +247,7 @@ class ExperimentConfig:
     train: Annotated[TrainConfig, BeforeValidator(_section)] = field(default_factory=TrainConfig)
     eval: Annotated[EvalConfig, BeforeValidator(_section)] = field(default_factory=EvalConfig)
     runtime: Annotated[RuntimeConfig, BeforeValidator(_section)] = field(default_factory=RuntimeConfig)
+    tracking: Annotated[TrackingConfig, BeforeValidator(_section)] = field(default_factory=TrackingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -259,7 +272,8 @@ _RENAMED = {
     "train.feddyn_alpha": "train.rule_params.alpha (with train.generic_rule=feddyn)",
 }
 # What --resume may change: how and how long to run, never what is learned.
-RESUMABLE = ("name", "run_dir", "data.data_dir", "data.download", "train.rounds", "eval.", "runtime.")
+RESUMABLE = ("name", "run_dir", "data.data_dir", "data.download", "train.rounds", "eval.", "runtime.",
+             "tracking.")
 
 
 # --- checking ----------------------------------------------------------------------------------------------
@@ -349,6 +363,11 @@ def _check_choices(section: Any, prefix: str = "") -> None:
 
 def _validate(cfg: ExperimentConfig) -> ExperimentConfig:
     _check_choices(cfg)
+    for logger in cfg.tracking.loggers:
+        if logger not in LOGGERS:
+            raise _not_one_of("tracking.loggers", logger, LOGGERS)
+    if len(set(cfg.tracking.loggers)) != len(cfg.tracking.loggers):
+        raise ConfigError(f"tracking.loggers: each logger once, got {cfg.tracking.loggers}")
     if cfg.runtime.mode == "auto":
         # A Ray job's driver always has RAY_ADDRESS (the job supervisor sets it): there the federation
         # belongs on the cluster, not in the driver process. Resolved here, so config.yaml records it.
@@ -364,6 +383,9 @@ def _validate(cfg: ExperimentConfig) -> ExperimentConfig:
 
 def _check_effective(cfg: ExperimentConfig) -> None:
     """A setting that would change nothing is an error: the user meant something else."""
+    if cfg.tracking.mlflow_uri is not None and "mlflow" not in cfg.tracking.loggers:
+        raise ConfigError("tracking.mlflow_uri: has no effect without mlflow in tracking.loggers "
+                          "(--logger mlflow)")
     t = cfg.train
     if t.gamma is not None and t.balanced_loss not in GAMMA_LOSSES:
         raise ConfigError(f"train.gamma: has no effect with train.balanced_loss={t.balanced_loss} "

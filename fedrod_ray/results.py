@@ -1,7 +1,10 @@
 """Per-round metrics as files in the run directory: metrics.jsonl, metrics.csv and curves.png.
 
-The whole history is rewritten atomically each round (it is small), which also makes a resumed run's
-files identical to an uninterrupted one's: resuming keeps exactly the records up to the checkpoint.
+A round's record is appended to both files (an object store, which cannot append, rewrites the object);
+the CSV is rewritten whole only when a record brings a column it lacks (the first evaluation, the last
+one's fine-tuning). The curves are redrawn on evaluation rounds only, the last round being one. A log's
+first write rewrites both files whole with the records it holds, so a resumed run's files keep exactly
+the records up to its checkpoint and end identical to an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -22,12 +25,17 @@ class MetricsLog:
     def __init__(self, storage: RunStorage, records: list[dict] | None = None):
         self.storage = storage
         self.records: list[dict] = list(records or [])
+        self.columns = csv_columns(self.records)
+        self.written = False  # whether the files hold exactly self.records
 
     @classmethod
     def resume(cls, storage: RunStorage, rounds_done: int) -> MetricsLog:
         records = []
         if storage.exists("metrics.jsonl"):
-            for line in storage.read_bytes("metrics.jsonl").decode().splitlines():
+            text = storage.read_bytes("metrics.jsonl").decode()
+            # A process killed while appending leaves a last line without its newline: a round that
+            # no checkpoint covers, dropped like every round after the checkpoint.
+            for line in text[:text.rfind("\n") + 1].splitlines():
                 if line.strip():
                     rec = json.loads(line)
                     if rec["round"] <= rounds_done:
@@ -36,23 +44,34 @@ class MetricsLog:
 
     def append(self, record: dict) -> None:
         self.records.append(record)
-        self.flush()
+        added = [k for k in record if k not in self.columns]
+        self.columns += added
+        if self.written:
+            self.storage.append_bytes("metrics.jsonl", (json.dumps(record) + "\n").encode())
+        else:
+            self.storage.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.records).encode())
+        if self.written and not added:
+            self.storage.append_bytes("metrics.csv", csv_rows([record], self.columns, header=False).encode())
+        else:
+            self.storage.write_bytes("metrics.csv", csv_rows(self.records, self.columns).encode())
+        self.written = True
+        if record.get("gfl_gm") is not None:
+            self.storage.write_bytes("curves.png", plot_curves(self.records))
 
-    def flush(self) -> None:
-        self.storage.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.records).encode())
-        self.storage.write_bytes("metrics.csv", to_csv(self.records).encode())
-        png = plot_curves(self.records)
-        if png is not None:
-            self.storage.write_bytes("curves.png", png)
 
-
-def to_csv(records: list[dict]) -> str:
+def csv_columns(records: list[dict]) -> list[str]:
+    """Every key of ``records``, in the order they first appear."""
     columns: list[str] = []
     for r in records:
         columns.extend(k for k in r if k not in columns)
+    return columns
+
+
+def csv_rows(records: list[dict], columns: list[str], header: bool = True) -> str:
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
+    if header:
+        writer.writeheader()
     for r in records:
         writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in columns})
     return buf.getvalue()

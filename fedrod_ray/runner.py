@@ -25,6 +25,7 @@ from .results import MetricsLog
 from .setup import make_host, prepare
 from .state import Snapshot
 from .storage import RunStorage
+from .tracking import final_metrics, open_trackers
 
 
 def checkpoint_due(cfg: ExperimentConfig, round_idx: int) -> bool:
@@ -47,13 +48,18 @@ def drive(step: Callable[[int], dict], checkpoint: Callable[[], None], finish: C
     """
     storage.write_bytes("config.yaml", dump_config(cfg).encode())
     metrics = MetricsLog.resume(storage, start_round)
+    trackers = open_trackers(cfg, storage, start_round)
     for r in range(start_round, cfg.train.rounds):
         record = step(r)
         metrics.append(record)
+        for tracker in trackers:
+            tracker.log_round(record)
         log(format_record(record, cfg.train.rounds))
         if checkpoint_due(cfg, r):
             checkpoint()
     finish(last_evaluation(metrics.records))
+    for tracker in trackers:
+        tracker.finish(final_metrics(last_evaluation(metrics.records)), storage)
     return metrics.records
 
 

@@ -1,7 +1,13 @@
 """Run-directory storage on any filesystem pyarrow supports (local paths, s3://, gs://, hdfs://...).
 
-Every write is atomic: the bytes go to a temporary name first and are then moved into place, so a
-crash mid-write never leaves a truncated file where a good one was.
+Every write is atomic. On a filesystem with renames (local, HDFS) the bytes go to a temporary name
+first and are then moved into place, so a crash mid-write never leaves a truncated file where a good
+one was. An object store (S3, GCS) has no rename (pyarrow copies, and cannot move a directory at all),
+but an object appears whole or not at all when its upload completes, so there a write goes straight to
+its name. What spans several files (a checkpoint) needs a commit point of its own: see ``checkpoint``.
+
+Credentials never pass through here: pyarrow takes them (and an endpoint such as ``AWS_ENDPOINT_URL``)
+from the standard environment variables and configuration files, so nothing a run saves holds them.
 """
 
 from __future__ import annotations
@@ -11,6 +17,9 @@ import posixpath
 import uuid
 
 import pyarrow.fs as pafs
+
+# pyarrow's names (``FileSystem.type_name``) of the stores whose objects appear whole on completion.
+OBJECT_STORES = ("s3", "gcs")
 
 
 class RunStorage:
@@ -22,16 +31,37 @@ class RunStorage:
         # An absolute path, so that actors on other processes or nodes resolve the same directory.
         self.uri = uri if "://" in uri else self.root
 
+    @property
+    def object_store(self) -> bool:
+        """No renames, no appends; an object appears whole when its upload completes."""
+        return self.fs.type_name in OBJECT_STORES
+
     def path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         final = self.path(rel)
+        if self.object_store:  # a key needs no parent "directory"
+            with self.fs.open_output_stream(final) as f:
+                f.write(data)
+            return
         self.fs.create_dir(posixpath.dirname(final), recursive=True)
         tmp = f"{final}.tmp-{uuid.uuid4().hex}"
         with self.fs.open_output_stream(tmp) as f:
             f.write(data)
         self.fs.move(tmp, final)
+
+    def append_bytes(self, rel: str, data: bytes) -> None:
+        """Add ``data`` at the end of a file. An object store cannot append: there the object is read
+        and written again whole (one atomic upload); elsewhere a crash can leave a partial last piece,
+        which readers of an appended file must tolerate."""
+        if self.object_store:
+            self.write_bytes(rel, (self.read_bytes(rel) if self.exists(rel) else b"") + data)
+            return
+        final = self.path(rel)
+        self.fs.create_dir(posixpath.dirname(final), recursive=True)
+        with self.fs.open_append_stream(final) as f:
+            f.write(data)
 
     def read_bytes(self, rel: str) -> bytes:
         with self.fs.open_input_stream(self.path(rel)) as f:
@@ -57,6 +87,7 @@ class RunStorage:
             self.fs.delete_file(self.path(rel))
 
     def move_dir(self, src_rel: str, dst_rel: str) -> None:
+        """Atomic where the filesystem renames (never called on an object store)."""
         self.fs.move(self.path(src_rel), self.path(dst_rel))
 
     def delete_dir(self, rel: str) -> None:

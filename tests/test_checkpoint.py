@@ -393,3 +393,43 @@ def test_metrics_log_resume_keeps_records_up_to_round(tmp_path):
     assert [json.loads(line)["round"] for line in lines] == [1, 2, 3]
     assert json.loads(lines[-1])["gfl_gm"] == 0.99
     assert MetricsLog.resume(RunStorage(str(tmp_path / "empty")), 5).records == []
+
+
+def test_metrics_files_are_appended_and_curves_redrawn_on_evaluation_rounds_only(tmp_path):
+    """A round appends to metrics.jsonl and metrics.csv (the same file, not a new one moved over it); the CSV
+    is rewritten only for a record that brings new columns, the curves only on an evaluation round."""
+    run = tmp_path / "run"
+    log = MetricsLog(RunStorage(str(run)))
+    log.append({"round": 1, "loss": 1.5})
+    inode = {name: os.stat(run / name).st_ino for name in ("metrics.jsonl", "metrics.csv")}
+    log.append({"round": 2, "loss": 1.4})
+    assert {name: os.stat(run / name).st_ino for name in inode} == inode  # appended in place
+    log.append({"round": 3, "loss": 1.3, "gfl_gm": 0.5})  # new columns: the CSV gets its wider header
+    assert os.stat(run / "metrics.jsonl").st_ino == inode["metrics.jsonl"]
+    assert os.stat(run / "metrics.csv").st_ino != inode["metrics.csv"]
+    curves = os.stat(run / "curves.png").st_ino
+    log.append({"round": 4, "loss": 1.2})
+    assert os.stat(run / "curves.png").st_ino == curves  # not an evaluation round: not redrawn
+    log.append({"round": 5, "loss": 1.1, "gfl_gm": 0.6})
+    assert os.stat(run / "curves.png").st_ino != curves
+    assert (run / "metrics.csv").read_text().splitlines() == [
+        "round,loss,gfl_gm", "1,1.5,", "2,1.4,", "3,1.3,0.5", "4,1.2,", "5,1.1,0.6"]
+    assert [json.loads(line)["round"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def test_metrics_resume_drops_a_line_cut_short_by_a_kill(tmp_path):
+    """A process killed while appending leaves a last line without its newline: resuming drops it and the
+    rounds after the checkpoint, and rewrites both files with what it keeps."""
+    run = tmp_path / "run"
+    log = MetricsLog(RunStorage(str(run)))
+    for r in (1, 2, 3):
+        log.append({"round": r, "gfl_gm": 0.1 * r})
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"round": 4, "gfl')
+    resumed = MetricsLog.resume(RunStorage(str(run)), rounds_done=3)
+    assert [rec["round"] for rec in resumed.records] == [1, 2, 3]
+    resumed = MetricsLog.resume(RunStorage(str(run)), rounds_done=2)
+    resumed.append({"round": 3, "gfl_gm": 0.9})
+    assert [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] == [
+        {"round": 1, "gfl_gm": 0.1}, {"round": 2, "gfl_gm": 0.2}, {"round": 3, "gfl_gm": 0.9}]
+    assert (run / "metrics.csv").read_text().splitlines() == ["round,gfl_gm", "1,0.1", "2,0.2", "3,0.9"]

@@ -202,3 +202,28 @@ def test_a_killed_sweep_resumes_without_redoing_finished_rounds_or_trials(tmp_pa
     for trial, rounds in after.items():  # those started after the kill too: no round twice
         assert rounds == list(range(1, 5)), (trial, rounds)
     assert (sweep_dir / "results.md").is_file()
+
+
+@pytest.mark.slow
+def test_a_sweep_logs_its_trials_with_tunes_tensorboard_and_mlflow_callbacks(ray_session, tmp_path):
+    """``tracking.loggers`` in a sweep: Ray Tune's TBXLoggerCallback writes each trial's reports into its
+    folder, MLflowLoggerCallback one run per trial into ``<sweep>/mlruns``; both read back agree."""
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    spec = load_sweep(sweep_file(tmp_path, search={"train.lr": {"grid": [0.05]}}, scheduler="none",
+                                 set={"train.rounds": 2, "tracking.loggers": ["tensorboard", "mlflow"]}))
+    [row] = run_sweep(spec, tmp_path / "sweep")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'sweep' / 'mlruns' / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("synthetic_tiny").experiment_id])
+    assert run.data.params["train.lr"] == "0.05"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "gfl_gm"))
+    assert [step for step, _ in history] == [1, 2]
+    assert run.data.tags["metric.gfl_gm"] == "G-FL: the generic model's (GM) accuracy on the balanced test set"
+    [events] = list((tmp_path / "sweep" / "trials").glob("*/events.out.tfevents.*"))
+    acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
+    acc.Reload()
+    scalars = acc.Scalars("ray/tune/gfl_gm")
+    assert [e.step for e in scalars] == [1, 2]
+    assert [e.value for e in scalars] == pytest.approx([value for _, value in history], rel=1e-6)
+    assert history[-1][1] == pytest.approx(row["gfl_gm"])

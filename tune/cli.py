@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from fedrod_ray.cli import add_logger_argument, logger_overrides
 from fedrod_ray.config import ConfigError
 
 
@@ -19,6 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "search.train.lr={grid: [0.01, 0.1]} (repeatable)")
     p.add_argument("--sweep-dir", help="where trials and results go (default runs/sweeps/<sweep name>)")
     p.add_argument("--resume", metavar="SWEEP_DIR", help="continue an interrupted sweep")
+    add_logger_argument(p)
     p.set_defaults(handler=tune_command)
 
 
@@ -27,7 +29,7 @@ def tune_command(args) -> int:
     from .sweep import resume_spec, run_sweep
 
     if args.resume:
-        if args.config or args.set:
+        if args.config or args.set or args.logger:
             raise ConfigError("--resume takes the sweep saved in SWEEP_DIR; drop --config and --set")
         sweep_dir = Path(args.resume)
         spec = resume_spec(sweep_dir)
@@ -35,7 +37,7 @@ def tune_command(args) -> int:
     else:
         if not args.config:
             raise ConfigError("tune needs --config SWEEP_FILE (or --resume SWEEP_DIR)")
-        spec = load_sweep(args.config, args.set)
+        spec = load_sweep(args.config, args.set + [f"set.{o}" for o in logger_overrides(args)])
         sweep_dir = Path(args.sweep_dir or f"runs/sweeps/{spec.name}")
         _pin_data_dir(spec)
     t0 = time.perf_counter()
@@ -76,6 +78,7 @@ def register_reproduce(sub: argparse._SubParsersAction) -> None:
                                                         "'{client_slots: 2, client: {num_cpus: 1, num_gpus: 0.5}}'")
     p.add_argument("--out", help="where trials and results go (default runs/reproduce/<table>_<config name>)")
     p.add_argument("--resume", metavar="OUT_DIR", help="continue an interrupted reproduction")
+    add_logger_argument(p)
     p.add_argument("--status", metavar="OUT_DIR", help="write and print the table of a reproduction as far as it "
                                                        "got (running or stopped), from its files, without Ray")
     p.set_defaults(handler=reproduce_command)
@@ -88,7 +91,7 @@ def reproduce_command(args) -> int:
 
     if args.resume or args.status:
         flag = "--resume" if args.resume else "--status"
-        given = [f for f in ("table", "row", "config", "seeds", "rounds", "finetune_epochs", "set", "resources", "out",
+        given = [f for f in ("table", "row", "config", "seeds", "rounds", "finetune_epochs", "set", "logger", "resources", "out",
                              "status" if args.resume else "resume") if getattr(args, f) not in (None, [])]
         if given:
             raise ConfigError(f"{flag} takes the reproduction saved in OUT_DIR; drop --{given[0].replace('_', '-')}")
@@ -113,8 +116,8 @@ def reproduce_command(args) -> int:
             raise ConfigError(f"--resources: not YAML: {e}") from None
         if resources is not None and not isinstance(resources, dict):
             raise ConfigError(f"--resources: expected a mapping, got {args.resources!r}")
-        spec = build_spec(args.table, args.config, parse_seeds(args.seeds), args.rounds, parse_sets(args.set),
-                          resources, args.row, args.finetune_epochs)
+        spec = build_spec(args.table, args.config, parse_seeds(args.seeds), args.rounds,
+                          parse_sets(args.set + logger_overrides(args)), resources, args.row, args.finetune_epochs)
         _pin_data_dir(spec)
         out_dir = Path(args.out or f"runs/reproduce/{spec.name}")
     t0 = time.perf_counter()

@@ -21,8 +21,9 @@ import yaml
 from ray.tune import Callback
 
 from fedrod_ray.config import ConfigError, ExperimentConfig, dump_config
-from fedrod_ray.metric_schema import ACCURACIES, percent, title, values_line
+from fedrod_ray.metric_schema import ACCURACIES, METRICS, percent, title, values_line
 from fedrod_ray.plotting import figure, png
+from fedrod_ray.tracking import require_extra
 
 from .space import SweepSpec, load_sweep, param_space
 from .trial import run_trial
@@ -88,13 +89,40 @@ def fit(spec: SweepSpec, out_dir: Path, callback: Callback, resume: bool):
                 tune_config=tune.TuneConfig(**metric, scheduler=scheduler,
                                             num_samples=spec.num_samples, reuse_actors=False),
                 run_config=tune.RunConfig(name=TRIALS, storage_path=str(out_dir), verbose=0,
-                                          callbacks=[callback],
+                                          callbacks=[callback, *tracking_callbacks(_base(spec), out_dir)],
                                           checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
             )
         return tuner.fit()
     finally:
         if started:
             ray.shutdown()
+
+
+def tracking_callbacks(cfg: ExperimentConfig, out_dir: Path) -> list[Callback]:
+    """Ray Tune's own logger callbacks for ``tracking.loggers``: each trial's reports (every numeric field
+    of its rounds' records) and its parameters, TensorBoard's in the trial's folder, MLflow's as one run
+    per trial in the experiment named like the sweep, the metrics' descriptions as its tags."""
+    callbacks: list[Callback] = []
+    if "tensorboard" in cfg.tracking.loggers:
+        require_extra("tensorboardX", "tensorboard")
+        from ray.tune.logger import TBXLoggerCallback
+
+        callbacks.append(TBXLoggerCallback())
+    if "mlflow" in cfg.tracking.loggers:
+        mlflow = require_extra("mlflow", "mlflow")
+        from ray.air.integrations.mlflow import MLflowLoggerCallback
+
+        uri = cfg.tracking.mlflow_uri
+        if uri is None:  # a local store in the sweep's folder, its artifacts beside it (not in the cwd)
+            store = out_dir.resolve() / "mlruns"
+            store.mkdir(parents=True, exist_ok=True)
+            uri = f"sqlite:///{store / 'mlflow.db'}"
+            client = mlflow.MlflowClient(uri)
+            if client.get_experiment_by_name(cfg.name) is None:
+                client.create_experiment(cfg.name, artifact_location=(store / "artifacts").as_uri())
+        callbacks.append(MLflowLoggerCallback(tracking_uri=uri, experiment_name=cfg.name, save_artifact=True,
+                                              tags={f"metric.{m.key}": m.description for m in METRICS}))
+    return callbacks
 
 
 def _base(spec: SweepSpec) -> ExperimentConfig:

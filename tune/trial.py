@@ -15,14 +15,13 @@ import torch
 from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.executors.ray import RayExecutor, plan_layout
 from fedrod_ray.federation import Federation
-from fedrod_ray.metric_schema import ACCURACIES
 from fedrod_ray.setup import prepare
 from fedrod_ray.storage import RunStorage
+from fedrod_ray.tracking import scalars
 
 from .space import SweepSpec
 
 # Whatever of these the round's record has (the accuracies only on evaluation rounds, some only at the last).
-REPORTED = ("round", *ACCURACIES, "train_loss", "personal_loss", "clients_failed")
 
 
 def objective(record: dict, metric: str) -> float:
@@ -53,7 +52,8 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
                 fed.restore(load_checkpoint(RunStorage(folder)))
         for r in range(fed.next_round, cfg.train.rounds):
             record = fed.step(r)
-            metrics = {k: record[k] for k in REPORTED if record.get(k) is not None}
+            # Every numeric field of the record (what a tracking callback logs), the round included.
+            metrics = {"round": record["round"], **scalars(record)}
             if "gfl_gm" in record:  # an evaluated round (a sweep's trial: every round)
                 metrics["objective"] = objective(record, sweep.metric)
             with tempfile.TemporaryDirectory() as folder:

@@ -1,0 +1,172 @@
+"""Run directories on an object store, through pyarrow's S3 filesystem exactly as a user's
+``s3://bucket/runs/x`` goes, against a real S3-compatible server (moto's) on loopback: a run, a
+checkpoint save killed between its steps, ``--resume`` from the bucket bitwise equal to an uninterrupted
+run, ``final/`` served by the HTTP service and reloaded to a new version, and no credentials in any file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from fastapi.testclient import TestClient
+from fedrod_ray_api.app import create_app
+from servers import S3_KEY_ID, S3_SECRET, s3_server
+from test_cli import CONFIG, REPO, run_main
+
+from fedrod_ray.checkpoint import latest_checkpoint_name, load_checkpoint
+from fedrod_ray.export import load_final
+from fedrod_ray.storage import RunStorage
+
+BUCKET = "fedrod-runs"
+FAST = ["--set", "runtime.torch_threads=1"]
+TIMINGS = ("seconds", "train_seconds")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """The server, and this process's environment pointing at it (as a user's would at their endpoint)."""
+    with s3_server(tmp_path_factory.mktemp("s3")) as env:
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            import boto3
+
+            boto3.client("s3").create_bucket(Bucket=BUCKET)
+            yield env
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def objects(prefix: str) -> dict[str, bytes]:
+    import boto3
+
+    s3 = boto3.client("s3")
+    # pyarrow keeps an emptied "directory" as a marker object ending in "/": not a file.
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+            for o in page.get("Contents", []) if not o["Key"].endswith("/")]
+    return {k[len(prefix):]: s3.get_object(Bucket=BUCKET, Key=k)["Body"].read() for k in keys}
+
+
+def records(uri: str) -> list[dict]:
+    lines = RunStorage(uri).read_bytes("metrics.jsonl").decode().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in lines]
+
+
+def train(*args: str) -> str:
+    rc, out, err = run_main(["train", *args, *FAST])
+    assert rc == 0, err
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(s3):
+    """Three rounds straight through, in the bucket."""
+    uri = f"s3://{BUCKET}/runs/straight"
+    train("--config", CONFIG, "--run-dir", uri, "--set", "train.rounds=3")
+    return uri
+
+
+def assert_same_run(uri: str, reference: str) -> None:
+    """Bitwise the same model, checkpoint and records as the reference run."""
+    got, want = objects(uri[len(f"s3://{BUCKET}/"):] + "/"), objects(reference[len(f"s3://{BUCKET}/"):] + "/")
+    for name in ("final/model.safetensors", "final/personal.safetensors", "final/meta.json",
+                 "checkpoints/latest", "checkpoints/round_000003/global.safetensors"):
+        assert got[name] == want[name], name
+    assert records(uri) == records(reference)
+    assert [r["round"] for r in records(uri)] == [1, 2, 3]
+
+
+def test_a_run_in_the_bucket(s3, uninterrupted):
+    files = objects("runs/straight/")
+    assert {"config.yaml", "metrics.jsonl", "metrics.csv", "curves.png", "checkpoints/latest",
+            "final/meta.json", "final/model.safetensors"} <= set(files)
+    assert files["checkpoints/latest"] == b"round_000003"
+    assert sorted({k.split("/")[1] for k in files if k.startswith("checkpoints/round_")}) == [
+        "round_000002", "round_000003"]
+    # Written in place: no temporary objects, not even of an atomic rename that S3 does not have.
+    assert not [k for k in files if ".tmp-" in k]
+    assert len(files["metrics.csv"].decode().splitlines()) == 4
+    assert load_checkpoint(RunStorage(uninterrupted)).rounds_done == 3
+    # The credentials came from the environment; no file of the run holds them.
+    for name, data in objects("").items():
+        assert S3_SECRET.encode() not in data and S3_KEY_ID.encode() not in data, name
+
+
+# Where the killed save stops: after the round's files, before its manifest (the round's commit point),
+# or after the manifest, before ``latest``.
+KILL_BEFORE = {"manifest": "checkpoints/round_000003/manifest.json", "latest": "checkpoints/latest"}
+KILLER = """
+import os, signal, sys
+from fedrod_ray.storage import RunStorage
+from fedrod_ray.cli import main
+
+write = RunStorage.write_bytes
+def write_then_die(self, rel, data):
+    if rel == {rel!r} and (rel.endswith("manifest.json") or data == b"round_000003"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    write(self, rel, data)
+RunStorage.write_bytes = write_then_die
+sys.exit(main(["train", "--resume", {uri!r}, "--set", "train.rounds=3", "--set", "runtime.torch_threads=1"]))
+"""
+
+
+@pytest.mark.parametrize("step", list(KILL_BEFORE))
+def test_a_save_killed_between_its_steps_and_resumed_from_the_bucket(s3, uninterrupted, step):
+    uri = f"s3://{BUCKET}/runs/killed-{step}"
+    train("--config", CONFIG, "--run-dir", uri, "--set", "train.rounds=2")
+    proc = subprocess.run([sys.executable, "-c", KILLER.format(rel=KILL_BEFORE[step], uri=uri)], cwd=REPO, check=False,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "[round   3/3]" in proc.stdout  # killed in round 3's save, after the round itself
+    left = objects(f"runs/killed-{step}/checkpoints/")
+    assert "round_000003/global.safetensors" in left
+    assert ("round_000003/manifest.json" in left) == (step == "latest")
+    # The previous checkpoint is what loads.
+    storage = RunStorage(uri)
+    assert latest_checkpoint_name(storage) == "round_000002"
+    assert load_checkpoint(storage).rounds_done == 2
+    if step == "manifest":
+        with pytest.raises(FileNotFoundError, match="incomplete"):
+            load_checkpoint(storage, "round_000003")
+
+    out = train("--resume", uri, "--set", "train.rounds=3")
+    assert [ln.split("]")[0] for ln in out.splitlines() if ln.startswith("[round")] == ["[round   3/3"]
+    assert_same_run(uri, uninterrupted)
+    # The next save removed what the killed one left: only the kept rounds' client files remain.
+    left = objects(f"runs/killed-{step}/checkpoints/")
+    manifests = [json.loads(left[f"{r}/manifest.json"]) for r in ("round_000002", "round_000003")]
+    named = {c["file"] for m in manifests for c in m["clients"].values() if c["file"]}
+    assert {k.split("/", 1)[1] for k in left if k.startswith("clients/")} == named
+    assert sorted({k.split("/")[0] for k in left if k.startswith("round_")}) == ["round_000002", "round_000003"]
+
+
+TOKEN = "s3-admin-token"
+
+
+def test_the_service_serves_final_from_the_bucket_and_reloads_a_new_version(s3, uninterrupted):
+    uri = f"s3://{BUCKET}/runs/served"
+    train("--config", CONFIG, "--run-dir", uri, "--set", "train.rounds=2")
+    first = load_final(uri).version_id
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(create_app(uri, admin_token=TOKEN)) as client:
+        model = client.get("/v1/model").json()
+        assert model["version_id"] == first and model["round"] == 2
+        train("--resume", uri, "--set", "train.rounds=3")  # training writes a new final/ in the bucket
+        r = client.post("/v1/admin/reload", headers=admin, json={})
+        assert r.status_code == 200, r.text
+        second = load_final(uri).version_id
+        assert r.json() == {"version_id": second, "previous_version_id": first, "changed": True}
+        assert client.get("/v1/model").json()["round"] == 3
+        # Another run directory in the bucket.
+        r = client.post("/v1/admin/reload", headers=admin, json={"model_dir": uninterrupted})
+        assert r.status_code == 200 and r.json()["version_id"] == load_final(uninterrupted).version_id
+        r = client.post("/v1/admin/reload", headers=admin, json={"model_dir": f"s3://{BUCKET}/runs/none"})
+        assert r.status_code == 409 and r.json()["field"] == "model_dir"
