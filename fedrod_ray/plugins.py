@@ -14,12 +14,13 @@ from .config import ConfigError, plugin_names
 __all__ = ["import_object", "load_plugin", "plugin_names", "plugin_sources"]
 
 
-def load_plugin(group: str, name: str, field: str) -> Callable[..., Any]:
-    """The object that entry point ``name`` of ``group`` names; a ConfigError naming ``field`` when it is not
-    registered or does not load."""
+def load_plugin(group: str, name: str, field: str, kind: str) -> Callable[..., Any]:
+    """The object that entry point ``name`` of ``group`` names; a ConfigError naming ``field`` (an unknown
+    ``kind``) when it is not registered or does not load."""
     found = [ep for ep in entry_points(group=group) if ep.name == name]
     if not found:
-        raise ConfigError(f"{field}: no package registers {name!r} under the entry-point group {group}")
+        raise ConfigError(f"{field}: unknown {kind} {name!r}: not built in, and no installed package registers it "
+                          f"under the entry-point group {group}")
     try:
         return found[0].load()
     except Exception as e:  # whatever the plug-in's import raises, the user needs its name

@@ -86,7 +86,7 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> ImageDataset:
         raw = read_folder(cfg.path) if name == "folder" else read_arrays(cfg.path)
         return from_raw(name, raw, cfg)
     if name not in DATASETS:
-        ds = load_plugin(DATASET_PLUGINS, name, "data.dataset")(cfg, seed)
+        ds = load_plugin(DATASET_PLUGINS, name, "data.dataset", "dataset")(cfg, seed)
         if not isinstance(ds, ImageDataset):
             raise ConfigError(f"data.dataset: the plug-in {name!r} returned a {type(ds).__name__}, not an "
                               "ImageDataset")

@@ -25,7 +25,7 @@ def feature_extractor(arch: str, image_shape: tuple[int, int, int]) -> tuple[nn.
     from ..plugins import import_object, load_plugin
 
     factory = (import_object(arch, "model.arch") if is_import_path(arch)
-               else load_plugin(MODEL_PLUGINS, arch, "model.arch"))
+               else load_plugin(MODEL_PLUGINS, arch, "model.arch", "arch"))
     shape = tuple(int(n) for n in image_shape)
     try:
         body = factory(shape)
