@@ -177,14 +177,15 @@ def cmd_list(args) -> int:
         return f" (train.rule_params: {', '.join(defaults)})" if defaults else ""
 
     def plugins(group: str) -> str:
-        found = plugin_sources(group)
-        return "".join(f", {name} (plug-in: {source})" for name, source in found.items())
+        return ", ".join(f"{name} ({source})" for name, source in plugin_sources(group).items()) or "none installed"
 
-    print("datasets (data.dataset): " + ", ".join(DATASETS) + ", folder (data.path: train/<class>/, test/<class>/), "
-          "arrays (data.path: an .npz)" + plugins(DATASET_PLUGINS))
+    print("datasets (data.dataset): " + ", ".join(DATASETS))
+    print("your own data (data.dataset, with data.path): folder (train/<class>/ or clients/<client>/<class>/, "
+          "and test/<class>/), arrays (an .npz)")
+    print("dataset plug-ins (data.dataset): " + plugins(DATASET_PLUGINS))
     print("partitions (data.partition): " + ", ".join(PARTITIONS))
-    print("feature extractors (model.arch): auto, " + ", ".join(ARCHS) + plugins(MODEL_PLUGINS)
-          + ", or package.module:factory")
+    print("feature extractors (model.arch): auto, " + ", ".join(ARCHS) + ", package.module:factory")
+    print("model plug-ins (model.arch): " + plugins(MODEL_PLUGINS))
     print("heads (train.head): " + ", ".join(HEADS))
     print("generic rules (train.generic_rule): " + ", ".join(n + params(r) for n, r in sorted(RULES.items())))
     def settings(name: str) -> list[str]:

@@ -284,7 +284,7 @@ _RENAMED = {
     "train.feddyn_alpha": "train.rule_params.alpha (with train.generic_rule=feddyn)",
 }
 # What --resume may change: how and how long to run, never what is learned.
-RESUMABLE = ("name", "run_dir", "data.data_dir", "data.download", "train.rounds", "eval.", "runtime.")
+RESUMABLE = ("name", "run_dir", "data.data_dir", "data.path", "data.download", "train.rounds", "eval.", "runtime.")
 
 
 # --- checking ----------------------------------------------------------------------------------------------

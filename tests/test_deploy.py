@@ -665,13 +665,16 @@ def test_ray_job_submit_of_the_example_package(tmp_path):
     base_env["PATH"] = f"{Path(ray_cli).parent}{os.pathsep}{base_env.get('PATH', '')}"
     env = {**base_env, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    # The job uploads only examples/: fedrod-ray is what the cluster has installed, which for this head is
+    # this checkout (the job's working_dir still comes first on its path).
+    head_env = {**env, "PYTHONPATH": str(REPO)}
     head_cmd, address = _head_command(ray_cli, ray_tmp)
     command = _sub(_readme_example_submit(), "--address http://127.0.0.1:8265", f"--address {address}")
     command = _sub(command, "/mnt/runs", shlex.quote(str(tmp_path / "runs")))
     run_dir = Path(_arg(command, "--run-dir"))
     head_log = tmp_path / "head.log"
     with open(head_log, "w") as log:
-        head = subprocess.Popen(head_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        head = subprocess.Popen(head_cmd, env=head_env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 start_new_session=True)
     tracked: dict[int, tuple[int, str]] = {}
     try:

@@ -252,7 +252,10 @@ def test_partition_command_and_training_on_natural_clients_with_resume(tmp_path)
         run = tmp_path / "run"
         rc, out, err = run_main(["train", "--config", str(config), "--run-dir", str(run)])
         assert rc == 0, err
-        rc, out, err = run_main(["train", "--resume", str(run), "--set", "train.rounds=3"])
+        # The data moved (a cluster job's upload lands elsewhere each time): data.path may change on resume.
+        root.rename(tmp_path / "moved")
+        rc, out, err = run_main(["train", "--resume", str(run), "--set", "train.rounds=3",
+                                 "--set", f"data.path={tmp_path / 'moved'}"])
         assert rc == 0, err
     finally:
         torch.set_num_threads(threads)

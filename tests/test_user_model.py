@@ -131,7 +131,9 @@ def test_plugins_through_entry_points(tmp_path, monkeypatch):
     try:
         rc, out, err = run_main(["list"])
         assert rc == 0, err
-        assert "tiny (plug-in: demo_plugin:tiny)" in out and "flat (plug-in: demo_plugin:flat)" in out
+        lines = dict(line.split(": ", 1) for line in out.splitlines())
+        assert lines["dataset plug-ins (data.dataset)"] == "tiny (demo_plugin:tiny)"
+        assert lines["model plug-ins (model.arch)"] == "flat (demo_plugin:flat)"
         cfg = config_from_dict({"data": {"dataset": "tiny"}, "model": {"arch": "flat"}})
         ds = load_dataset(cfg.data, seed=0)
         assert ds.class_names == ["even", "odd"] and ds.image_shape == (1, 6, 6)
