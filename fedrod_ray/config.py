@@ -426,6 +426,9 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     if rt.batched_clients and rt.mode == "ray":
         raise ConfigError("runtime.batched_clients: has no effect with runtime.mode=ray (each actor trains its "
                           "clients one at a time); set runtime.mode=local or remove it")
+    if rt.batched_clients and cfg.model.arch == "resnet20":
+        raise ConfigError("runtime.batched_clients: the batched local update needs a model without buffers, and "
+                          "model.arch=resnet20 has batch-norm statistics; set runtime.batched_clients=0")
     if rt.batched_clients and t.balanced_loss == "meta_bsm":
         raise ConfigError("runtime.batched_clients: the batched local update does not support "
                           "train.balanced_loss=meta_bsm; set runtime.batched_clients=0")

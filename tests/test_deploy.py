@@ -649,7 +649,8 @@ def _readme_example_submit() -> str:
 def test_ray_job_submit_of_the_example_package(tmp_path):
     """README's example job, run as written from a copy of examples/ against a private head node: the
     user's factory and data travel with the job's working_dir, the driver and the client actors import the
-    factory, and the run's final/ names it. The only change: the dashboard address and /mnt/runs."""
+    factory, and the run's final/ names it. The only changes: the dashboard address, /mnt/runs, and this
+    checkout's fedrod_ray in the runtime env's py_modules."""
     ray_cli = _ray_cli()
     if ray_cli is None:
         pytest.skip("the `ray` CLI is not installed")
@@ -665,16 +666,18 @@ def test_ray_job_submit_of_the_example_package(tmp_path):
     base_env["PATH"] = f"{Path(ray_cli).parent}{os.pathsep}{base_env.get('PATH', '')}"
     env = {**base_env, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    # The job uploads only examples/: fedrod-ray is what the cluster has installed, which for this head is
-    # this checkout (the job's working_dir still comes first on its path).
-    head_env = {**env, "PYTHONPATH": str(REPO)}
+    # The job uploads only examples/, and runs the fedrod-ray the cluster has installed; here that must be
+    # this checkout, shipped with the job as a py_modules entry of the copy's runtime env.
+    runtime_env = yaml.safe_load((example / "runtime_env.yaml").read_text())
+    runtime_env["py_modules"] = [str(REPO / "fedrod_ray")]
+    (example / "runtime_env.yaml").write_text(yaml.safe_dump(runtime_env))
     head_cmd, address = _head_command(ray_cli, ray_tmp)
     command = _sub(_readme_example_submit(), "--address http://127.0.0.1:8265", f"--address {address}")
     command = _sub(command, "/mnt/runs", shlex.quote(str(tmp_path / "runs")))
     run_dir = Path(_arg(command, "--run-dir"))
     head_log = tmp_path / "head.log"
     with open(head_log, "w") as log:
-        head = subprocess.Popen(head_cmd, env=head_env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        head = subprocess.Popen(head_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 start_new_session=True)
     tracked: dict[int, tuple[int, str]] = {}
     try:

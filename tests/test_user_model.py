@@ -70,6 +70,8 @@ def test_resnet20_shape_and_parameter_count():
     assert model.features(x).shape == (5, 64) and model(x).shape == (5, 10)
     assert build_model("resnet20", 10, (1, 28, 28), "hyper").features(torch.randn(2, 1, 28, 28)).shape == (2, 64)
     assert config_from_dict({"model": {"arch": "resnet20"}}).model.arch == "resnet20"
+    with pytest.raises(ConfigError, match="runtime.batched_clients: .*resnet20 has batch-norm"):
+        config_from_dict({"model": {"arch": "resnet20"}, "runtime": {"batched_clients": 4}})
 
 
 def test_factory_builds_with_the_input_shape_and_measured_feature_size(package):
