@@ -157,11 +157,19 @@ def _empty_client(root: Path) -> Path:
     return bad
 
 
+def _client_test_set(root: Path) -> Path:
+    _empty_client(root).rmdir()
+    bad = root / "clients" / "full" / "test"
+    write_png(bad / "a" / "0.png", np.zeros((8, 8), np.uint8), "L")
+    return bad
+
+
 @pytest.mark.parametrize("damage, words", [
     (_mixed_size, r"8x9 L, but .*0\.png \(the first image\) is 8x8 L"),
     (_mixed_mode, "8x8 RGB, but .* is 8x8 L"),
     (_empty_class, "empty class folder"),
     (_not_an_image, "not an image file"),
+    (_client_test_set, "per-client test sets are not supported yet"),
     (_empty_client, r"no class folders \(and so no examples\)"),
 ])
 def test_folder_bad_inputs_name_the_first_file_that_differs(tmp_path, damage, words):

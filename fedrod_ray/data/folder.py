@@ -37,6 +37,11 @@ def read_folder(path: str) -> RawImages:
     if not test.is_dir():
         raise DatasetFormatError(f"data.path: {root} has no test/<class>/ folder")
     if clients.is_dir():
+        for folder in _subfolders(clients).values():
+            if (folder / "test").is_dir():
+                # Read as a class named "test", it would silently become training images.
+                raise DatasetFormatError(f"{folder / 'test'}: per-client test sets are not supported yet; move "
+                                         "these images to test/<class>/ (or rename the class)")
         groups = {name: _class_files(folder) for name, folder in _subfolders(clients).items()}
         if not groups:
             raise DatasetFormatError(f"{clients}: no client folders")
