@@ -35,7 +35,8 @@ def import_object(path: str, field: str) -> Callable[..., Any]:
         obj: Any = importlib.import_module(module_name)
     except Exception as e:  # a missing module and a module that raises both stop here
         raise ConfigError(f"{field}: cannot import {module_name} for {path!r}: {type(e).__name__}: {e} "
-                          "(on a cluster, ship it with the job's runtime_env working_dir or py_modules)") from e
+                          "(put its folder on PYTHONPATH; on a cluster, ship it with the job's runtime_env working_dir or "
+                          "py_modules)") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"{field}: {module_name} has no attribute {attr!r} (from {path!r})")
