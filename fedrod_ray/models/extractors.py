@@ -39,7 +39,8 @@ def feature_extractor(arch: str, image_shape: tuple[int, int, int]) -> tuple[nn.
 def check_arch(arch: str, image_shape: tuple[int, int, int]) -> int:
     """Build ``arch``'s feature extractor and pass one dummy batch of ``image_shape`` images through it; d, or a
     ConfigError naming model.arch and what failed (a built-in too small a size for it, a factory's error)."""
-    body, d = feature_extractor(arch, image_shape)
+    with torch.random.fork_rng(devices=[]):  # a check: the global random state stays as it was
+        body, d = feature_extractor(arch, image_shape)
     if _feature_dim(body, arch, tuple(image_shape)) != d:
         raise ConfigError(f"model.arch: {arch} gives features of another size than its {d}")
     return d
