@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from ..config import DATASET_PLUGINS, DATASETS, ConfigError
-from ..plugins import load_plugin
 from . import cifar, files, idx
 from .arrays import read_arrays
 from .classes import class_names
@@ -86,6 +85,9 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> ImageDataset:
         raw = read_folder(cfg.path) if name == "folder" else read_arrays(cfg.path)
         return from_raw(name, raw, cfg)
     if name not in DATASETS:
+        # Only here: the HTTP service imports this package for its normalisation, and nothing it does not need.
+        from ..plugins import load_plugin
+
         ds = load_plugin(DATASET_PLUGINS, name, "data.dataset", "dataset")(cfg, seed)
         if not isinstance(ds, ImageDataset):
             raise ConfigError(f"data.dataset: the plug-in {name!r} returned a {type(ds).__name__}, not an "
