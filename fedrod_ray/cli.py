@@ -11,9 +11,10 @@ import sys
 import threading
 import time
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from . import __version__
-from .config import LOGGERS, ConfigError, check_resume, config_from_dict, config_schema, load_config
+from .config import DATASETS, LOGGERS, ConfigError, check_resume, config_from_dict, config_schema, load_config
 
 COMMANDS = "fedrod_ray.commands"  # entry-point group: callables that add a subcommand to the parser
 
@@ -41,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     part = sub.add_parser("partition", help="print the clients' class counts for a config")
     _add_config_args(part)
 
-    sub.add_parser("list", help="list the datasets, heads, generic rules and balanced losses")
+    sub.add_parser("list", help="list the datasets, partitions, feature extractors (with plug-ins), heads, "
+                                "generic rules and balanced losses")
     sub.add_parser("schema", help="print the JSON Schema of an experiment config (fedrod_ray/config.schema.json)")
 
     # Commands of the optional parts (``fedrod-ray serve`` from api/), registered through an entry point:
@@ -139,7 +141,9 @@ def cmd_train(args) -> int:
 
     # config.yaml records where the data and the run really were, so a resume finds them again.
     cfg.run_dir = storage.uri
-    if cfg.data.data_dir is None and cfg.data.dataset != "synthetic":
+    if cfg.data.path is not None:
+        cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())
+    elif cfg.data.data_dir is None and cfg.data.dataset in DATASETS and cfg.data.dataset != "synthetic":
         from .data import resolve_data_dir
 
         cfg.data.data_dir = str(resolve_data_dir(None).resolve())
@@ -165,27 +169,35 @@ def cmd_train(args) -> int:
 
 def cmd_partition(args) -> int:
     from .data import load_dataset
-    from .objectives import meta_per_class
-    from .partition import format_partition, make_partition
+    from .partition import format_partition
+    from .setup import partition_dataset
 
     cfg = load_config(args.config, _overrides(args))
-    ds = load_dataset(cfg.data, seed=cfg.seed)
-    print(format_partition(make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed,
-                                          meta_per_class(cfg.train))))
+    print(format_partition(partition_dataset(cfg, load_dataset(cfg.data, seed=cfg.seed))))
     return 0
 
 
 def cmd_list(args) -> int:
     from .algorithms import RULES
-    from .config import DATASETS, GAMMA_LOSSES, HEADS
+    from .config import ARCHS, DATASET_PLUGINS, DATASETS, GAMMA_LOSSES, HEADS, MODEL_PLUGINS, PARTITIONS
     from .losses import BALANCED_LOSSES
     from .objectives import OBJECTIVES
+    from .plugins import plugin_sources
 
     def params(rule) -> str:
         defaults = [f"{f}={v}" for f, v in vars(rule.Params()).items()]
         return f" (train.rule_params: {', '.join(defaults)})" if defaults else ""
 
+    def plugins(group: str) -> str:
+        return ", ".join(f"{name} ({source})" for name, source in plugin_sources(group).items()) or "none installed"
+
     print("datasets (data.dataset): " + ", ".join(DATASETS))
+    print("your own data (data.dataset, with data.path): folder (train/<class>/ or clients/<client>/<class>/, "
+          "and test/<class>/), arrays (an .npz)")
+    print("dataset plug-ins (data.dataset): " + plugins(DATASET_PLUGINS))
+    print("partitions (data.partition): " + ", ".join(PARTITIONS))
+    print("feature extractors (model.arch): auto, " + ", ".join(ARCHS) + ", package.module:factory")
+    print("model plug-ins (model.arch): " + plugins(MODEL_PLUGINS))
     print("heads (train.head): " + ", ".join(HEADS))
     print("generic rules (train.generic_rule): " + ", ".join(n + params(r) for n, r in sorted(RULES.items())))
     def settings(name: str) -> list[str]:
@@ -203,7 +215,7 @@ def cmd_schema(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .data import DatasetNotFoundError
+    from .data import DatasetFormatError, DatasetNotFoundError
     from .federation import RoundFailedError
 
     args = build_parser().parse_args(argv)
@@ -211,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         handler = getattr(args, "handler", None) or {"train": cmd_train, "partition": cmd_partition,
                                                        "list": cmd_list, "schema": cmd_schema}[args.command]
         return handler(args)
-    except (ConfigError, DatasetNotFoundError) as e:
+    except (ConfigError, DatasetNotFoundError, DatasetFormatError) as e:
         print(f"fedrod-ray: error: {e}", file=sys.stderr)
         return 2
     except RoundFailedError as e:

@@ -19,6 +19,7 @@ import re
 import typing
 from collections.abc import Iterable
 from dataclasses import field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -61,12 +62,31 @@ Fraction = Annotated[float, Field(strict=True, gt=0, le=1), BeforeValidator(_num
 @dataclasses.dataclass(frozen=True)
 class OneOf:
     """A string field's choices: checked when a config is loaded (constructing a section directly does not),
-    and listed in the JSON Schema."""
+    and listed in the JSON Schema. With ``plugins`` (an entry-point group) the names installed packages
+    register there are valid too, and the schema lists the built-in names as examples only."""
 
     names: tuple[str, ...]
+    plugins: str | None = None
+
+    def choices(self) -> tuple[str, ...]:
+        return self.names + (plugin_names(self.plugins) if self.plugins else ())
 
     def __get_pydantic_json_schema__(self, core_schema, handler):
-        return {**handler(core_schema), "enum": list(self.names)}
+        key = "examples" if self.plugins else "enum"
+        return {**handler(core_schema), key: list(self.names)}
+
+
+def plugin_names(group: str) -> tuple[str, ...]:
+    """The names installed packages register under entry-point ``group``, sorted."""
+    return tuple(sorted({ep.name for ep in entry_points(group=group)}))
+
+
+def is_import_path(value: str) -> bool:
+    """``package.module:factory``: a model factory named by where it lives."""
+    return _IMPORT_PATH.fullmatch(value) is not None
+
+
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 def _section(value: Any) -> Any:
@@ -79,7 +99,12 @@ _CLOSED = ConfigDict(extra="forbid")  # an unknown key is an error
 # --- names: what the registries hold, so that checking a config needs none of them -------------------------
 
 DATASETS = ("mnist", "fmnist", "emnist", "cifar10", "cifar100", "synthetic")  # fedrod_ray.data
-ARCHS = ("mnist_cnn", "cifar_cnn")  # fedrod_ray.models.convnet.BUILDERS
+# The user's own images, under data.path (fedrod_ray.data.folder, fedrod_ray.data.arrays).
+USER_DATASETS = ("folder", "arrays")
+ARCHS = ("mnist_cnn", "cifar_cnn", "resnet20")  # fedrod_ray.models.BUILDERS
+# Entry-point groups through which installed packages add datasets and feature extractors (fedrod_ray.plugins).
+DATASET_PLUGINS = "fedrod_ray.datasets"
+MODEL_PLUGINS = "fedrod_ray.models"
 LOSS_NAMES = ("ce", "bsm", "reweight", "ldam", "cdt")  # fedrod_ray.losses.BALANCED_LOSSES; meta_bsm is apart
 HEADS = ("none", "linear", "hyper")
 # model.init: "normal" is the paper's ("weights initialised from normal distributions"; it names no scale,
@@ -92,7 +117,7 @@ STEPS = ("eager", "compiled")  # train.step (fedrod_ray.step)
 # and every version before this switch); "keep": the client keeps the buffers of the parameters it trains, and
 # its next local update continues them (only the weights come from the server).
 MOMENTUM_BUFFERS = ("reset", "keep")
-PARTITIONS = ("dirichlet", "iid")
+PARTITIONS = ("dirichlet", "iid", "natural")  # natural: the clients the data itself names
 MODES = ("auto", "local", "ray")
 
 
@@ -131,8 +156,12 @@ RULE_PARAMS: dict[str, type] = {"fedavg": NoParams, "fedprox": FedProxParams, "f
 
 @dataclass(config=_CLOSED)
 class DataConfig:
-    dataset: Annotated[StrictStr, OneOf(DATASETS)] = "mnist"
+    # A built-in set, the user's own (folder, arrays: under data.path) or one a package registers.
+    dataset: Annotated[StrictStr, OneOf(DATASETS + USER_DATASETS, DATASET_PLUGINS)] = "mnist"
     data_dir: StrictStr | None = None  # else $FEDROD_DATA_DIR, else the user cache dir
+    # folder: a directory of train/<class>/*.png|jpg, test/<class>/... (natural: clients/<id>/<class>/...);
+    # arrays: an .npz of x_train, y_train, x_test, y_test (optional class_names, client_train)
+    path: StrictStr | None = None
     download: StrictBool = True
     num_clients: PositiveInt = 100  # training clients
     new_clients: NonNegativeInt = 0  # extra held-out clients that never train (zero-shot evaluation)
@@ -151,7 +180,9 @@ class DataConfig:
 
 @dataclass(config=_CLOSED)
 class ModelConfig:
-    arch: Annotated[StrictStr, OneOf(("auto",) + ARCHS)] = "auto"  # auto: from the dataset
+    # auto: from the dataset; a built-in, a registered plug-in's name, or package.module:factory, a callable
+    # that takes the input shape (C, H, W) and returns an nn.Module mapping N x C x H x W to N x d features
+    arch: Annotated[StrictStr, OneOf(("auto",) + ARCHS, MODEL_PLUGINS)] = "auto"
     hyper_hidden: PositiveInt | None = None  # train.head=hyper only; None: the paper's (32 for CIFAR-10, else 16)
     init: Annotated[StrictStr, OneOf(INITS)] = "normal"  # initial weights (see INITS)
 
@@ -272,8 +303,8 @@ _RENAMED = {
     "train.feddyn_alpha": "train.rule_params.alpha (with train.generic_rule=feddyn)",
 }
 # What --resume may change: how and how long to run, never what is learned.
-RESUMABLE = ("name", "run_dir", "data.data_dir", "data.download", "train.rounds", "eval.", "runtime.",
-             "tracking.")
+RESUMABLE = ("name", "run_dir", "data.data_dir", "data.path", "data.download", "train.rounds", "eval.",
+             "runtime.", "tracking.")
 
 
 # --- checking ----------------------------------------------------------------------------------------------
@@ -357,8 +388,10 @@ def _check_choices(section: Any, prefix: str = "") -> None:
         if dataclasses.is_dataclass(value):
             _check_choices(value, f"{prefix}{name}.")
         for choices in (m for m in info.metadata if isinstance(m, OneOf)):
-            if value not in choices.names:
-                raise _not_one_of(prefix + name, value, choices.names)
+            if choices.plugins == MODEL_PLUGINS and is_import_path(value):
+                continue  # imported and built when the input shape is known (fedrod_ray.models)
+            if value not in choices.choices():
+                raise _not_one_of(prefix + name, value, choices.choices())
 
 
 def _validate(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -398,6 +431,7 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     if cfg.model.hyper_hidden is not None and t.head != "hyper":
         raise ConfigError(f"model.hyper_hidden: has no effect with train.head={t.head} "
                           "(only the hyper head has a hypernetwork); remove it")
+    _check_data(cfg)
     if cfg.data.min_per_client and cfg.data.partition != "dirichlet":
         raise ConfigError(f"data.min_per_client: has no effect with data.partition={cfg.data.partition} "
                           "(only the Dirichlet split is topped up); remove it")
@@ -429,6 +463,9 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     if rt.batched_clients and rt.mode == "ray":
         raise ConfigError("runtime.batched_clients: has no effect with runtime.mode=ray (each actor trains its "
                           "clients one at a time); set runtime.mode=local or remove it")
+    if rt.batched_clients and cfg.model.arch == "resnet20":
+        raise ConfigError("runtime.batched_clients: the batched local update needs a model without buffers, and "
+                          "model.arch=resnet20 has batch-norm statistics; set runtime.batched_clients=0")
     if rt.batched_clients and t.balanced_loss == "meta_bsm":
         raise ConfigError("runtime.batched_clients: the batched local update does not support "
                           "train.balanced_loss=meta_bsm; set runtime.batched_clients=0")
@@ -438,6 +475,24 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     if t.step == "compiled" and rt.batched_clients:
         raise ConfigError("train.step: compiled has no effect with runtime.batched_clients (the batched update "
                           "has a step of its own); remove one of them")
+
+
+def _check_data(cfg: ExperimentConfig) -> None:
+    d = cfg.data
+    if d.dataset in USER_DATASETS and d.path is None:
+        raise ConfigError(f"data.path: data.dataset={d.dataset} reads the data from data.path; set it")
+    if d.path is not None and d.dataset in DATASETS:
+        raise ConfigError(f"data.path: has no effect with data.dataset={d.dataset} (a built-in set, found under "
+                          "data.data_dir); remove it")
+    if d.partition == "natural":
+        defaults = DataConfig()
+        for name in ("alpha", "imbalance_ratio"):
+            if getattr(d, name) != getattr(defaults, name):
+                raise ConfigError(f"data.{name}: has no effect with data.partition=natural (each client keeps "
+                                  "exactly its own examples); remove it")
+        if cfg.train.balanced_loss == "meta_bsm":
+            raise ConfigError("train.balanced_loss: meta_bsm takes its meta set out of the clients' examples, "
+                              "which data.partition=natural keeps whole; use another loss or partition")
 
 
 def check_resume(saved: ExperimentConfig, new: ExperimentConfig, rounds_done: int) -> None:

@@ -52,7 +52,7 @@ class ModelMeta:
     image_shape: list[int]  # [C, H, W]
     mean: list[float]  # per channel, pixels in [0, 1] units
     std: list[float]
-    arch: str  # "mnist_cnn" | "cifar_cnn"
+    arch: str  # a built-in ("mnist_cnn", "cifar_cnn", "resnet20"), a plug-in's name or package.module:factory
     head: str  # "none" | "linear" | "hyper"
     hyper_hidden: int
     rule: str  # generic-FL rule, e.g. "fedavg"

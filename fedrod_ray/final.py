@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from .aggregate import StateDict
-from .data import class_names
 from .export import ModelMeta, save_final
 from .metric_schema import EVALUATED
 from .models import resolve_arch
@@ -22,7 +21,7 @@ from .storage import RunStorage
 def model_meta(setup: Setup, rounds_done: int, metrics: dict[str, float]) -> ModelMeta:
     ds, cfg = setup.dataset, setup.cfg
     return ModelMeta(
-        dataset=ds.name, class_names=class_names(ds.name, ds.num_classes), image_shape=list(ds.image_shape),
+        dataset=ds.name, class_names=ds.class_names, image_shape=list(ds.image_shape),
         mean=list(ds.mean), std=list(ds.std), arch=resolve_arch(cfg.model.arch, ds.image_shape),
         head=cfg.train.head, hyper_hidden=cfg.hyper_hidden, rule=cfg.train.generic_rule,
         balanced_loss=cfg.train.balanced_loss, round=rounds_done, metrics=metrics,

@@ -1,4 +1,5 @@
-"""Seeded splits of a training set over federated clients: Dirichlet non-IID, IID, long-tailed, held-out."""
+"""Seeded splits of a training set over federated clients: Dirichlet non-IID, IID, natural (the clients the
+data names), long-tailed, held-out."""
 
 from __future__ import annotations
 
@@ -80,6 +81,14 @@ def iid_partition(labels: np.ndarray, num_clients: int, seed: int) -> list[np.nd
     return _finish(np.array_split(perm, num_clients))
 
 
+def natural_partition(owners: np.ndarray, num_clients: int) -> list[np.ndarray]:
+    """Client k's examples are exactly those ``owners`` assigns to k (0..num_clients-1)."""
+    owners = np.asarray(owners)
+    order = np.argsort(owners, kind="stable")
+    cuts = np.cumsum(np.bincount(owners, minlength=num_clients))[:-1]
+    return _finish(np.split(order, cuts))
+
+
 def long_tail_indices(labels: np.ndarray, num_classes: int, imbalance_ratio: float, seed: int) -> np.ndarray:
     """Sorted indices of a random subset where class c keeps floor(n_max * ratio^(-c / (C - 1))).
 
@@ -126,6 +135,8 @@ class Partition:
     client_indices: list[np.ndarray]  # into the training set; training clients first, then new clients
     counts: np.ndarray  # (num_train_clients + new clients) x C
     num_train_clients: int
+    # Natural clients: client m's name in the data (its folder or client_train id); else empty.
+    client_names: tuple[str, ...] = ()
     # The balanced meta set a local objective learns against (``fedrod_ray.objectives``), held by the server:
     # training-set rows that no client holds.
     meta_indices: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
@@ -148,16 +159,22 @@ class Partition:
 
 
 def make_partition(cfg: DataConfig, train_labels: np.ndarray, num_classes: int, seed: int,
-                   meta_per_class: int = 0) -> Partition:
+                   meta_per_class: int = 0, owners: np.ndarray | None = None,
+                   owner_names: tuple[str, ...] = ()) -> Partition:
     """Take out the meta set (``meta_per_class`` > 0: a local objective's, e.g. Meta-BSM), long-tail (if ``cfg.imbalance_ratio > 1``),
     split over ``num_clients + new_clients``, hold some out.
 
     Which clients are held out is a seeded random choice, so new clients are not systematically the
     last (or first) pieces of the split. The meta set is balanced whatever the long tail does to the rest;
     without one, the partition is exactly what it would be without this step.
+
+    ``data.partition: natural`` takes the clients from ``owners`` (each example's client, an index into
+    ``owner_names``), whole: the held-out new clients are natural clients too.
     """
     labels = np.asarray(train_labels)
     total = cfg.num_clients + cfg.new_clients
+    if cfg.partition == "natural":
+        return _natural(cfg, labels, num_classes, seed, owners, owner_names)
     pool = np.arange(len(labels), dtype=np.int64)
     meta = np.empty(0, np.int64)
     if meta_per_class > 0:
@@ -173,17 +190,42 @@ def make_partition(cfg: DataConfig, train_labels: np.ndarray, num_classes: int, 
         parts = iid_partition(labels[pool], total, _subseed(seed, 1))
     else:
         raise ValueError(f"unknown partition {cfg.partition!r}; choose dirichlet or iid")
-    held_out = np.random.default_rng(_subseed(seed, 2)).permutation(total)[: cfg.new_clients]
-    is_new = np.zeros(total, dtype=bool)
-    is_new[held_out] = True
-    order = np.concatenate([np.flatnonzero(~is_new), np.flatnonzero(is_new)])
+    order = _train_then_new(total, cfg.new_clients, seed)
     client_indices = [pool[parts[m]] for m in order]
     empty = [m for m, idx in enumerate(client_indices) if len(idx) == 0]
     if empty:
         # Its class distribution, its P-FL weights and its aggregation weight would all be 0/0.
         raise ConfigError(f"data.min_per_client: this split leaves client(s) {empty[:10]} with no examples; "
                           "set data.min_per_client to at least 1 (or use another seed or data.alpha)")
-    return Partition(client_indices, class_counts(labels, client_indices, num_classes), cfg.num_clients, meta)
+    return Partition(client_indices, class_counts(labels, client_indices, num_classes), cfg.num_clients,
+                     meta_indices=meta)
+
+
+def _train_then_new(total: int, new_clients: int, seed: int) -> np.ndarray:
+    """The split's pieces reordered: training clients first, then the seeded random choice of new ones."""
+    held_out = np.random.default_rng(_subseed(seed, 2)).permutation(total)[:new_clients]
+    is_new = np.zeros(total, dtype=bool)
+    is_new[held_out] = True
+    return np.concatenate([np.flatnonzero(~is_new), np.flatnonzero(is_new)])
+
+
+def _natural(cfg: DataConfig, labels: np.ndarray, num_classes: int, seed: int, owners: np.ndarray | None,
+             names: tuple[str, ...]) -> Partition:
+    if owners is None:
+        raise ConfigError(f"data.partition: natural needs data that names its clients (data.dataset=folder with "
+                          f"clients/<client>/<class>/, or arrays with client_train), not {cfg.dataset}")
+    total = len(names)
+    if cfg.num_clients + cfg.new_clients != total:
+        raise ConfigError(f"data.num_clients: the data holds {total} natural clients, so data.num_clients + "
+                          f"data.new_clients must be {total}, not {cfg.num_clients} + {cfg.new_clients}")
+    parts = natural_partition(owners, total)
+    empty = [names[k] for k, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        raise ConfigError(f"data.path: natural client(s) {empty[:10]} hold no training examples")
+    order = _train_then_new(total, cfg.new_clients, seed)
+    client_indices = [parts[k] for k in order]
+    return Partition(client_indices, class_counts(labels, client_indices, num_classes), cfg.num_clients,
+                     tuple(names[k] for k in order))
 
 
 def format_partition(p: Partition) -> str:
@@ -191,12 +233,16 @@ def format_partition(p: Partition) -> str:
     num_classes = p.counts.shape[1]
     sizes = p.sizes
     width = max(4, len(str(int(p.counts.max(initial=0)))) + 1)
-    header = f"{'client':>8} {'kind':>5} {'n':>7} " + "".join(f"{f'c{c}':>{width}}" for c in range(num_classes))
+    # Natural clients also show the name the data gives them.
+    names = [f" {n:>{max(4, *map(len, p.client_names))}}" for n in p.client_names] or [""] * p.num_clients
+    name_head = f" {'name':>{len(names[0]) - 1}}" if p.client_names else ""
+    header = (f"{'client':>8}{name_head} {'kind':>5} {'n':>7} "
+              + "".join(f"{f'c{c}':>{width}}" for c in range(num_classes)))
     lines = [header]
     for m in range(p.num_clients):
         kind = "new" if m >= p.num_train_clients else "train"
         row = "".join(f"{int(v):>{width}}" for v in p.counts[m])
-        lines.append(f"{m:>8} {kind:>5} {int(sizes[m]):>7} {row}")
+        lines.append(f"{m:>8}{names[m]} {kind:>5} {int(sizes[m]):>7} {row}")
     classes_per_client = (p.counts > 0).sum(axis=1)
     new = p.new_client_ids
     lines += [

@@ -12,7 +12,8 @@ from .config import ExperimentConfig
 from .data import ImageDataset, load_dataset
 from .data.transforms import normalize
 from .metrics import TestSet
-from .models import FedModel, build_model
+from .models import FedModel, build_model, resolve_arch
+from .models.extractors import check_arch
 from .objectives import meta_per_class, model_parts
 from .partition import Partition, make_partition
 
@@ -50,10 +51,19 @@ class Setup:
 
 def prepare(cfg: ExperimentConfig) -> Setup:
     ds = load_dataset(cfg.data, seed=cfg.seed)
-    partition = make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed, meta_per_class(cfg.train))
+    # The feature extractor is built and tried once here, before any data moves, so that what is wrong with it
+    # (it does not import, build, take these images or give N x d features) stops the run with model.arch named.
+    check_arch(resolve_arch(cfg.model.arch, ds.image_shape), ds.image_shape)
+    partition = partition_dataset(cfg, ds)
     test = TestSet(normalize(ds.test_x, ds.mean, ds.std), ds.test_y, ds.num_classes)
     augment = ds.augment if cfg.train.augment is None else cfg.train.augment
     return Setup(cfg, ds, partition, test, augment)
+
+
+def partition_dataset(cfg: ExperimentConfig, ds: ImageDataset) -> Partition:
+    """``cfg``'s split of ``ds`` over the clients (natural: the clients the data names)."""
+    return make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed, meta_per_class(cfg.train),
+                          ds.train_clients, ds.client_names)
 
 
 def make_host(setup: Setup, device: str = "cpu") -> ClientHost:

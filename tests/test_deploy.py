@@ -408,6 +408,56 @@ def _sub(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
+def _head_command(ray_cli: str, ray_tmp: str) -> tuple[list[str], str]:
+    """``ray start`` for a private head node (2 CPUs, every port free, its own temp dir) and its dashboard's
+    address."""
+    dport = _free_port()
+    return [
+        ray_cli, "start", "--head", "--block", f"--port={_free_port()}", "--num-cpus=2",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dport}",
+        f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}", "--object-store-memory=200000000",
+        f"--temp-dir={ray_tmp}", "--disable-usage-stats",
+    ], f"http://127.0.0.1:{dport}"
+
+
+def _wait_for_head(ray_cli: str, address: str, env: dict, head: subprocess.Popen, head_log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        r = subprocess.run([ray_cli, "job", "list", "--address", address], check=False, env=env,
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode == 0:
+            return
+        assert head.poll() is None, f"ray start exited {head.returncode}:\n{head_log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"head never answered `ray job list`:\n{r.stderr[-2000:]}"
+        time.sleep(1)
+
+
+def _stop_head(head: subprocess.Popen, ray_tmp: str, tracked: dict[int, tuple[int, str]]) -> dict[int, str]:
+    """Stop only this head: its own process group (never `ray stop`, which stops every Ray on the host), then
+    whatever it started that outlived it; returns those (killed, but reported)."""
+    try:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    tracked.update(_processes_of(head.pid, ray_tmp))
+    deadline = time.monotonic() + 20
+    while (leftover := _still_running(tracked)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in leftover:  # clean up after a failure, but still report it
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    return leftover
+
+
 # Lines that must not appear in a healthy job's output (the C++ core's errors read "[... E pid tid] ...").
 ERROR_LINE = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|\bE \d+ \d+\]|Error:")
 
@@ -454,17 +504,8 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
         # SIGTERM otherwise drains the node for up to 30 s before stopping.
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     }
-    dport = _free_port()
-    address = f"http://127.0.0.1:{dport}"
+    head_cmd, address = _head_command(ray_cli, ray_tmp)
     head_log = tmp_path / "head.log"
-    head_cmd = [
-        ray_cli, "start", "--head", "--block", f"--port={_free_port()}", "--num-cpus=2",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dport}",
-        f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}", "--object-store-memory=200000000",
-        f"--temp-dir={ray_tmp}", "--disable-usage-stats",
-    ]
 
     # The README's command, with its substitutions.
     submit_env = {**base_env, **exports}
@@ -522,15 +563,7 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
         return proc.returncode, text, job_id.group(1)
 
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            r = subprocess.run([ray_cli, "job", "list", "--address", address], check=False, env=env,
-                               capture_output=True, text=True, timeout=60)
-            if r.returncode == 0:
-                break
-            assert head.poll() is None, f"ray start exited {head.returncode}:\n{head_log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"head never answered `ray job list`:\n{r.stderr[-2000:]}"
-            time.sleep(1)
+        _wait_for_head(ray_cli, address, env, head, head_log)
 
         # 1. The README's command trains on this head.
         rc, out, job = submit(good, "submit", 420)
@@ -597,24 +630,90 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
         assert said == [f"fedrod-ray: stopped by SIGTERM; continue it with: fedrod-ray train --resume {stop_dir}"], logs
     finally:
         tracked.update(_processes_of(head.pid, ray_tmp))
-        # Stop only this head: its own process group (never `ray stop`, which stops every Ray on the host).
-        try:
-            os.killpg(head.pid, signal.SIGTERM)
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=30)
-        except ProcessLookupError:
-            pass
-        tracked.update(_processes_of(head.pid, ray_tmp))
-        deadline = time.monotonic() + 20
-        while (leftover := _still_running(tracked)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        for pid in leftover:  # clean up after a failure, but still report it below
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        leftover = _stop_head(head, ray_tmp, tracked)
         print(f"local head started, used and stopped in {time.monotonic() - t0:.1f}s")
+    assert not leftover, f"Ray processes outlived their head: {leftover}"
+
+
+def _readme_example_submit() -> str:
+    """The ``ray job submit`` command of README.md's "Your own data and model" section."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("\n## Your own data and model\n"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.DOTALL)
+    return next(re.search(r"^ray job submit (?:.*\\\n)*.*$", b, re.MULTILINE).group(0)
+                for b in blocks if "ray job submit" in b)
+
+
+@pytest.mark.slow
+def test_ray_job_submit_of_the_example_package(tmp_path):
+    """README's example job, run as written from a copy of examples/ against a private head node: the
+    user's factory and data travel with the job's working_dir, the driver and the client actors import the
+    factory, and the run's final/ names it. The only changes: the dashboard address, /mnt/runs, and this
+    checkout's fedrod_ray in the runtime env's py_modules."""
+    ray_cli = _ray_cli()
+    if ray_cli is None:
+        pytest.skip("the `ray` CLI is not installed")
+    example = tmp_path / "examples"
+    shutil.copytree(REPO / "examples", example, ignore=shutil.ignore_patterns("__pycache__", "data", "runs"))
+    gen = subprocess.run([sys.executable, "-m", "fedrod_example.data", "data/example"], cwd=example,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert gen.returncode == 0, gen.stderr
+
+    ray_tmp = tempfile.mkdtemp(prefix="frx", dir="/tmp")
+    base_env = {k: v for k, v in os.environ.items()
+                if not k.startswith("RAY_") and k not in ("FEDROD_DATA_DIR", "PYTHONPATH")}
+    base_env["PATH"] = f"{Path(ray_cli).parent}{os.pathsep}{base_env.get('PATH', '')}"
+    env = {**base_env, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+           # On a loaded machine the raylet can take longer than the default 60 s to register.
+           "RAY_raylet_start_wait_time_s": "180"}
+    # The job uploads only examples/, and runs the fedrod-ray the cluster has installed; here that must be
+    # this checkout, shipped with the job as a py_modules entry of the copy's runtime env.
+    runtime_env = yaml.safe_load((example / "runtime_env.yaml").read_text())
+    runtime_env["py_modules"] = [str(REPO / "fedrod_ray")]
+    (example / "runtime_env.yaml").write_text(yaml.safe_dump(runtime_env))
+    head_cmd, address = _head_command(ray_cli, ray_tmp)
+    command = _sub(_readme_example_submit(), "--address http://127.0.0.1:8265", f"--address {address}")
+    command = _sub(command, "/mnt/runs", shlex.quote(str(tmp_path / "runs")))
+    run_dir = Path(_arg(command, "--run-dir"))
+    head_log = tmp_path / "head.log"
+    with open(head_log, "w") as log:
+        head = subprocess.Popen(head_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                start_new_session=True)
+    tracked: dict[int, tuple[int, str]] = {}
+    try:
+        _wait_for_head(ray_cli, address, env, head, head_log)
+        for _ in range(5):
+            proc = subprocess.Popen(["bash", "-c", command], cwd=example, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            deadline = time.monotonic() + 420
+            while proc.poll() is None and time.monotonic() < deadline:
+                tracked.update(_processes_of(head.pid, ray_tmp))
+                time.sleep(0.5)
+            if proc.poll() is None:
+                proc.kill()
+            out = proc.communicate()[0]
+            # The head answers `ray job list` before its job agent is up (slow on a loaded machine): the
+            # submission was refused, nothing ran, and it is tried again.
+            if "No available agent to submit job" not in out:
+                break
+            time.sleep(5)
+        job = re.search(r"Job '(\w+)' submitted successfully", out)
+        assert proc.returncode == 0 and job and f"Job '{job.group(1)}' succeeded" in out, out[-5000:]
+        assert "Connecting to existing Ray cluster" in out and "Started a local Ray instance" not in out
+        errors = [line for line in out.splitlines() if ERROR_LINE.search(line)]
+        assert not errors, "error lines in a successful job's output:\n" + "\n".join(errors)
+        cmds = [cmd for _, cmd in tracked.values()]
+        assert any(c.startswith("ray::ClientActorImpl") for c in cmds), "no client actor ran on this head"
+
+        saved = load_config(run_dir / "config.yaml")
+        assert saved.runtime.mode == "ray" and saved.model.arch == "fedrod_example.model:small_cnn"
+        assert saved.data.dataset == "folder" and saved.data.partition == "natural"
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in records] == list(range(1, saved.train.rounds + 1))
+        meta = json.loads((run_dir / "final" / "meta.json").read_text())
+        assert meta["arch"] == "fedrod_example.model:small_cnn" and meta["class_names"][0] == "class_a"
+    finally:
+        leftover = _stop_head(head, ray_tmp, tracked)
     assert not leftover, f"Ray processes outlived their head: {leftover}"

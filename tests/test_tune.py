@@ -227,3 +227,24 @@ def test_a_sweep_logs_its_trials_with_tunes_tensorboard_and_mlflow_callbacks(ray
     assert [e.step for e in scalars] == [1, 2]
     assert [e.value for e in scalars] == pytest.approx([value for _, value in history], rel=1e-6)
     assert history[-1][1] == pytest.approx(row["gfl_gm"])
+
+
+def test_a_sweep_over_natural_clients_of_an_npz(ray_session, tmp_path):
+    """The user's own arrays with natural clients, swept like a built-in set: every trial reads data.path."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    y = np.arange(120) % 3
+    x = (rng.integers(0, 60, (120, 28, 28)) + 60 * y[:, None, None]).astype(np.uint8)  # learnable by brightness
+    np.savez(tmp_path / "d.npz", x_train=x, y_train=y, x_test=x[:30], y_test=y[:30], client_train=np.arange(120) % 4)
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({
+        "name": "npz", "data": {"dataset": "arrays", "path": str(tmp_path / "d.npz"), "partition": "natural",
+                                "num_clients": 4},
+        "train": {"head": "linear", "rounds": 2, "client_fraction": 0.5, "local_epochs": 1, "batch_size": 10}}))
+    spec = load_sweep(sweep_file(tmp_path, base=str(base)))
+    rows = run_sweep(spec, tmp_path / "sweep")
+    assert sorted(r["train.lr"] for r in rows) == [0.01, 0.05]
+    assert all(0 <= r["gfl_gm"] <= 1 for r in rows)
+    best = load_config(tmp_path / "sweep" / "best.yaml")
+    assert best.data.dataset == "arrays" and best.data.partition == "natural"

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from fedrod_ray.cli import add_logger_argument, logger_overrides
-from fedrod_ray.config import ConfigError
+from fedrod_ray.config import DATASETS, ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +51,10 @@ def tune_command(args) -> int:
 
 def _pin_data_dir(spec) -> None:
     base = spec.experiment_config({})
-    if base.data.dataset != "synthetic" and base.data.data_dir is None:
+    if base.data.path is not None:
+        # The user's own data: relative to where the sweep was started, not to a trial's working directory.
+        spec.fixed["data.path"] = str(Path(base.data.path).expanduser().resolve())
+    elif base.data.dataset in DATASETS and base.data.dataset != "synthetic" and base.data.data_dir is None:
         # Found here ($FEDROD_DATA_DIR or the cache), so that every trial, and a resumed sweep, reads
         # the same directory whatever its worker's environment.
         from fedrod_ray.data import resolve_data_dir

@@ -1,4 +1,6 @@
-"""Image datasets as in-memory uint8 tensors: MNIST, Fashion-MNIST, EMNIST digits, CIFAR-10/100, synthetic."""
+"""Image datasets as in-memory uint8 tensors: MNIST, Fashion-MNIST, EMNIST digits, CIFAR-10/100, synthetic,
+the user's own (an image folder or an .npz under data.path) and those that packages register under the
+``fedrod_ray.datasets`` entry point (a callable ``(cfg: DataConfig, seed: int) -> ImageDataset``)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..config import DATASETS
+from ..config import DATASET_PLUGINS, DATASETS, ConfigError
 from . import cifar, files, idx
+from .arrays import read_arrays
 from .classes import class_names
 from .files import DatasetFormatError, DatasetNotFoundError, resolve_data_dir
+from .folder import read_folder
+from .layout import RawImages
 from .synthetic import make_synthetic
 from .transforms import augment_batch, normalize
 
@@ -22,8 +27,10 @@ __all__ = [
     "DatasetFormatError",
     "DatasetNotFoundError",
     "ImageDataset",
+    "RawImages",
     "augment_batch",
     "class_names",
+    "from_raw",
     "load_dataset",
     "normalize",
     "resolve_data_dir",
@@ -51,11 +58,19 @@ class ImageDataset:
     mean: tuple[float, ...]  # per channel, in [0, 1] units
     std: tuple[float, ...]
     augment: bool  # whether training uses crop/flip augmentation by default
+    classes: tuple[str, ...] = ()  # label c's name; empty: the built-in set's (fedrod_ray.data.classes)
+    # Natural clients (data.partition: natural): each training example's client, an index into client_names.
+    train_clients: np.ndarray | None = None
+    client_names: tuple[str, ...] = ()
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
         c, h, w = self.train_x.shape[1:]
         return int(c), int(h), int(w)
+
+    @property
+    def class_names(self) -> list[str]:
+        return list(self.classes) if self.classes else class_names(self.name, self.num_classes)
 
 
 def load_dataset(cfg: DataConfig, seed: int = 0) -> ImageDataset:
@@ -64,8 +79,20 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> ImageDataset:
     ``seed`` only matters for the synthetic dataset, which is generated rather than read.
     """
     name = cfg.dataset
+    if name in ("folder", "arrays"):
+        if cfg.path is None:
+            raise ConfigError(f"data.path: data.dataset={name} reads the data from data.path; set it")
+        raw = read_folder(cfg.path) if name == "folder" else read_arrays(cfg.path)
+        return from_raw(name, raw, cfg)
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+        # Only here: the HTTP service imports this package for its normalisation, and nothing it does not need.
+        from ..plugins import load_plugin
+
+        ds = load_plugin(DATASET_PLUGINS, name, "data.dataset", "dataset")(cfg, seed)
+        if not isinstance(ds, ImageDataset):
+            raise ConfigError(f"data.dataset: the plug-in {name!r} returned a {type(ds).__name__}, not an "
+                              "ImageDataset")
+        return ds
     num_classes = _NUM_CLASSES[name]
     if name == "synthetic":
         tx, ty, vx, vy = make_synthetic(cfg.synthetic_train_per_class, cfg.synthetic_test_per_class, seed)
@@ -93,6 +120,13 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> ImageDataset:
     )
 
 
+def from_raw(name: str, raw: RawImages, cfg: DataConfig) -> ImageDataset:
+    """The dataset of the user's own images; no augmentation unless train.augment asks for it."""
+    return ImageDataset(name, _tensor(raw.train_x), _tensor(raw.train_y), _tensor(raw.test_x), _tensor(raw.test_y),
+                        len(raw.classes), *_stats(cfg, raw.train_x), augment=False, classes=raw.classes,
+                        train_clients=raw.train_clients, client_names=raw.client_names)
+
+
 def _stats(cfg: DataConfig, train_x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The per-channel mean and std that every input is normalised with; (0, 1) without normalisation,
     which makes ``normalize`` the plain x / 255 everywhere (training, evaluation, the served model)."""
@@ -101,7 +135,8 @@ def _stats(cfg: DataConfig, train_x: np.ndarray) -> tuple[tuple[float, ...], tup
         return (0.0,) * channels, (1.0,) * channels
     if cfg.dataset in _STATS:
         return _STATS[cfg.dataset]
-    # No published per-channel statistics cover EMNIST digits or the synthetic set: measured on the training images.
+    # No published per-channel statistics cover EMNIST digits, the synthetic set or the user's own images:
+    # measured on the training images.
     return _pixel_stats(train_x)
 
 

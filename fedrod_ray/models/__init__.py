@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import INITS
-from .convnet import BUILDERS, FEATURE_DIM
+from .extractors import BUILDERS, feature_extractor
 from .heads import HyperNetwork
 
 __all__ = ["FedModel", "HyperNetwork", "build_model", "count_parameters", "resolve_arch"]
@@ -32,10 +32,12 @@ class FedModel(nn.Module):
 
     def __init__(self, arch: str, num_classes: int, in_channels: int, variant: str | None = None,
                  hyper_hidden: int = 16, parts: dict[str, Callable[[], nn.Module]] | None = None,
-                 init: str = "normal"):
+                 init: str = "normal", image_hw: tuple[int, int] | None = None):
+        """``image_hw`` (H, W) is needed only by an ``arch`` that is a factory (``models.extractors``): the
+        built-ins take the sizes they can."""
         super().__init__()
-        if arch not in BUILDERS:
-            raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(BUILDERS)}")
+        if image_hw is None and arch not in BUILDERS:
+            raise ValueError(f"arch {arch!r} is not a built-in ({', '.join(BUILDERS)}): it needs image_hw")
         if variant not in (None, "linear", "hyper"):
             raise ValueError(f"unknown variant {variant!r}")
         if init not in INITS:
@@ -43,8 +45,7 @@ class FedModel(nn.Module):
         self.arch = arch
         self.variant = variant
         self.num_classes = num_classes
-        self.feature_dim = FEATURE_DIM[arch]
-        self.body = BUILDERS[arch](in_channels, self.feature_dim)
+        self.body, self.feature_dim = feature_extractor(arch, (in_channels, *(image_hw or (0, 0))))
         self.generic_head = nn.Linear(self.feature_dim, num_classes, bias=False)
         # Each part is re-drawn right after it is built, so that theta and psi start the same whatever
         # personalized part (or none) follows.
@@ -136,7 +137,7 @@ def build_model(arch: str, num_classes: int, image_shape: tuple[int, int, int], 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = FedModel(resolve_arch(arch, image_shape), num_classes, image_shape[0], variant, hyper_hidden,
-                         parts, init)
+                         parts, init, tuple(image_shape[1:]))
     # channels_last convolutions train about 1.5x faster on CPU (oneDNN) for these small ConvNets.
     return model.to(memory_format=torch.channels_last)
 

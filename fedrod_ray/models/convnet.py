@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import ARCHS, check_registry
-
 
 def mnist_cnn(in_channels: int = 1, feature_dim: int = 50) -> nn.Sequential:
     """28x28 inputs: two 5x5 convs (32, 64 channels) with 2x2 max-pooling, then FC to 50 features."""
@@ -29,7 +27,3 @@ def cifar_cnn(in_channels: int = 3, feature_dim: int = 64) -> nn.Sequential:
         nn.Flatten(), nn.Linear(64 * 4 * 4, feature_dim), nn.ReLU(),
     )
 
-
-FEATURE_DIM = {"mnist_cnn": 50, "cifar_cnn": 64}
-BUILDERS = {"mnist_cnn": mnist_cnn, "cifar_cnn": cifar_cnn}
-check_registry(BUILDERS, ARCHS, "model.arch")
