@@ -15,6 +15,7 @@ import numpy as np
 import ray
 import torch
 
+from . import faults
 from .client import ClientContext, ClientHost, ClientState, EvalCounts
 from .config import config_from_dict
 from .local import RoundInput
@@ -36,6 +37,7 @@ class ClientActorImpl:
         use_gpu = resources.get("num_gpus", 0) > 0 and bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         self.device = "cuda" if use_gpu else "cpu"
         self.host: ClientHost | None = None
+        self.fault = faults.from_env()  # None but in the tests that kill an actor mid-call
 
     def attach(self, train_x: np.ndarray, train_y: np.ndarray, indices: dict[int, np.ndarray] | list[np.ndarray],
                counts: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, meta_indices: np.ndarray) -> None:
@@ -60,9 +62,13 @@ class ClientActorImpl:
         return self.host
 
     def train(self, client_id: int, state: ClientState, message: RoundInput, round_idx: int):
+        if self.fault is not None:
+            self.fault.reached("train", [client_id], round_idx)
         return self._host().train(client_id, state, message, round_idx)
 
     def evaluate(self, jobs: list[tuple[int, ClientState]]) -> EvalCounts:
+        if self.fault is not None:
+            self.fault.reached("evaluate", [cid for cid, _ in jobs])
         return self._host().evaluate(jobs)
 
     def finetune(self, jobs: list[tuple[int, ClientState]], message: RoundInput, epochs: int,

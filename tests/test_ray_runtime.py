@@ -24,11 +24,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fedrod_ray import faults
 from fedrod_ray.checkpoint import CheckpointWriter, load_checkpoint
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.executors.ray import Layout, RayExecutor, plan_layout
+from fedrod_ray.executors.ray import Layout, LostCall, RayExecutor, plan_layout
 from fedrod_ray.federation import Federation, RoundFailedError
 from fedrod_ray.server import sample_clients
 from fedrod_ray.setup import make_host, prepare
@@ -52,9 +53,9 @@ def tiny_config(*overrides: str):
     return config_from_dict(base, list(overrides))
 
 
-def ray_executor(ray, setup) -> RayExecutor:
+def ray_executor(ray, setup, log=lambda s: None) -> RayExecutor:
     layout = plan_layout(setup.cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
-    return RayExecutor(setup, layout)
+    return RayExecutor(setup, layout, log)
 
 
 def run_rounds(fed: Federation, storage: RunStorage | None = None) -> list[dict]:
@@ -83,25 +84,6 @@ def assert_same_states(a: dict[int, ClientState], b: dict[int, ClientState]) -> 
     for cid, sa in a.items():
         assert sa.rounds_trained == b[cid].rounds_trained, f"client {cid}"
         assert_same_tensors(sa.tensors(), b[cid].tensors(), f"client {cid} state")
-
-
-def run_with_timeout(fn, seconds: float):
-    """Run ``fn`` in a thread; fail (instead of hanging the suite) if it does not return in time."""
-    out: dict = {}
-
-    def target():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-            out["error"] = e
-
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
-    th.join(seconds)
-    assert not th.is_alive(), f"still running after {seconds}s"
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 # --- 1. the Ray runtime trains exactly what the in-process runtime trains -----------------------------
@@ -269,11 +251,82 @@ def test_plan_layout_rejects_what_the_cluster_cannot_fit(resources, cluster):
         plan_layout(runtime(f"runtime.client_resources={resources}"), 10, cluster)
 
 
-# --- 3. an actor killed in the middle of a round ----------------------------------------------------
+# --- 3. an actor killed in the middle of a call -------------------------------------------------------
+# The call is made to hang by the fault hook (fedrod_ray.faults), so the kill lands while exactly that call
+# runs; the executor's ``lost_calls`` then says which call died with its actor.
+
+
+def arm_fault(monkeypatch, marker: Path, call: str, client: int, round_idx: int | None = None) -> None:
+    """Make ``call`` of ``client`` (train: in round ``round_idx``, 0-based) hang on whichever actor runs it,
+    in the actors of the executors started from now on."""
+    spec = {"call": call, "client": client, "marker": str(marker)}
+    if round_idx is not None:
+        spec["round_idx"] = round_idx
+    monkeypatch.setenv(faults.ENV, json.dumps(spec))
+
+
+class Background:
+    """``fn`` running in a thread; ``result`` fails (instead of hanging the suite) if it does not end in time."""
+
+    def __init__(self, fn):
+        self.out: dict = {}
+
+        def target():
+            try:
+                self.out["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                self.out["error"] = e
+
+        self.thread = threading.Thread(target=target, daemon=True)
+        self.thread.start()
+
+    def result(self, seconds: float):
+        self.thread.join(seconds)
+        assert not self.thread.is_alive(), f"still running after {seconds}s"
+        if "error" in self.out:
+            raise self.out["error"]
+        return self.out["value"]
+
+
+def run_with_timeout(fn, seconds: float):
+    return Background(fn).result(seconds)
+
+
+def kill_the_hung_actor(ray, executor: RayExecutor, pids: dict[int, int], marker: Path,
+                        running: Background) -> tuple[int, dict]:
+    """Wait for the armed call to reach the fault (its marker), then kill the actor it hangs on, which Ray
+    restarts; (that actor's index, the marker: the call, its clients, its round and the actor's pid)."""
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        if not running.thread.is_alive():
+            running.result(0)
+            pytest.fail("the federation went on without ever making the armed call")
+        assert time.monotonic() < deadline, "the armed call was not made within 120 s"
+        time.sleep(0.02)
+    hit = json.loads(marker.read_text())
+    assert hit["pid"] in pids, (hit, pids)
+    # The call hangs until killed: the caller is still waiting on it, whatever the timing.
+    assert running.thread.is_alive()
+    a = pids[hit["pid"]]
+    ray.kill(executor.actors[a], no_restart=False)
+    return a, hit
+
+
+def actor_pids(ray, executor: RayExecutor) -> dict[int, int]:
+    """pid -> actor index. Asked between rounds: an actor answers one call at a time."""
+    return {ray.get(actor.ready.remote())["pid"]: a for a, actor in enumerate(executor.actors)}
+
+
+def started_last(setup, round_idx: int) -> int:
+    """The client of round ``round_idx`` that largest-first dispatch starts last: its smallest (of equals,
+    the last sampled)."""
+    ids = sample_clients(setup.cfg.seed, round_idx, setup.num_clients, setup.cfg.train.client_fraction)
+    return min(reversed(ids), key=lambda c: setup.partition.sizes[c])
 
 
 KILL_CASES = {
-    # Pooled: 2 actors take 8 clients a round, so each has finished some before the kill.
+    # Pooled: 2 actors take 8 clients a round; the victim is the smallest, started last, so its actor has
+    # finished clients of this round before it.
     "pooled": ("data.num_clients=8", "train.client_fraction=1.0"),
     # One actor per client: the victim's client finished in the rounds before; no checkpoint is ever
     # written, so its state can only come from the coordinator's committed copy.
@@ -282,11 +335,12 @@ KILL_CASES = {
 
 
 @pytest.mark.parametrize("layout", list(KILL_CASES))
-def test_actor_killed_mid_round_loses_only_its_call_in_flight(ray_session, one_torch_thread, layout):
-    """An actor killed while it trains, after some of its work is done: after that round every client but
-    the one it was training has bitwise the state of a run without the fault, and the run goes on."""
+def test_actor_killed_mid_round_loses_only_its_call_in_flight(ray_session, one_torch_thread, layout, tmp_path,
+                                                              monkeypatch):
+    """An actor killed while it trains a given client: that call, and no other, is lost; after that round
+    every client but that one has bitwise the state of a run without the fault, and the run goes on."""
     ray = ray_session
-    overrides = ("data.new_clients=0", "train.rounds=4", "train.local_epochs=2", "runtime.min_clients_per_round=1",
+    overrides = ("data.new_clients=0", "train.rounds=4", "runtime.min_clients_per_round=1",
                  "runtime.max_failed_fraction=0.9", "runtime.checkpoint_every=100", *KILL_CASES[layout])
     setup = prepare(tiny_config(*overrides))
     # The run without the fault: every client's state after rounds 2 and 3 (states are replaced, never
@@ -297,129 +351,114 @@ def test_actor_killed_mid_round_loses_only_its_call_in_flight(ray_session, one_t
         ref.step(r)
         ref_states.append(dict(ref.clients))
 
-    executor = ray_executor(ray, setup)
-    killed: dict = {}
+    victim, marker = started_last(setup, 2), tmp_path / "fault"
+    arm_fault(monkeypatch, marker, "train", victim, round_idx=2)
     logs: list[str] = []
-    round_start: list[int] = []
-
-    def kill_once(round_number: int, finished: int, sampled: int) -> None:
-        """In round 3, once two clients are in, kill an actor that is training; pooled, one that has
-        already finished a client of this round."""
-        if round_number != 3 or killed:
-            return
-        if finished == 0:
-            round_start[:] = executor.calls_done
-            return
-        for a, pid in enumerate(pids):
-            done_here = executor.calls_done[a] - round_start[a]
-            if finished >= 2 and (done_here > 0 or not executor.layout.pooled) and is_running(pid):
-                killed.update(actor=a, pid=pid)
-                ray.kill(executor.actors[a], no_restart=False)
-                return
-
+    executor = ray_executor(ray, setup, log=logs.append)
     try:
-        fed = Federation(setup, executor, log=logs.append, progress=kill_once)
+        fed = Federation(setup, executor, log=logs.append)
         for r in range(2):
             fed.step(r)
-        # Asked now: an actor answers one call at a time, so during a round it would answer after training.
-        pids = [ray.get(actor.ready.remote())["pid"] for actor in executor.actors]
-        rec = run_with_timeout(lambda: fed.step(2), 180)
-        assert killed, "no actor was caught training after finishing earlier calls"
-        assert rec["clients_failed"] == 1 and rec["clients_done"] == rec["clients"] - 1
-        [lost] = rec["failed_ids"]
-        assert any(f"client {lost} failed" in line and "actor died" in line for line in logs), logs
+        assert not marker.exists() and executor.lost_calls == []
+        pids = actor_pids(ray, executor)
+        before = list(executor.calls_done)
+        running = Background(lambda: fed.step(2))
+        a, hit = kill_the_hung_actor(ray, executor, pids, marker, running)
+        done_before_kill = executor.calls_done[a] - before[a]
+        rec = running.result(180)
+
+        assert hit == {"call": "train", "clients": [victim], "round_idx": 2, "pid": hit["pid"]}
+        if executor.layout.pooled:
+            assert done_before_kill >= 1, "the victim's actor had trained no other client of this round"
+        # Exactly the hung call was lost, and not sent again; every other client of the round trained.
+        assert executor.lost_calls == [LostCall("train", a, (victim,), retried=False)]
+        assert f"actor {a} died during train of client(s) {victim}; not sent again" in logs
+        assert rec["failed_ids"] == [victim] and rec["clients_failed"] == 1
+        assert rec["clients_done"] == rec["clients"] - 1
+        assert any(f"client {victim} failed" in line and "actor died" in line for line in logs), logs
         for cid, state in fed.clients.items():
             # The lost client keeps what it had committed before the round; everyone else is untouched.
-            expected = (ref_states[1] if cid == lost else ref_states[2])[cid]
+            expected = (ref_states[1] if cid == victim else ref_states[2])[cid]
             assert state.rounds_trained == expected.rounds_trained, cid
             assert_same_tensors(state.tensors(), expected.tensors(), f"client {cid}")
 
-        # The actor came back (a new process), attached again, and the run goes on to the end.
-        info = ray.get(executor.actors[killed["actor"]].ready.remote())
-        assert info["attached"] and info["pid"] != killed["pid"]
+        # The actor came back (a new process), attached again, and the run goes on to the end; the fault
+        # fired once, so nothing else is lost.
+        info = ray.get(executor.actors[a].ready.remote())
+        assert info["attached"] and info["pid"] != hit["pid"]
         last = run_with_timeout(lambda: fed.step(3), 180)
         assert last["clients_failed"] == 0 and last["clients_done"] == last["clients"]
-        assert lost in sample_clients(setup.cfg.seed, 3, setup.num_clients, 1.0)
-        assert fed.clients[lost].rounds_trained == ref_states[1][lost].rounds_trained + 1
+        assert len(executor.lost_calls) == 1
+        assert victim in sample_clients(setup.cfg.seed, 3, setup.num_clients, 1.0)
+        assert fed.clients[victim].rounds_trained == ref_states[1][victim].rounds_trained + 1
         assert all(torch.isfinite(v).all() for v in fed.global_shared.values())
     finally:
         executor.close()
 
 
-def is_running(pid: int, method: str = "train") -> bool:
-    """Whether the actor process runs ``method`` now (Ray titles the process by its running method)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().startswith(f"ray::ClientActorImpl.{method}".encode())
-    except OSError:
-        return False
-
-
-def kill_when_running(ray, executor: RayExecutor, a: int, method: str) -> tuple[threading.Thread, dict]:
-    """A thread that kills actor ``a`` as soon as it runs ``method``; its dict records the pid killed."""
-    pid = ray.get(executor.actors[a].ready.remote())["pid"]
-    killed: dict = {}
-
-    def watch() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if is_running(pid, method):
-                ray.kill(executor.actors[a], no_restart=False)
-                killed["pid"] = pid
-                return
-            time.sleep(0.001)
-
-    th = threading.Thread(target=watch, daemon=True)
-    th.start()
-    return th, killed
-
-
-def test_an_actor_dying_during_evaluation_changes_no_metric(ray_session, one_torch_thread):
-    """Evaluation calls are safe to repeat: the dead actor's share is evaluated again once it is back, and
-    the record is bitwise the one of a run without the fault."""
+def test_an_actor_dying_during_evaluation_changes_no_metric(ray_session, one_torch_thread, tmp_path, monkeypatch):
+    """Evaluation calls are safe to repeat: the chunk whose actor died is evaluated again once the actor is
+    back, and the record is bitwise the one of a run without the fault."""
     ray = ray_session
-    setup = prepare(tiny_config("data.num_clients=8", "train.client_fraction=1.0", "train.rounds=1",
-                                "data.synthetic_test_per_class=300", "eval.batch_size=20"))
+    setup = prepare(tiny_config("data.num_clients=8", "train.client_fraction=1.0", "train.rounds=1"))
     ref = Federation(setup, InProcessExecutor(make_host(setup)), log=lambda s: None).step(0)
-    executor = ray_executor(ray, setup)
+    victim, marker = 3, tmp_path / "fault"
+    arm_fault(monkeypatch, marker, "evaluate", victim)
+    logs: list[str] = []
+    executor = ray_executor(ray, setup, log=logs.append)
     try:
-        fed = Federation(setup, executor, log=lambda s: None)
-        watcher, killed = kill_when_running(ray, executor, 0, "evaluate")
-        rec = run_with_timeout(lambda: fed.step(0), 180)
-        watcher.join(5)
-        assert killed, "the actor was never caught evaluating"
+        fed = Federation(setup, executor, log=logs.append)
+        pids = actor_pids(ray, executor)
+        running = Background(lambda: fed.step(0))
+        a, hit = kill_the_hung_actor(ray, executor, pids, marker, running)
+        rec = running.result(180)
+
+        chunk = tuple(hit["clients"])
+        assert hit["call"] == "evaluate" and victim in chunk
+        # 8 clients over 2 actors: 4 chunks of 2. Exactly the hung chunk was lost and sent again.
+        assert len(chunk) == 2
+        assert executor.lost_calls == [LostCall("evaluate", a, chunk, retried=True)]
+        assert f"actor {a} died during evaluate of client(s) {', '.join(map(str, chunk))}; sent again" in logs
+        # 8 training calls and 4 evaluation calls completed: the lost chunk once, when it was sent again.
+        assert sum(executor.calls_done) == 8 + 4
         assert rec["clients_failed"] == 0 and rec["pm_eval_failed"] == 0
         assert without_time([rec]) == without_time([ref])
-        assert ray.get(executor.actors[0].ready.remote())["pid"] != killed["pid"]
+        assert ray.get(executor.actors[a].ready.remote())["pid"] != hit["pid"]
     finally:
         executor.close()
 
 
-def test_an_actor_out_of_restarts_is_given_up_and_the_rest_carry_on(ray_session, one_torch_thread):
+def test_an_actor_out_of_restarts_is_given_up_and_the_rest_carry_on(ray_session, one_torch_thread, tmp_path,
+                                                                    monkeypatch):
     ray = ray_session
     setup = prepare(tiny_config("data.num_clients=8", "data.new_clients=0", "train.client_fraction=1.0",
-                                "train.rounds=2", "train.local_epochs=3", "runtime.max_restarts=0",
-                                "runtime.max_failed_fraction=0.5"))
-    executor = ray_executor(ray, setup)
+                                "train.rounds=2", "runtime.max_restarts=0", "runtime.max_failed_fraction=0.5"))
+    victim, marker = 0, tmp_path / "fault"
+    arm_fault(monkeypatch, marker, "train", victim, round_idx=0)
     logs: list[str] = []
+    executor = ray_executor(ray, setup, log=logs.append)
     try:
         fed = Federation(setup, executor, log=logs.append)
-        watcher, killed = kill_when_running(ray, executor, 0, "train")
-        t0 = time.monotonic()
-        rec = run_with_timeout(lambda: fed.step(0), 180)
-        watcher.join(5)
-        assert killed
-        # Given up at once (no waiting for a restart that cannot come: the restart timeout is 120 s), and
-        # only its call in flight lost.
-        assert time.monotonic() - t0 < 20
-        assert executor.dead == {0}
-        assert rec["clients_failed"] == 1 and rec["clients_done"] == 7 and rec["pm_eval_failed"] == 0
+        pids = actor_pids(ray, executor)
+        running = Background(lambda: fed.step(0))
+        a, _ = kill_the_hung_actor(ray, executor, pids, marker, running)
+        # Given up at once, not after waiting for a restart that cannot come (the restart timeout is 120 s):
+        # timed from the kill to the executor's verdict, apart from the round's remaining training.
+        killed_at = time.monotonic()
+        while not executor.dead and time.monotonic() - killed_at < 120:
+            time.sleep(0.02)
+        assert executor.dead == {a} and time.monotonic() - killed_at < 20
+        rec = running.result(180)
+        # Only its call in flight was lost.
+        assert executor.lost_calls == [LostCall("train", a, (victim,), retried=False)]
+        assert rec["failed_ids"] == [victim] and rec["clients_done"] == 7 and rec["pm_eval_failed"] == 0
         assert any("ActorDiedError (actor died)" in line for line in logs), logs
         # The next round runs every client on the actor that is left.
         calls = list(executor.calls_done)
         rec2 = run_with_timeout(lambda: fed.step(1), 180)
         assert rec2["clients_failed"] == 0 and rec2["clients_done"] == 8
-        assert executor.calls_done[0] == calls[0] and executor.calls_done[1] > calls[1] + 8
+        other = 1 - a
+        assert executor.calls_done[a] == calls[a] and executor.calls_done[other] > calls[other] + 8
     finally:
         executor.close()
 

@@ -128,15 +128,16 @@ def test_quickstart_sweep_and_its_best_config_trains(ray_session, tmp_path, caps
 def test_asha_stops_a_trial_that_cannot_learn_and_nothing_is_left_behind(ray_session, tmp_path):
     ray = ray_session
     before = live_state(ray)
-    # lr 1e-7 cannot learn in 4 rounds. Trials 1 and 2 (a good and a bad one) run first; the later bad
-    # ones reach round 1 below the rung's median and are stopped there.
-    spec = load_sweep(sweep_file(tmp_path, search={"train.lr": {"grid": [0.05, 1e-7]}}, num_samples=3,
-                                 set={"train.rounds": 4}, asha={"grace_period": 1, "reduction_factor": 2}))
+    # lr 1e-7 cannot learn in 3 rounds. The trials run good, bad, good, bad, at most two at once (two
+    # CPUs, one each), so the last one starts after two others have ended, one of them a good one: it
+    # reaches round 1 below the rung's median and is stopped there.
+    spec = load_sweep(sweep_file(tmp_path, search={"train.lr": {"grid": [0.05, 1e-7]}}, num_samples=2,
+                                 set={"train.rounds": 3}, asha={"grace_period": 1, "reduction_factor": 2}))
     rows = run_sweep(spec, tmp_path / "sweep")
-    assert len(rows) == 6
+    assert len(rows) == 4
     stopped = [r for r in rows if r["status"] == "stopped"]
-    assert stopped and all(r["train.lr"] == 1e-7 and r["rounds"] < 4 for r in stopped), rows
-    assert all(r["status"] == "finished" and r["rounds"] == 4 for r in rows if r["train.lr"] == 0.05)
+    assert stopped and all(r["train.lr"] == 1e-7 and r["rounds"] < 3 for r in stopped), rows
+    assert all(r["status"] == "finished" and r["rounds"] == 3 for r in rows if r["train.lr"] == 0.05)
     assert rows[0]["train.lr"] == 0.05  # best first
 
     # Nothing of the sweep's is left (the actors and groups an earlier test left dying may still go).
@@ -150,12 +151,17 @@ def test_asha_stops_a_trial_that_cannot_learn_and_nothing_is_left_behind(ray_ses
     assert new_since_before() == (set(), set())
 
 
+ROUNDS = 3
+
+
 @pytest.mark.slow
 def test_a_killed_sweep_resumes_without_redoing_finished_rounds_or_trials(tmp_path, private_ray_env):
+    # Three trials, on two cores two at a time: the third starts when one of the first two has finished.
+    # Rounds of 10 local epochs take seconds, so the next report is far off when the kill comes.
+    sweep = sweep_file(tmp_path, search={"train.lr": {"grid": [0.01, 0.02, 0.05]}}, scheduler="none",
+                       set={"train.rounds": ROUNDS, "train.local_epochs": 10})
     sweep_dir = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "fedrod_ray.cli", "tune", "--config", str(QUICKSTART), "--sweep-dir",
-           str(sweep_dir), "--set", "set.train.rounds=4", "--set", "set.train.local_epochs=10",
-           "--set", "scheduler=none", "--set", "asha=null"]
+    cmd = [sys.executable, "-m", "fedrod_ray.cli", "tune", "--config", str(sweep), "--sweep-dir", str(sweep_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=private_ray_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -164,7 +170,7 @@ def test_a_killed_sweep_resumes_without_redoing_finished_rounds_or_trials(tmp_pa
 
     def one_finished_one_under_way() -> bool:
         rounds = [len(p.read_text().splitlines()) for p in results()]
-        return 4 in rounds and any(0 < n < 4 for n in rounds)
+        return ROUNDS in rounds and any(0 < n < ROUNDS for n in rounds)
 
     def state_saved_after_last_report() -> bool:
         states = [p.stat().st_mtime_ns for p in (sweep_dir / "trials").glob("experiment_state-*.json")]
@@ -195,12 +201,12 @@ def test_a_killed_sweep_resumes_without_redoing_finished_rounds_or_trials(tmp_pa
                          cwd=REPO, env=private_ray_env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     after = {p.parent.name: [json.loads(line)["round"] for line in p.read_text().splitlines()] for p in results()}
-    assert len(after) == 4 and all(rounds[-1] == 4 for rounds in after.values()), after
+    assert len(after) == 3 and all(rounds[-1] == ROUNDS for rounds in after.values()), after
     for trial, rounds in before.items():
         # A finished trial is not run again, and a trial goes on from its last reported round.
         assert after[trial][:len(rounds)] == rounds
     for trial, rounds in after.items():  # those started after the kill too: no round twice
-        assert rounds == list(range(1, 5)), (trial, rounds)
+        assert rounds == list(range(1, ROUNDS + 1)), (trial, rounds)
     assert (sweep_dir / "results.md").is_file()
 
 

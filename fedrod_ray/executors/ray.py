@@ -4,8 +4,9 @@ Each training call carries the client's state along with the round's message (pu
 once per round), and the new state comes back with the result. The client actors hold the dataset, not
 client state: in the default pooled layout one actor per training slot takes whichever client is next,
 largest first; with ``clients_per_actor: k`` each client has a home actor. A dead actor costs only the
-call it was running: the client is counted as failed for the round, the actor (restarted by Ray) is
-attached to the data again, and nothing committed is lost.
+call it was running: a training client is counted as failed for the round, an evaluation chunk is sent
+again, the actor (restarted by Ray) is attached to the data again, and nothing committed is lost. Each
+such call is logged and kept in ``RayExecutor.lost_calls``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError, RayTaskError
 
+from .. import faults
 from ..actors import ActorNotReady, ClientActor
 from ..client import ClientFailure, EvalCounts
 from ..config import RuntimeConfig
@@ -81,6 +83,17 @@ def plan_layout(rt: RuntimeConfig, num_clients: int, cluster: dict[str, float]) 
     return Layout(num_actors, per, min(num_actors, slots), {k: v * scale for k, v in req.items()})
 
 
+@dataclass(frozen=True)
+class LostCall:
+    """A call that died with its actor: which method, on which actor, for which clients, and whether it
+    was sent again (calls that are safe to repeat) or its clients counted as failed (training)."""
+
+    method: str
+    actor: int
+    clients: tuple[int, ...]
+    retried: bool
+
+
 class _Requeued:
     """A call that never ran (its actor had restarted bare): the item went back to the policy."""
 
@@ -88,9 +101,10 @@ class _Requeued:
 class RayExecutor:
     """The executor protocol on a pool of ``ClientActor``s laid out by ``plan_layout``."""
 
-    def __init__(self, setup: Setup, layout: Layout):
+    def __init__(self, setup: Setup, layout: Layout, log: Callable[[str], None] = print):
         cfg, ds, part = setup.cfg, setup.dataset, setup.partition
         self.layout = layout
+        self.log = log
         self.sizes = part.sizes  # sample counts: the longest updates go first
         meta = {"num_classes": ds.num_classes, "mean": list(ds.mean), "std": list(ds.std), "augment": setup.augment}
         res = layout.actor_resources
@@ -104,6 +118,9 @@ class RayExecutor:
             "max_restarts": cfg.runtime.max_restarts,
             "max_task_retries": 0,  # a lost call is reported as a failed client, never silently re-run
         }
+        fault = faults.runtime_env()
+        if fault is not None:  # only in the tests that kill an actor mid-call
+            options["runtime_env"] = fault
         # Each array enters the object store once; every actor on a node maps the same copy. The executor
         # holds the references, so that a restarted actor can be attached again.
         train_x, train_y, counts, test_x, test_y = (ray.put(x) for x in (
@@ -121,6 +138,7 @@ class RayExecutor:
                 self._attach_args.append([train_x, train_y, own, counts, test_x, test_y, part.meta_indices])
         self.dead: set[int] = set()  # actors that did not come back within RESTART_TIMEOUT_S
         self.calls_done = [0] * layout.num_actors  # completed calls per actor: how the work was spread
+        self.lost_calls: list[LostCall] = []  # calls that died with their actor, in the order they were lost
         ray.get([self._attach(a) for a in range(len(self.actors))])
 
     def _attach(self, a: int) -> ray.ObjectRef:
@@ -156,12 +174,15 @@ class RayExecutor:
             queues.setdefault(self.home[client_of(items[i])[0]], []).append(items[i])
         return LongestQueueFirst(queues, self.layout.max_in_flight)
 
-    def _run(self, policy, submit: Callable, retry_lost: bool) -> Iterator[tuple[object, object]]:
-        """Run the policy's items on the actors; yield (item, the call's value or the RayError that lost it).
+    def _run(self, method: str, items: list, client_of: Callable, submit: Callable,
+             retry_lost: bool) -> Iterator[tuple[object, object]]:
+        """Run ``items`` (each for the clients ``client_of(item)``) on the actors with ``submit``; yield
+        (item, the call's value or the RayError that lost it).
 
         An actor that restarted bare gets the call again once it is attached. A call lost with its actor
         is yielded as an error, or (``retry_lost``: calls that are safe to repeat) sent again.
         """
+        policy = self._policy(items, client_of)
         in_flight: dict[ray.ObjectRef, tuple[int, object]] = {}
         for a in sorted(self.dead):
             for item in policy.drop(a):
@@ -181,7 +202,10 @@ class RayExecutor:
             except RayError as e:
                 value = e
                 not_ready = isinstance(e, RayTaskError) and isinstance(e.cause, ActorNotReady)
-                if not self._revive(a):
+                revived = self._revive(a)
+                if isinstance(e, RayActorError):
+                    self._lost(LostCall(method, a, tuple(client_of(item)), retry_lost and revived))
+                if not revived:
                     for lost in policy.drop(a):
                         yield lost, RuntimeError(f"actor {a} is dead")
                 elif not_ready or (retry_lost and isinstance(e, RayActorError)):
@@ -192,12 +216,17 @@ class RayExecutor:
             if value is not _Requeued:
                 yield item, value
 
+    def _lost(self, call: LostCall) -> None:
+        self.lost_calls.append(call)
+        ids = ", ".join(map(str, call.clients))
+        after = "sent again" if call.retried else "not sent again"
+        self.log(f"actor {call.actor} died during {call.method} of client(s) {ids}; {after}")
+
     def train(self, round_idx: int, jobs: list[Job], message: RoundInput):
         message_ref = ray.put(message)
-        slots = list(range(len(jobs)))
-        policy = self._policy(slots, lambda slot: [jobs[slot][0]])
         submit = lambda actor, slot: actor.train.remote(*jobs[slot], message_ref, round_idx)
-        for slot, value in self._run(policy, submit, retry_lost=False):
+        for slot, value in self._run("train", list(range(len(jobs))), lambda slot: [jobs[slot][0]], submit,
+                                     retry_lost=False):
             cid = jobs[slot][0]
             if isinstance(value, Exception):
                 kind = " (actor died)" if isinstance(value, RayActorError) else ""
@@ -206,13 +235,14 @@ class RayExecutor:
             yield slot, value
 
     def evaluate(self, jobs: list[Job]) -> EvalCounts:
-        return self._spread(jobs, lambda actor, chunk: actor.evaluate.remote(chunk))
+        return self._spread("evaluate", jobs, lambda actor, chunk: actor.evaluate.remote(chunk))
 
     def finetune(self, jobs: list[Job], message: RoundInput, epochs: int, round_idx: int) -> EvalCounts:
         message_ref = ray.put(message)
-        return self._spread(jobs, lambda actor, chunk: actor.finetune.remote(chunk, message_ref, epochs, round_idx))
+        return self._spread("finetune", jobs,
+                            lambda actor, chunk: actor.finetune.remote(chunk, message_ref, epochs, round_idx))
 
-    def _spread(self, jobs: list[Job], submit: Callable) -> EvalCounts:
+    def _spread(self, method: str, jobs: list[Job], submit: Callable) -> EvalCounts:
         """Per-client counts from calls that are safe to repeat, in chunks over the actors."""
         if self.layout.pooled:
             n = min(len(jobs), EVAL_CHUNKS_PER_ACTOR * len(self.actors))
@@ -222,9 +252,9 @@ class RayExecutor:
             for job in jobs:
                 by_home.setdefault(self.home[job[0]], []).append(job)
             chunks = list(by_home.values())
-        policy = self._policy(chunks, lambda chunk: [cid for cid, _ in chunk])
         merged = EvalCounts()
-        for chunk, value in self._run(policy, submit, retry_lost=True):
+        for chunk, value in self._run(method, chunks, lambda chunk: [cid for cid, _ in chunk], submit,
+                                      retry_lost=True):
             if isinstance(value, Exception):
                 merged.failed.update({cid: f"{type(value).__name__}: {value}" for cid, _ in chunk})
             else:
