@@ -62,8 +62,8 @@ class ClientActorImpl:
     def train(self, client_id: int, state: ClientState, message: RoundInput, round_idx: int):
         return self._host().train(client_id, state, message, round_idx)
 
-    def evaluate(self, jobs: list[tuple[int, ClientState]]) -> EvalCounts:
-        return self._host().evaluate(jobs)
+    def evaluate(self, jobs: list[tuple[int, ClientState]], estimate: bool = False) -> EvalCounts:
+        return self._host().evaluate(jobs, estimate)
 
     def finetune(self, jobs: list[tuple[int, ClientState]], message: RoundInput, epochs: int,
                  round_idx: int) -> EvalCounts:

@@ -180,6 +180,8 @@ def test_out_of_range_names_the_field(override, field):
     (["train.generic_rule=fedprox", "train.rule_params.alpha=0.1"], r"train\.rule_params\.alpha.*valid keys here: mu"),
     (["runtime.mode=local", "runtime.address=auto"], r"runtime\.address: has no effect with runtime\.mode=local"),
     (["runtime.mode=ray", "runtime.device=cuda"], r"runtime\.device: has no effect with runtime\.mode=ray"),
+    (["eval.estimate_size=100"], r"eval\.estimate_size: has no effect when every round is evaluated exactly"),
+    (["eval.estimate_size=100", "eval.eval_every=5", "train.rounds=1"], r"eval\.estimate_size: has no effect"),
 ])
 def test_a_setting_without_effect_is_an_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
