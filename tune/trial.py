@@ -15,19 +15,22 @@ import torch
 from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.executors.ray import RayExecutor, plan_layout
 from fedrod_ray.federation import Federation
-from fedrod_ray.metric_schema import ACCURACIES
+from fedrod_ray.metric_schema import ACCURACIES, ESTIMATES
 from fedrod_ray.setup import prepare
 from fedrod_ray.storage import RunStorage
 
 from .space import SweepSpec
 
-# Whatever of these the round's record has (the accuracies only on evaluation rounds, some only at the last).
-REPORTED = ("round", *ACCURACIES, "train_loss", "personal_loss", "clients_failed")
+# Whatever of these the round's record has (the accuracies only on evaluation rounds, some only at the last;
+# the estimates every round with eval.estimate_size).
+REPORTED = ("round", *ACCURACIES, *ESTIMATES, "train_loss", "personal_loss", "clients_failed")
 
 
-def objective(record: dict, metric: str) -> float:
-    """The value the sweep maximises: G-FL, P-FL (PM), or their harmonic mean."""
-    gfl, pfl = record["gfl_gm"], record["pfl_pm"]
+def objective(record: dict, metric: str, estimate: bool = False) -> float:
+    """The value the sweep maximises: G-FL, P-FL (PM), or their harmonic mean; ``estimate``: of their
+    estimates (gfl_gm_est, pfl_pm_est)."""
+    suffix = "_est" if estimate else ""
+    gfl, pfl = record["gfl_gm" + suffix], record["pfl_pm" + suffix]
     if metric == "gfl":
         return gfl
     if metric == "pfl_pm":
@@ -54,8 +57,11 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
         for r in range(fed.next_round, cfg.train.rounds):
             record = fed.step(r)
             metrics = {k: record[k] for k in REPORTED if record.get(k) is not None}
-            if "gfl_gm" in record:  # an evaluated round (a sweep's trial: every round)
-                metrics["objective"] = objective(record, sweep.metric)
+            # What ASHA decides on, every round: the estimate where there is one (never mixed with exact
+            # figures), else the exact evaluation (a sweep's trial without an estimate: every round).
+            estimate = bool(cfg.eval.estimate_size)
+            if estimate or "gfl_gm" in record:
+                metrics["objective"] = objective(record, sweep.metric, estimate)
             with tempfile.TemporaryDirectory() as folder:
                 save_checkpoint(RunStorage(folder), fed.snapshot())
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
