@@ -1,25 +1,28 @@
-"""Evaluation cost: one exact evaluation of a paper-sized federation against the forward-pass floor, and the
-share of a run's wall time spent evaluating.
+"""Evaluation cost: an exact evaluation of a paper-sized federation against the forward-pass floor, the P-FL
+estimate's error and cost, and the share of a run's wall time spent evaluating.
 
 The federation: FMNIST (``--dataset``), ``--clients`` clients under Dir(``--alpha``), 20% per round,
 ``--epochs`` local epochs, batch 40, Fed-RoD with the linear head and BSM, in this process on every core
-(``torch.set_num_threads(os.cpu_count())``, the in-process runtime's default). It trains ``--rounds``
-rounds (timed: the train round), so that the clients that trained hold PMs of their own, then:
+(``torch.set_num_threads(os.cpu_count())``, the in-process runtime's default). Each of ``--rounds`` rounds
+is timed in three parts: training (``train_seconds``), the estimate (``eval.estimate_size`` test images,
+inside the step) and an exact evaluation after it (``Federation.evaluate``; with the PM cache, only that
+round's clients' PMs are new, as when every round is evaluated). The first table gives each round's exact
+figures, the estimate's and their difference.
 
-- exact: one evaluation as ``Federation.evaluate`` does it (G-FL, P-FL of the GM and of every client's PM
-  in both readings), the PM cache cleared first so that every trained client's PM is evaluated afresh, as
-  at an ``eval_every`` round. Its images are the test set once (the GM, and every global-reading PM from
-  its features) plus each trained client's test images of its own classes (its own model);
-- floor: the same number of images through one model, a plain ``torch.inference_mode`` forward (features
-  and generic head) at the best of several batch sizes, channels-last, measured in the same run.
+Then one evaluation with every trained client's PM new (the cache cleared), as after ``eval_every``
+rounds, exact and estimated: its images are the test set once (the GM, and every global-reading PM from
+its features) plus each trained client's test images of its own classes through its own model. The
+floor: as many images through one model, a plain ``torch.inference_mode`` forward (features and generic
+head) at the best of several batch sizes, channels-last, on every core, measured in the same run.
 
-The shares: a run of ``--run-rounds`` rounds evaluated exactly every ``--eval-every`` rounds, extrapolated
-from the measured train round and the measured evaluation cost per image, with the PMs that are stale at
-each evaluation (clients sampled since the last one: the expected number under uniform sampling, as
-rounds fall) - so the table says "extrapolated".
+The last table: a ``--run-rounds`` run of ``--run-epochs`` local epochs, from the measured costs per
+round (the train round scaled by run-epochs / epochs when they differ). (a) evaluated exactly every
+``--eval-every`` rounds: extrapolated, at the measured exact cost per image, with the PMs new at each
+evaluation (the expected number of clients sampled since the last one); (b) a sweep trial: (a) plus the
+measured per-round estimate; and, for comparison, exact every round (measured per round).
 
-    FEDROD_DATA_DIR=../shared/data python bench/eval_cost.py                  # ~5 minutes on 2 cores
-    FEDROD_DATA_DIR=../shared/data python bench/eval_cost.py --rounds 5 --clients 100 --dataset mnist
+    FEDROD_DATA_DIR=../shared/data python bench/eval_cost.py                  # 3 rounds of 5 epochs
+    FEDROD_DATA_DIR=../shared/data python bench/eval_cost.py --rounds 3 --epochs 1 --dataset mnist
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from fedrod_ray.federation import Federation
 from fedrod_ray.setup import make_host, prepare
 
 NEVER = 10**6
-FLOOR_BATCHES = (250, 500, 1000, 2000, 5000)
+FLOOR_BATCHES = (64, 128, 256, 500, 1000, 2000)
 
 
 def parse_args():
@@ -48,14 +51,17 @@ def parse_args():
     p.add_argument("--rounds", type=int, default=3, help="training rounds before the evaluation")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--run-rounds", type=int, default=100, help="the run the shares are for")
+    p.add_argument("--run-epochs", type=int, default=5,
+                   help="the run's local epochs: the measured train round is scaled by run-epochs / epochs")
     p.add_argument("--eval-every", type=int, default=10, help="the run's exact evaluations")
+    p.add_argument("--estimate-size", type=int, default=1000, help="eval.estimate_size")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
 
-def test_images(setup, client_ids) -> int:
-    """Images the PMs of ``client_ids`` forward: each one's test images of the classes it has."""
-    per_class = torch.bincount(setup.test.y, minlength=setup.test.num_classes)
+def test_images(setup, client_ids, labels: torch.Tensor) -> int:
+    """Images the PMs of ``client_ids`` forward: each one's images (of ``labels``) of the classes it has."""
+    per_class = torch.bincount(labels, minlength=setup.test.num_classes)
     counts = torch.as_tensor(setup.partition.counts[client_ids])
     return int(((counts > 0).to(torch.long) * per_class).sum())
 
@@ -87,7 +93,7 @@ def expected_stale(clients: int, fraction: float, rounds: int) -> float:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    print(machine_note())
+    print(machine_note(), flush=True)
     fraction = 0.2
     cfg = make_config(
         {"dataset": args.dataset, "data_dir": str(resolve_data_dir(None)), "download": False,
@@ -95,52 +101,84 @@ def main() -> None:
         name="eval_cost", seed=args.seed,
         train={"head": "linear", "balanced_loss": "bsm", "rounds": NEVER, "client_fraction": fraction,
                "local_epochs": args.epochs, "batch_size": 40, "lr": 0.01, "momentum": 0.9},
-        eval={"eval_every": NEVER},
+        eval={"eval_every": NEVER, "estimate_size": args.estimate_size},
         runtime={"mode": "local"},
     )
     setup = prepare(cfg)
     fed = Federation(setup, InProcessExecutor(make_host(setup)), log=print)
-    train_s = []
+    rows, train_s, est_s, exact_s = [], [], [], []
     for r in range(args.rounds):
-        rec = fed.step(r)
+        rec = fed.step(r)  # trains, then the estimate (eval.estimate_size)
+        t0 = time.perf_counter()
+        exact = fed.evaluate()  # exact, as at an eval_every round: only this round's PMs are new
+        exact_s.append(time.perf_counter() - t0)
         train_s.append(rec["train_seconds"])
-        print(f"  round {r + 1}: train {rec['train_seconds']:.2f} s", flush=True)
-    train_round = sum(train_s[1:]) / len(train_s[1:]) if len(train_s) > 1 else train_s[0]
+        est_s.append(rec["seconds"] - rec["train_seconds"])
+        rows.append([r + 1] + [f"{100 * exact[k]:.2f} / {100 * rec[k + '_est']:.2f} ({100 * (rec[k + '_est'] - exact[k]):+.2f})"
+                               for k in ("gfl_gm", "pfl_gm", "pfl_pm")]
+                    + [f"{train_s[-1]:.1f}", f"{est_s[-1]:.2f}", f"{exact_s[-1]:.1f}"])
+        print(f"  round {r + 1}: train {train_s[-1]:.2f} s, estimate {est_s[-1]:.2f} s, exact {exact_s[-1]:.2f} s; "
+              f"P-FL PM {exact['pfl_pm']:.4f}, estimate {rec['pfl_pm_est']:.4f}", flush=True)
+    # Round 1 warms up (and trains from scratch): the costs are the means of the later rounds.
+    later = slice(1, None) if args.rounds > 1 else slice(None)
+    train_round, est_round, exact_round = (sum(x[later]) / len(x[later]) for x in (train_s, est_s, exact_s))
 
+    # One evaluation with every trained client's PM new, as after eval_every rounds: exact and estimate.
     trained = [cid for cid, st in fed.clients.items() if st.local_model is not None]
-    images = len(setup.test.y) + test_images(setup, trained)
+    sample = fed.evaluation.estimate_test
+    images = len(setup.test.y) + test_images(setup, trained, setup.test.y)
+    est_images = len(sample.y) + test_images(setup, trained, sample.y)
     fed.evaluation.clear()
     t0 = time.perf_counter()
-    exact = fed.evaluate()
-    exact_s = time.perf_counter() - t0
-    print(f"  exact evaluation: {exact_s:.2f} s, {len(trained)} PMs, {images:,} images; "
-          f"P-FL PM {exact['pfl_pm']:.4f}", flush=True)
+    fed.evaluate()
+    full_exact = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fed.evaluation.estimate(fed.executor, fed.global_shared, fed.clients)
+    full_est = time.perf_counter() - t0
+    print(f"  full evaluation: exact {full_exact:.2f} s ({images:,} images), estimate {full_est:.2f} s "
+          f"({est_images:,} images), {len(trained)} PMs", flush=True)
     rate, best_bs = floor_rate(setup)
     floor_s = images / rate
-    per_image = exact_s / images
+    per_image = full_exact / images
 
-    def run_share(every: int) -> tuple[float, float]:
-        evals = args.run_rounds // every
-        stale = expected_stale(args.clients, fraction, every)
-        one = per_image * (len(setup.test.y) + stale * test_images(setup, list(range(args.clients))) / args.clients)
-        return one, evals * one / (evals * one + args.run_rounds * train_round)
+    def exact_cost(stale: float) -> float:
+        per_client = test_images(setup, list(range(args.clients)), setup.test.y) / args.clients
+        return per_image * (len(setup.test.y) + stale * per_client)
 
-    e10, share10 = run_share(args.eval_every)
-    e1, share1 = run_share(1)
+    runs, every = args.run_rounds, args.eval_every
+    run_train = train_round * args.run_epochs / args.epochs  # an epoch costs the same each time
+    evals = runs // every
+    e_every = exact_cost(expected_stale(args.clients, fraction, every))
+    run_a = runs * run_train + evals * e_every
+    run_b = run_a + runs * est_round
+    run_old = runs * (run_train + exact_round)
     print()
-    print(f"{args.dataset}, {args.clients} clients, Dir({args.alpha}), {args.epochs} local epochs, "
-          f"{args.rounds} rounds trained; floor at batch {best_bs}")
-    print(md_table("what|seconds|images|images/s|x floor", [
-        ["train round (measured, mean of rounds 2..)", f"{train_round:.2f}", "", "", ""],
-        ["exact evaluation (measured)", f"{exact_s:.2f}", f"{images:,}", f"{images / exact_s:,.0f}",
-         f"{exact_s / floor_s:.2f}"],
-        ["floor: plain forward, same images", f"{floor_s:.2f}", f"{images:,}", f"{rate:,.0f}", "1.00"],
+    print(f"{args.dataset}, {args.clients} clients, Dir({args.alpha}), {args.epochs} local epochs, linear head, "
+          f"{args.rounds} rounds; estimate on {len(sample.y)} test images; the floor at batch {best_bs}")
+    print()
+    print("Exact / estimate (estimate - exact), in %, after each round; seconds of each part:")
+    print(md_table("round|G-FL (GM)|P-FL (GM)|P-FL (PM)|train, s|estimate, s|exact, s", rows))
+    print()
+    print(md_table("one evaluation, every trained client's PM new|seconds|images|images/s|x floor", [
+        ["exact (Federation.evaluate)", f"{full_exact:.2f}", f"{images:,}", f"{images / full_exact:,.0f}",
+         f"{full_exact / floor_s:.2f}"],
+        ["estimate (Evaluation.estimate)", f"{full_est:.2f}", f"{est_images:,}", f"{est_images / full_est:,.0f}",
+         f"{full_est * rate / est_images:.2f}"],
+        ["floor: plain forward, the exact's images", f"{floor_s:.2f}", f"{images:,}", f"{rate:,.0f}", "1.00"],
     ]))
     print()
-    print(md_table("run (extrapolated from the measured costs)|evaluation, s|share of wall time evaluating", [
-        [f"{args.run_rounds} rounds, exact every {args.eval_every}", f"{e10:.2f}", f"{100 * share10:.1f}%"],
-        [f"{args.run_rounds} rounds, exact every round", f"{e1:.2f}", f"{100 * share1:.1f}%"],
+    print(md_table(f"a {runs}-round run (from the measured costs per round)|evaluating, s|total, s|"
+                   "share evaluating", [
+        [f"(a) exact every {every} (extrapolated: {expected_stale(args.clients, fraction, every):.0f} new PMs each)",
+         f"{evals * e_every:.0f}", f"{run_a:.0f}", f"{100 * evals * e_every / run_a:.1f}%"],
+        [f"(b) sweep trial: (a) + the estimate every round (measured {est_round:.2f} s)",
+         f"{run_b - runs * run_train:.0f}", f"{run_b:.0f}", f"{100 * (run_b - runs * run_train) / run_b:.1f}%"],
+        [f"before: exact every round (measured {exact_round:.2f} s)", f"{runs * exact_round:.0f}", f"{run_old:.0f}",
+         f"{100 * runs * exact_round / run_old:.1f}%"],
     ]))
+    print(f"(train round: measured {train_round:.2f} s at {args.epochs} local epochs, the mean of rounds "
+          f"2..{args.rounds}; the run's: {run_train:.2f} s at {args.run_epochs} epochs"
+          f"{', scaled by epochs' if args.run_epochs != args.epochs else ''})")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ class Evaluation:
             z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
             correct, total = class_correct(logits.argmax(1), test.y, test.num_classes)
             ids = self.setup.all_client_ids
-            pm_global = self._global_reading_pms(clients, ids, test, z, logits, correct, total)
+            pm_global = self._global_reading_pms(clients, ids, z, logits, correct, total)
             # A client that never trained has no model of its own: its PM is the global reading.
             pm.correct.update({cid: pm_global.correct[cid] for cid in fresh_clients})
             pm.total.update(dict.fromkeys(fresh_clients, total))
@@ -117,7 +117,7 @@ class Evaluation:
             self.model.load_partial(global_shared)
             z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
             correct, total = class_correct(logits.argmax(1), test.y, test.num_classes)
-            pm_global = self._global_reading_pms(clients, fresh_clients, test, z, logits, correct, total)
+            pm_global = self._global_reading_pms(clients, fresh_clients, z, logits, correct, total, test)
             evaluated = pending.result() if pending is not None else EvalCounts()
         pm.merge(pm_global)
         pm.merge(evaluated)
@@ -161,9 +161,10 @@ class Evaluation:
         return cached, stale, fresh
 
     @torch.inference_mode()
-    def _global_reading_pms(self, clients: dict[int, ClientState], ids: list[int], test: TestSet, z: torch.Tensor,
-                            logits: torch.Tensor, correct: torch.Tensor, total: torch.Tensor) -> EvalCounts:
-        """Per-class correct counts on ``test`` of each client's PM in the appendix's reading: the global theta
+    def _global_reading_pms(self, clients: dict[int, ClientState], ids: list[int], z: torch.Tensor,
+                            logits: torch.Tensor, correct: torch.Tensor, total: torch.Tensor,
+                            test: TestSet | None = None) -> EvalCounts:
+        """Per-class correct counts on ``test`` (default: the test set) of each client's PM in the appendix's reading: the global theta
         and psi with the client's own head (phi_m, or H(a_m; nu) for hyper). The GM's features z and logits
         of ``test`` serve every client; a head's logits are added a batch of PM_BATCH clients at a time. With no P-head,
         or a linear head still at its initial zeros, that PM is the GM."""
@@ -180,6 +181,7 @@ class Evaluation:
                 if cid not in out.correct and (head is None or head.shape != shape):
                     out.failed[cid] = f"ValueError: its personal head is not a {tuple(shape)} personal_head.weight"
             ids = [cid for cid in ids if cid not in out.correct and cid not in out.failed]
+        test = self.setup.test if test is None else test
         y, num_classes = test.y, test.num_classes
         onehot = torch.nn.functional.one_hot(y, num_classes).to(torch.float64)
         for start in range(0, len(ids), PM_BATCH):
