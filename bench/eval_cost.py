@@ -9,10 +9,9 @@ inside the step) and an exact evaluation after it (``Federation.evaluate``; with
 round's clients' PMs are new, as when every round is evaluated). The first table gives each round's exact
 figures, the estimate's and their difference.
 
-Then one evaluation with every trained client's PM new (the cache cleared), as after ``eval_every``
-rounds, exact and estimated: its images are the test set once (the GM, and every global-reading PM from
-its features) plus each trained client's test images of its own classes through its own model. The
-floor: as many images through one model, a plain ``torch.inference_mode`` forward (features and generic
+The exact evaluations' images are the test set once (the GM, and every global-reading PM from its
+features) plus each new PM's test images of its client's classes through its own model; their images/s
+over rounds 2.. go against the floor: as many images through one model, a plain ``torch.inference_mode`` forward (features and generic
 head) at the best of several batch sizes, channels-last, on every core, measured in the same run.
 
 The last table: a ``--run-rounds`` run of ``--run-epochs`` local epochs, from the measured costs per
@@ -106,40 +105,33 @@ def main() -> None:
     )
     setup = prepare(cfg)
     fed = Federation(setup, InProcessExecutor(make_host(setup)), log=print)
-    rows, train_s, est_s, exact_s = [], [], [], []
+    sample = fed.evaluation.estimate_test
+    rows, train_s, est_s, exact_s, images, est_images = [], [], [], [], [], []
     for r in range(args.rounds):
+        before = {cid: st.rounds_trained for cid, st in fed.clients.items()}
         rec = fed.step(r)  # trains, then the estimate (eval.estimate_size)
         t0 = time.perf_counter()
         exact = fed.evaluate()  # exact, as at an eval_every round: only this round's PMs are new
         exact_s.append(time.perf_counter() - t0)
         train_s.append(rec["train_seconds"])
         est_s.append(rec["seconds"] - rec["train_seconds"])
+        new = [cid for cid, st in fed.clients.items() if st.rounds_trained != before[cid]]
+        images.append(len(setup.test.y) + test_images(setup, new, setup.test.y))
+        est_images.append(len(sample.y) + test_images(setup, new, sample.y))
         rows.append([r + 1] + [f"{100 * exact[k]:.2f} / {100 * rec[k + '_est']:.2f} ({100 * (rec[k + '_est'] - exact[k]):+.2f})"
                                for k in ("gfl_gm", "pfl_gm", "pfl_pm")]
                     + [f"{train_s[-1]:.1f}", f"{est_s[-1]:.2f}", f"{exact_s[-1]:.1f}"])
-        print(f"  round {r + 1}: train {train_s[-1]:.2f} s, estimate {est_s[-1]:.2f} s, exact {exact_s[-1]:.2f} s; "
-              f"P-FL PM {exact['pfl_pm']:.4f}, estimate {rec['pfl_pm_est']:.4f}", flush=True)
+        print(f"  round {r + 1}: train {train_s[-1]:.2f} s, estimate {est_s[-1]:.2f} s, exact {exact_s[-1]:.2f} s "
+              f"({images[-1]:,} images); P-FL PM {exact['pfl_pm']:.4f}, estimate {rec['pfl_pm_est']:.4f}", flush=True)
     # Round 1 warms up (and trains from scratch): the costs are the means of the later rounds.
     later = slice(1, None) if args.rounds > 1 else slice(None)
     train_round, est_round, exact_round = (sum(x[later]) / len(x[later]) for x in (train_s, est_s, exact_s))
-
-    # One evaluation with every trained client's PM new, as after eval_every rounds: exact and estimate.
-    trained = [cid for cid, st in fed.clients.items() if st.local_model is not None]
-    sample = fed.evaluation.estimate_test
-    images = len(setup.test.y) + test_images(setup, trained, setup.test.y)
-    est_images = len(sample.y) + test_images(setup, trained, sample.y)
-    fed.evaluation.clear()
-    t0 = time.perf_counter()
-    fed.evaluate()
-    full_exact = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    fed.evaluation.estimate(fed.executor, fed.global_shared, fed.clients)
-    full_est = time.perf_counter() - t0
-    print(f"  full evaluation: exact {full_exact:.2f} s ({images:,} images), estimate {full_est:.2f} s "
-          f"({est_images:,} images), {len(trained)} PMs", flush=True)
+    # Images/s of the evaluations after rounds 2..: the GM's pass plus each new PM's (its classes' images).
+    n_exact, n_est = sum(images[later]), sum(est_images[later])
+    t_exact, t_est = sum(exact_s[later]), sum(est_s[later])
     rate, best_bs = floor_rate(setup)
-    floor_s = images / rate
-    per_image = full_exact / images
+    floor_s = n_exact / rate
+    per_image = t_exact / n_exact
 
     def exact_cost(stale: float) -> float:
         per_client = test_images(setup, list(range(args.clients)), setup.test.y) / args.clients
@@ -159,12 +151,13 @@ def main() -> None:
     print("Exact / estimate (estimate - exact), in %, after each round; seconds of each part:")
     print(md_table("round|G-FL (GM)|P-FL (GM)|P-FL (PM)|train, s|estimate, s|exact, s", rows))
     print()
-    print(md_table("one evaluation, every trained client's PM new|seconds|images|images/s|x floor", [
-        ["exact (Federation.evaluate)", f"{full_exact:.2f}", f"{images:,}", f"{images / full_exact:,.0f}",
-         f"{full_exact / floor_s:.2f}"],
-        ["estimate (Evaluation.estimate)", f"{full_est:.2f}", f"{est_images:,}", f"{est_images / full_est:,.0f}",
-         f"{full_est * rate / est_images:.2f}"],
-        ["floor: plain forward, the exact's images", f"{floor_s:.2f}", f"{images:,}", f"{rate:,.0f}", "1.00"],
+    print(md_table(f"the evaluations after rounds {later.start + 1 if later.start else 1}..{args.rounds}|"
+                   "seconds|images|images/s|x floor", [
+        ["exact (Federation.evaluate)", f"{t_exact:.2f}", f"{n_exact:,}", f"{n_exact / t_exact:,.0f}",
+         f"{t_exact / floor_s:.2f}"],
+        ["estimate (Evaluation.estimate)", f"{t_est:.2f}", f"{n_est:,}", f"{n_est / t_est:,.0f}",
+         f"{t_est * rate / n_est:.2f}"],
+        ["floor: plain forward, the exact's images", f"{floor_s:.2f}", f"{n_exact:,}", f"{rate:,.0f}", "1.00"],
     ]))
     print()
     print(md_table(f"a {runs}-round run (from the measured costs per round)|evaluating, s|total, s|"
