@@ -66,10 +66,10 @@ class ClientActorImpl:
             self.fault.reached("train", [client_id], round_idx)
         return self._host().train(client_id, state, message, round_idx)
 
-    def evaluate(self, jobs: list[tuple[int, ClientState]]) -> EvalCounts:
+    def evaluate(self, jobs: list[tuple[int, ClientState]], estimate: bool = False) -> EvalCounts:
         if self.fault is not None:
             self.fault.reached("evaluate", [cid for cid, _ in jobs])
-        return self._host().evaluate(jobs)
+        return self._host().evaluate(jobs, estimate)
 
     def finetune(self, jobs: list[tuple[int, ClientState]], message: RoundInput, epochs: int,
                  round_idx: int) -> EvalCounts:

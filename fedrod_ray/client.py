@@ -30,11 +30,19 @@ from .local import (
     load_client_weights,
     local_update,
 )
-from .metrics import TestSet, personal_class_correct
+from .metrics import TestSet, personal_class_correct, stratified_sample
 from .models import FedModel, build_model
 from .objectives import OBJECTIVES, get_objective, model_parts
 
 FINETUNE_TAG = 2  # seeds fine-tuning's data order apart from every training round's
+ESTIMATE_TAG = 3  # seeds the estimate's test sample
+
+
+def estimate_test_set(cfg: ExperimentConfig, test: TestSet) -> TestSet:
+    """The test images the P-FL estimate reads (``eval.estimate_size``): a class-stratified sample fixed by
+    the run's seed, the same for the server and every host."""
+    idx = stratified_sample(test.y, test.num_classes, cfg.eval.estimate_size, derived_seed(cfg.seed, ESTIMATE_TAG))
+    return TestSet(test.x[idx], test.y[idx], test.num_classes)
 
 
 @dataclass
@@ -161,6 +169,7 @@ class ClientHost:
                                            cfg.train.variant, cfg.hyper_hidden, cfg.seed, model_parts(cfg.train),
                                            cfg.model.init).to(self.device)
         self._finetune_model: FedModel | None = None
+        self._estimate_test: TestSet | None = None
 
     def data(self, client_id: int) -> ClientData:
         ctx = self.context
@@ -187,8 +196,9 @@ class ClientHost:
             return ClientFailure.from_exception(client_id, e)
         return state.trained(outcome)
 
-    def evaluate(self, jobs: list[tuple[int, ClientState]]) -> EvalCounts:
-        """Per-class test counts of trained clients' personalized models (FEDROD.md's PM).
+    def evaluate(self, jobs: list[tuple[int, ClientState]], estimate: bool = False) -> EvalCounts:
+        """Per-class test counts of trained clients' personalized models (FEDROD.md's PM); ``estimate``: on
+        the estimate's sample of the test set (``estimate_test_set``) instead of the whole of it.
 
         Fed-RoD: {theta*_m, psi*_m, phi*_m} (or nu*_m) with personalized logits; FedAvg: the local model
         w_m. (A client that never trained has no model of its own: ``Federation.evaluate`` scores it
@@ -196,6 +206,11 @@ class ClientHost:
         """
         out = EvalCounts()
         personal = self.model.variant is not None
+        test = self.context.test
+        if estimate:
+            if self._estimate_test is None:
+                self._estimate_test = estimate_test_set(self.cfg, test)
+            test = self._estimate_test
         for cid, state in jobs:
             try:
                 if state.local_model is None:
@@ -203,7 +218,7 @@ class ClientHost:
                 load_client_weights(self.model, state.local_model, state.personal)
                 dist = class_distribution(torch.as_tensor(self.context.counts[cid], dtype=torch.long))
                 out.correct[cid], out.total[cid] = personal_class_correct(
-                    self.model, self.context.test, dist, self.cfg.eval.batch_size, personal)
+                    self.model, test, dist, self.cfg.eval.batch_size, personal)
             except Exception as e:  # noqa: BLE001 - one broken client must not stop the evaluation
                 out.failed[cid] = f"{type(e).__name__}: {e}"
         return out

@@ -229,6 +229,9 @@ class TrainConfig:
 class EvalConfig:
     eval_every: PositiveInt = 1
     batch_size: PositiveInt = 1000
+    # Between exact evaluations: every round, the P-FL estimate (the *_est metrics) of the GM and of each
+    # client's PM on a fixed, seeded, class-stratified sample of this many test images; 0: none.
+    estimate_size: NonNegativeInt = 0
     # At the last round's evaluation: k epochs of fine-tuning on each held-out new client's own data, starting
     # from the global model (hyper: with its zero-shot head), then its P-FL (pfl_new_after); 0: none.
     finetune_epochs: NonNegativeInt = 0
@@ -439,6 +442,10 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     if ev.finetune_train and ev.finetune_epochs == 0:
         raise ConfigError("eval.finetune_train: has no effect with eval.finetune_epochs=0; set the number of "
                           "fine-tuning epochs")
+    if ev.estimate_size and (ev.eval_every == 1 or t.rounds == 1):
+        raise ConfigError(f"eval.estimate_size: has no effect when every round is evaluated exactly "
+                          f"(eval.eval_every={ev.eval_every}, train.rounds={t.rounds}); remove it or raise "
+                          "eval.eval_every")
     if ev.finetune_epochs > 0 and not ev.finetune_train and cfg.data.new_clients == 0:
         raise ConfigError("eval.finetune_epochs: has no effect without held-out clients (data.new_clients) or "
                           "eval.finetune_train=true")

@@ -4,6 +4,10 @@ the personalized models (PMs), for training clients and held-out new clients, an
 The GM and every client's global-reading PM are scored here from one pass of the GM over the test set;
 the PMs of clients that trained, and fine-tuning, are the executor's calls (on Ray, the client actors),
 run meanwhile. A PM changes only when its client trains, so its counts are cached between evaluations.
+
+With ``eval.estimate_size``, ``estimate`` does the same for G-FL and P-FL of the GM and PMs on a fixed
+class-stratified sample of the test set, every round: an estimate (its own ``*_est`` keys) for the rounds
+between exact evaluations, at about estimate_size / test size of an evaluation's cost.
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .aggregate import StateDict
-from .client import ClientState, EvalCounts
+from .client import ClientState, EvalCounts, estimate_test_set
 from .executors.base import Executor, Job
 from .local import RoundInput, class_distribution
-from .metrics import accuracy, class_correct, features_and_logits, pfl_accuracy
+from .metrics import TestSet, accuracy, class_correct, features_and_logits, pfl_accuracy
 from .models import FedModel
 from .setup import Setup
 
@@ -34,18 +38,22 @@ class Evaluation:
         self.cfg = setup.cfg
         self.model = model
         self.log = log
-        # (rounds_trained, correct, total) of each PM's last evaluation.
+        # (rounds_trained, correct, total) of each PM's last evaluation, and of its last estimate.
         self._pm_counts: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self._pm_estimates: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self.estimate_test: TestSet | None = (estimate_test_set(self.cfg, setup.test)
+                                              if self.cfg.eval.estimate_size else None)
 
     def clear(self) -> None:
         self._pm_counts.clear()
+        self._pm_estimates.clear()
 
     def evaluate(self, executor: Executor, global_shared: StateDict, clients: dict[int, ClientState],
                  round_idx: int, final: bool = False) -> dict:
         """The metrics of the GM ``global_shared`` and the PMs of ``clients`` after round ``round_idx``
         (0-based); ``final`` adds the fine-tuned P-FL of ``eval.finetune_epochs``."""
         test, dists = self.setup.test, self.setup.class_dists
-        pm, stale, fresh_clients = self._pm_jobs(clients)
+        pm, stale, fresh_clients = self._pm_jobs(clients, self._pm_counts)
         ft_jobs = self._finetune_jobs(clients) if final else []
         message = RoundInput(global_shared)
         # The executor (on Ray, the client actors) evaluates the PMs that changed, and fine-tunes, while
@@ -96,6 +104,32 @@ class Evaluation:
             out["finetune_failed"] = len(tuned.failed)
         return out
 
+    def estimate(self, executor: Executor, global_shared: StateDict, clients: dict[int, ClientState]) -> dict:
+        """The estimate of G-FL and of the training clients' P-FL of the GM and of their PMs (as
+        ``evaluate``'s gfl_gm, pfl_gm and pfl_pm) on the sample ``estimate_test``: the same counts, from
+        its images only."""
+        test, dists = self.estimate_test, self.setup.class_dists
+        m = self.setup.num_clients
+        train_clients = {cid: clients[cid] for cid in range(m)}
+        pm, stale, fresh_clients = self._pm_jobs(train_clients, self._pm_estimates)
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(executor.evaluate, stale, True) if stale else None
+            self.model.load_partial(global_shared)
+            z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
+            correct, total = class_correct(logits.argmax(1), test.y, test.num_classes)
+            pm_global = self._global_reading_pms(clients, fresh_clients, z, logits, correct, total, test)
+            evaluated = pending.result() if pending is not None else EvalCounts()
+        pm.merge(pm_global)
+        pm.merge(evaluated)
+        for cid, state in stale:
+            if cid in evaluated.correct:
+                self._pm_estimates[cid] = (state.rounds_trained, evaluated.correct[cid], evaluated.total[cid])
+        return {
+            "gfl_gm_est": accuracy(correct, total),
+            "pfl_gm_est": float(pfl_accuracy(correct, total, dists)[:m].mean()),
+            "pfl_pm_est": _mean(list(_pfl(pm, dists).values())),
+        }
+
     def _executor_evaluation(self, executor: Executor, stale: list[Job], ft_jobs: list[Job], message: RoundInput,
                              round_idx: int) -> tuple[EvalCounts, EvalCounts]:
         evaluated = executor.evaluate(stale) if stale else EvalCounts()
@@ -111,25 +145,28 @@ class Evaluation:
         ids = self.setup.all_client_ids if ev.finetune_train else self.setup.all_client_ids[self.setup.num_clients:]
         return [(cid, clients[cid].for_training()) for cid in ids]
 
-    def _pm_jobs(self, clients: dict[int, ClientState]) -> tuple[EvalCounts, list[Job], list[int]]:
-        """The cached PM counts still valid, the clients whose PM must be evaluated afresh (trained since
-        their last evaluation), and those that never trained. A PM changes only when its client trains."""
+    @staticmethod
+    def _pm_jobs(clients: dict[int, ClientState], cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]]
+                 ) -> tuple[EvalCounts, list[Job], list[int]]:
+        """The PM counts in ``cache`` still valid, the clients whose PM must be evaluated afresh (trained
+        since their last evaluation), and those that never trained. A PM changes only when its client trains."""
         cached, stale, fresh = EvalCounts(), [], []
         for cid, state in clients.items():
             if state.local_model is None and state.personal is None:
                 fresh.append(cid)
-            elif cid in self._pm_counts and self._pm_counts[cid][0] == state.rounds_trained:
-                _, cached.correct[cid], cached.total[cid] = self._pm_counts[cid]
+            elif cid in cache and cache[cid][0] == state.rounds_trained:
+                _, cached.correct[cid], cached.total[cid] = cache[cid]
             else:
                 stale.append((cid, state))
         return cached, stale, fresh
 
     @torch.inference_mode()
     def _global_reading_pms(self, clients: dict[int, ClientState], ids: list[int], z: torch.Tensor,
-                            logits: torch.Tensor, correct: torch.Tensor, total: torch.Tensor) -> EvalCounts:
-        """Per-class correct test counts of each client's PM in the appendix's reading: the global theta and
-        psi with the client's own head (phi_m, or H(a_m; nu) for hyper). The GM's features z and logits
-        serve every client; a head's logits are added a batch of PM_BATCH clients at a time. With no P-head,
+                            logits: torch.Tensor, correct: torch.Tensor, total: torch.Tensor,
+                            test: TestSet | None = None) -> EvalCounts:
+        """Per-class correct counts on ``test`` (default: the test set) of each client's PM in the appendix's reading: the global theta
+        and psi with the client's own head (phi_m, or H(a_m; nu) for hyper). The GM's features z and logits
+        of ``test`` serve every client; a head's logits are added a batch of PM_BATCH clients at a time. With no P-head,
         or a linear head still at its initial zeros, that PM is the GM."""
         heads = self.model.variant
         out = EvalCounts(total=dict.fromkeys(ids, total))
@@ -144,7 +181,8 @@ class Evaluation:
                 if cid not in out.correct and (head is None or head.shape != shape):
                     out.failed[cid] = f"ValueError: its personal head is not a {tuple(shape)} personal_head.weight"
             ids = [cid for cid in ids if cid not in out.correct and cid not in out.failed]
-        y, num_classes = self.setup.test.y, self.setup.test.num_classes
+        test = self.setup.test if test is None else test
+        y, num_classes = test.y, test.num_classes
         onehot = torch.nn.functional.one_hot(y, num_classes).to(torch.float64)
         for start in range(0, len(ids), PM_BATCH):
             batch = ids[start:start + PM_BATCH]

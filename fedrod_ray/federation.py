@@ -131,6 +131,8 @@ class Federation:
                               if results[0].personal_loss is not None else None),
             "train_seconds": round(train_seconds, 4),
         }
+        if cfg.eval.estimate_size:
+            record.update(self.evaluation.estimate(self.executor, self.global_shared, self.clients))
         if (r + 1) % cfg.eval.eval_every == 0 or r + 1 == cfg.train.rounds:
             record.update(self.evaluate(final=r + 1 == cfg.train.rounds))
         record["seconds"] = round(time.perf_counter() - t0, 4)

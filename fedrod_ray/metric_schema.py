@@ -13,12 +13,14 @@ from dataclasses import dataclass
 EVERY_ROUND = "every round"
 EVALUATION = "evaluation rounds"
 LAST_EVALUATION = "last evaluation"
+ESTIMATED = "every round, with `eval.estimate_size`"
 
 
 @dataclass(frozen=True)
 class Metric:
     key: str
-    when: str  # EVERY_ROUND, EVALUATION (every eval.eval_every and the last) or LAST_EVALUATION (fine-tuning)
+    # EVERY_ROUND, EVALUATION (every eval.eval_every and the last), LAST_EVALUATION (fine-tuning) or ESTIMATED
+    when: str
     description: str
     label: str = ""  # as the console prints it ("" for a field it does not print)
     title: str = ""  # as tables, plots and legends name it
@@ -64,9 +66,21 @@ METRICS = (
     Metric("finetune_failed", LAST_EVALUATION, "clients that could not be fine-tuned"),
     Metric("seconds", EVERY_ROUND, "the whole round with evaluation, in seconds"),
 )
-BY_KEY = {m.key: m for m in METRICS}
-# The accuracies, in the order every table and report lists them.
+# Not the paper's metrics: a cheap estimate of three of them, for the rounds between exact evaluations
+# (what a sweep's scheduler decides on). Their own keys, so that no table takes one for the exact figure.
+ESTIMATE_METRICS = (
+    Metric("gfl_gm_est", ESTIMATED, "ESTIMATE of `gfl_gm`: the GM's accuracy on a fixed, seeded, "
+           "class-stratified sample of `eval.estimate_size` test images", label="G-FL est",
+           title="G-FL (GM), estimate", accuracy=True),
+    Metric("pfl_gm_est", ESTIMATED, "ESTIMATE of `pfl_gm` on the same sample", label="P-FL GM est",
+           title="P-FL (GM), estimate", accuracy=True),
+    Metric("pfl_pm_est", ESTIMATED, "ESTIMATE of `pfl_pm` on the same sample (a client's PM on the sample's "
+           "images of its classes)", label="P-FL PM est", title="P-FL (PM), estimate", accuracy=True),
+)
+BY_KEY = {m.key: m for m in (*METRICS, *ESTIMATE_METRICS)}
+# The accuracies, in the order every table and report lists them: the exact ones only.
 ACCURACIES = tuple(m.key for m in METRICS if m.accuracy)
+ESTIMATES = tuple(m.key for m in ESTIMATE_METRICS)
 # What an evaluation adds to a round's record (and final/meta.json keeps of the last one).
 EVALUATED = tuple(m.key for m in METRICS if m.when != EVERY_ROUND)
 
@@ -99,5 +113,6 @@ def values_line(record: dict, keys: Iterable[str]) -> str:
 def markdown_table() -> str:
     """The README's table of the metrics files' columns (tests/test_metric_schema.py keeps them equal)."""
     lines = ["| column | in the record | console | tables, plots | what it is |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| `{m.key}` | {m.when} | {m.label} | {m.title} | {m.description} |" for m in METRICS]
+    lines += [f"| `{m.key}` | {m.when} | {m.label} | {m.title} | {m.description} |"
+              for m in (*METRICS, *ESTIMATE_METRICS)]
     return "\n".join(lines) + "\n"

@@ -42,6 +42,27 @@ class TestSet:
         return torch.cat(xs), torch.cat(ys)
 
 
+def stratified_sample(labels: torch.Tensor, num_classes: int, size: int, seed: int) -> torch.Tensor:
+    """Sorted indices of ``size`` examples, as many of each class as can be (the first ``size % C``
+    classes one more), drawn without replacement by a generator seeded with ``seed``: the same sample on
+    every machine and at every round. Class-balanced, so that its per-class counts estimate the test
+    set's per-class accuracy evenly, which is all P-FL reads."""
+    per_class, extra = divmod(size, num_classes)
+    have = torch.bincount(labels, minlength=num_classes)
+    want = torch.tensor([per_class + (c < extra) for c in range(num_classes)])
+    short = torch.nonzero(want > have).flatten().tolist()
+    if short:
+        c = short[0]
+        raise ValueError(f"eval.estimate_size={size} asks for {int(want[c])} test images of class {c}, which has "
+                         f"only {int(have[c])}; at most {num_classes * int(have.min())} fit every class evenly")
+    gen = torch.Generator().manual_seed(seed)
+    picked = []
+    for c in range(num_classes):
+        rows = torch.nonzero(labels == c).flatten()
+        picked.append(rows[torch.randperm(len(rows), generator=gen)[:int(want[c])]])
+    return torch.sort(torch.cat(picked)).values
+
+
 def class_correct(preds: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-class number of correct predictions and of examples (both float64, length C)."""
     labels = labels.to(preds.device)

@@ -20,7 +20,7 @@ from .config import ExperimentConfig, dump_config
 from .executors.batched import in_process_executor
 from .federation import Federation
 from .final import write_final
-from .metric_schema import label, percent, values_line
+from .metric_schema import ESTIMATES, label, percent, values_line
 from .results import MetricsLog
 from .setup import make_host, prepare
 from .state import Snapshot
@@ -150,4 +150,6 @@ def format_record(rec: dict, rounds: int) -> str:
             line += f" -> {percent(rec['pfl_new_after'])} fine-tuned"
         if "pfl_ft" in rec:
             line += f"  {values_line(rec, ('pfl_ft',))}"
+    if "pfl_pm_est" in rec:
+        line += f"  |  {values_line(rec, ESTIMATES)}"
     return line

@@ -183,6 +183,8 @@ def test_out_of_range_names_the_field(override, field):
     (["runtime.mode=ray", "runtime.device=cuda"], r"runtime\.device: has no effect with runtime\.mode=ray"),
     (["train.momentum=0", "train.momentum_buffers=keep"],
      r"train\.momentum_buffers: keep has no effect with train\.momentum=0"),
+    (["eval.estimate_size=100"], r"eval\.estimate_size: has no effect when every round is evaluated exactly"),
+    (["eval.estimate_size=100", "eval.eval_every=5", "train.rounds=1"], r"eval\.estimate_size: has no effect"),
 ])
 def test_a_setting_without_effect_is_an_error(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -15,6 +15,7 @@ from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.export import load_final
 from fedrod_ray.federation import Federation, RoundFailedError
 from fedrod_ray.local import RoundInput
+from fedrod_ray.metric_schema import ESTIMATES
 from fedrod_ray.metrics import class_correct, features_and_logits, personal_class_correct
 from fedrod_ray.runner import run_local
 from fedrod_ray.server import sample_clients
@@ -98,6 +99,55 @@ def test_pm_evaluation_runs_only_clients_that_trained_since_the_last(tmp_path):
     fresh.restore(fed.snapshot())
     assert fresh.evaluate() == second
     assert fresh.executor.asked == [sorted(set(ids[0]) | set(ids[1]))]
+
+
+@pytest.mark.parametrize("head", ["hyper", "linear", "none"])
+def test_the_estimate_on_the_whole_test_set_is_the_exact_evaluation(head):
+    # synthetic_test_per_class 10, 10 classes: a sample of 100 is the whole test set, in the same order.
+    fed = make_federation(f"train.head={head}", "train.rounds=3", "eval.eval_every=2", "eval.estimate_size=100",
+                          *(["train.balanced_loss=ce"] if head == "none" else []))
+    first = fed.step(0)
+    assert {"gfl_gm_est", "pfl_gm_est", "pfl_pm_est"} <= set(first) and "gfl_gm" not in first
+    for r in (1, 2):
+        record = fed.step(r)
+        # Exact rounds (2: eval_every; 3: the last) carry both, each computed from its own counts.
+        for key in ("gfl_gm", "pfl_gm", "pfl_pm"):
+            assert record[f"{key}_est"] == record[key], (r, key)
+
+
+class EstimateCountingExecutor(InProcessExecutor):
+    """Records which clients each PM evaluation was asked for, and whether on the estimate's sample."""
+
+    def __init__(self, host):
+        super().__init__(host)
+        self.asked: list[tuple[list[int], bool]] = []
+
+    def evaluate(self, jobs, estimate=False):
+        self.asked.append(([cid for cid, _ in jobs], estimate))
+        return super().evaluate(jobs, estimate)
+
+
+def test_the_estimate_is_a_fixed_class_balanced_sample_and_reads_only_changed_pms():
+    overrides = ("train.head=hyper", "train.rounds=5", "eval.eval_every=5", "eval.estimate_size=30")
+    fed = make_federation(*overrides)
+    fed.executor = EstimateCountingExecutor(fed.executor.host)
+    sample = fed.evaluation.estimate_test
+    assert torch.bincount(sample.y, minlength=10).tolist() == [3] * 10
+    ids = [sample_clients(3, r, fed.setup.num_clients, 0.5) for r in range(2)]
+    records = [fed.step(0), fed.step(1)]
+    assert fed.executor.asked == [(sorted(ids[0]), True), (sorted(ids[1]), True)]
+    assert all("pfl_pm" not in record for record in records)
+    # The same run again gives the same estimates, bitwise.
+    again = make_federation(*overrides)
+    assert torch.equal(again.evaluation.estimate_test.x, sample.x)
+    for r, record in enumerate(records):
+        repeat = again.step(r)
+        assert [repeat[k] for k in ESTIMATES] == [record[k] for k in ESTIMATES]
+
+
+def test_an_estimate_larger_than_the_test_set_allows_names_the_setting():
+    with pytest.raises(ValueError, match=r"eval\.estimate_size=101 asks for 11 test images of class 0"):
+        make_federation("train.rounds=3", "eval.eval_every=2", "eval.estimate_size=101")
 
 
 @pytest.mark.parametrize("head", ["hyper", "linear", "none"])

@@ -12,6 +12,7 @@ from fedrod_ray.metrics import (
     personal_class_correct,
     pfl_accuracy,
     predict,
+    stratified_sample,
 )
 from fedrod_ray.models import build_model
 
@@ -142,3 +143,23 @@ def test_personal_class_correct_uses_only_the_clients_classes():
 
     none_correct, none_total = personal_class_correct(model, test, torch.zeros(10), 8, True)
     assert none_total.sum() == 0 and none_correct.sum() == 0
+
+
+def test_stratified_sample_is_class_balanced_seed_fixed_and_sorted():
+    labels = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2])
+    idx = stratified_sample(labels, 3, 7, seed=5)
+    # 7 = 3 classes x 2 + 1: the first class gets the one left over.
+    assert torch.bincount(labels[idx], minlength=3).tolist() == [3, 2, 2]
+    assert idx.tolist() == sorted(set(idx.tolist()))
+    assert torch.equal(idx, stratified_sample(labels, 3, 7, seed=5))
+    assert any(not torch.equal(idx, stratified_sample(labels, 3, 7, seed=s)) for s in range(6, 12))
+    # As many of a class as it has: all of them.
+    assert stratified_sample(torch.tensor([0, 0, 1, 1, 2, 2]), 3, 6, seed=0).tolist() == [0, 1, 2, 3, 4, 5]
+    nine = stratified_sample(labels, 3, 9, seed=0).tolist()
+    assert len(nine) == 9 and {4, 5, 6} <= set(nine)  # class 1 has exactly three
+
+
+def test_stratified_sample_larger_than_a_class_names_the_setting():
+    labels = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2])
+    with pytest.raises(ValueError, match=r"eval.estimate_size=11 asks for 4 test images of class 1, which has only 3"):
+        stratified_sample(labels, 3, 11, seed=0)

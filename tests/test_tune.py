@@ -85,6 +85,16 @@ def test_a_sweep_file_gives_trial_configs_and_the_plain_experiment_config(tmp_pa
     assert load_sweep(tmp_path / "saved.yaml") == none
 
 
+def test_with_an_estimate_a_trial_keeps_its_exact_evaluations_as_the_config_says(tmp_path):
+    spec = load_sweep(sweep_file(tmp_path, set={"train.rounds": 4, "eval.eval_every": 2, "eval.estimate_size": 100}))
+    trial = spec.trial_config({"train.lr": 0.01})
+    # ASHA reads the estimate every round; the exact evaluations stay every eval_every and at the last.
+    assert trial.eval.eval_every == 2 and trial.eval.estimate_size == 100
+    record = {"gfl_gm": 0.6, "pfl_pm": 0.9, "gfl_gm_est": 0.5, "pfl_pm_est": 0.75}
+    assert objective(record, "gfl", estimate=True) == 0.5 and objective(record, "pfl_pm", estimate=True) == 0.75
+    assert math.isclose(objective(record, "hmean", estimate=True), 2 * 0.5 * 0.75 / 1.25)  # 0.6
+
+
 def test_objective_and_pareto_front_by_hand():
     record = {"gfl_gm": 0.6, "pfl_pm": 0.9}
     assert objective(record, "gfl") == 0.6 and objective(record, "pfl_pm") == 0.9
@@ -152,6 +162,23 @@ def test_asha_stops_a_trial_that_cannot_learn_and_nothing_is_left_behind(ray_ses
 
 
 ROUNDS = 3
+
+
+@pytest.mark.slow
+def test_a_sweep_on_the_estimate_reports_it_every_round_and_tables_the_exact_figures(ray_session, tmp_path):
+    # synthetic_tiny: 10 classes x 30 test images; the estimate reads 10 of each.
+    spec = load_sweep(sweep_file(tmp_path, search={"train.lr": {"grid": [0.05]}}, scheduler="none",
+                                 set={"train.rounds": 3, "eval.eval_every": 2, "eval.estimate_size": 100}))
+    (row,) = run_sweep(spec, tmp_path / "sweep")
+    (result,) = (tmp_path / "sweep" / "trials").glob("*/result.json")
+    reports = [json.loads(line) for line in result.read_text().splitlines()]
+    assert [r["round"] for r in reports] == [1, 2, 3]
+    # Every report: the objective of the estimate; the exact figures at rounds 2 (eval_every) and 3 (the last).
+    for r in reports:
+        assert r["objective"] == objective(r, "hmean", estimate=True)
+    assert ["gfl_gm" in r for r in reports] == [False, True, True]
+    # The table's objective is the exact one.
+    assert row["rounds"] == 3 and row["objective"] == objective(reports[-1], "hmean") == objective(row, "hmean")
 
 
 @pytest.mark.slow

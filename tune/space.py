@@ -64,8 +64,10 @@ class SweepSpec:
         for key, value in [*self.fixed.items(), *params.items()]:
             apply_override(data, f"{key}={json.dumps(value)}")  # JSON is YAML
         if trial:
-            # Every round is evaluated: a trial reports each round's metrics, on which ASHA decides.
-            data["eval"]["eval_every"] = 1
+            # A trial reports each round's metrics, on which ASHA decides: the estimate's
+            # (eval.estimate_size) where the config has one, else an exact evaluation every round.
+            if not data["eval"].get("estimate_size"):
+                data["eval"]["eval_every"] = 1
             self.place_trial(data)
         return data
 
@@ -80,7 +82,8 @@ class SweepSpec:
         return config_from_dict(self._data(params, trial=False))
 
     def trial_config(self, params: dict[str, Any]) -> ExperimentConfig:
-        """The config a trial runs: ``experiment_config`` evaluated every round, on the trial's actors."""
+        """The config a trial runs: ``experiment_config`` evaluated (or, with ``eval.estimate_size``,
+        estimated) every round, on the trial's actors."""
         return config_from_dict(self._data(params, trial=True))
 
     def bundles(self) -> list[dict[str, float]]:

@@ -26,7 +26,7 @@ from fedrod_ray.plotting import figure, png
 from fedrod_ray.tracking import require_extra
 
 from .space import SweepSpec, load_sweep, param_space
-from .trial import run_trial
+from .trial import objective, run_trial
 
 TRIALS = "trials"
 SPEC_FILE = "sweep.yaml"
@@ -164,8 +164,11 @@ def trial_line(spec: SweepSpec, params: dict, last: dict, status: str) -> str:
     values = ", ".join(f"{k}={_fmt(v)}" for k, v in params.items())
     if "objective" not in last:
         return f"trial {values}: {status}"
-    return (f"trial {values}: {status}; round {done}: {values_line(last, ('gfl_gm', 'pfl_pm'))}  "
-            f"{spec.metric} {percent(last['objective'])}")
+    # With eval.estimate_size the objective is the estimate's, named so.
+    est = " est" if "pfl_pm_est" in last else ""
+    return (f"trial {values}: {status}; round {done}: "
+            f"{values_line(last, ('gfl_gm', 'pfl_pm', 'gfl_gm_est', 'pfl_pm_est'))}  "
+            f"{spec.metric}{est} {percent(last['objective'])}")
 
 
 def _fmt(v) -> str:
@@ -182,8 +185,11 @@ def result_rows(spec: SweepSpec, grid) -> list[dict]:
         row = {k: result.config[k] for k in spec.search}
         done = int(last.get("round", 0))
         row.update(rounds=done, status="error" if result.error else "finished" if done == rounds else "stopped")
-        for key in ("objective", *FINAL):
+        for key in FINAL:
             row[key] = last.get(key, math.nan)
+        # The exact figures: with eval.estimate_size the reported objective is the estimate's, and a trial
+        # stopped between exact evaluations has none (its estimates are in the history).
+        row["objective"] = objective(last, spec.metric) if "gfl_gm" in last else math.nan
         if history is not None and len(history) and "objective" in history:
             best = history.loc[history["objective"].idxmax()]
             row.update(best_objective=float(best["objective"]), best_round=int(best["round"]))

@@ -24,9 +24,11 @@ from .space import SweepSpec
 # Whatever of these the round's record has (the accuracies only on evaluation rounds, some only at the last).
 
 
-def objective(record: dict, metric: str) -> float:
-    """The value the sweep maximises: G-FL, P-FL (PM), or their harmonic mean."""
-    gfl, pfl = record["gfl_gm"], record["pfl_pm"]
+def objective(record: dict, metric: str, estimate: bool = False) -> float:
+    """The value the sweep maximises: G-FL, P-FL (PM), or their harmonic mean; ``estimate``: of their
+    estimates (gfl_gm_est, pfl_pm_est)."""
+    suffix = "_est" if estimate else ""
+    gfl, pfl = record["gfl_gm" + suffix], record["pfl_pm" + suffix]
     if metric == "gfl":
         return gfl
     if metric == "pfl_pm":
@@ -54,8 +56,11 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
             record = fed.step(r)
             # Every numeric field of the record (what a tracking callback logs), the round included.
             metrics = {"round": record["round"], **scalars(record)}
-            if "gfl_gm" in record:  # an evaluated round (a sweep's trial: every round)
-                metrics["objective"] = objective(record, sweep.metric)
+            # What ASHA decides on, every round: the estimate where there is one (never mixed with exact
+            # figures), else the exact evaluation (a sweep's trial without an estimate: every round).
+            estimate = bool(cfg.eval.estimate_size)
+            if estimate or "gfl_gm" in record:
+                metrics["objective"] = objective(record, sweep.metric, estimate)
             with tempfile.TemporaryDirectory() as folder:
                 save_checkpoint(RunStorage(folder), fed.snapshot())
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))

@@ -16,8 +16,9 @@ class Executor(Protocol):
     def train(self, round_idx: int, jobs: list[Job], message: RoundInput) -> Iterator[tuple[int, TrainOutcome]]:
         """Yield (position in jobs, outcome) as each client finishes, in any order."""
 
-    def evaluate(self, jobs: list[Job]) -> EvalCounts:
-        """PM test counts of clients that have trained (``ClientHost.evaluate``)."""
+    def evaluate(self, jobs: list[Job], estimate: bool = False) -> EvalCounts:
+        """PM test counts of clients that have trained (``ClientHost.evaluate``; ``estimate``: on the
+        estimate's sample)."""
 
     def finetune(self, jobs: list[Job], message: RoundInput, epochs: int, round_idx: int) -> EvalCounts:
         """PM test counts after fine-tuning from the global model (``ClientHost.finetune``)."""

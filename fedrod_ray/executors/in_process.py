@@ -15,8 +15,8 @@ class InProcessExecutor:
         for slot, (cid, state) in enumerate(jobs):
             yield slot, self.host.train(cid, state, message, round_idx)
 
-    def evaluate(self, jobs):
-        return self.host.evaluate(jobs)
+    def evaluate(self, jobs, estimate=False):
+        return self.host.evaluate(jobs, estimate)
 
     def finetune(self, jobs, message, epochs, round_idx):
         return self.host.finetune(jobs, message, epochs, round_idx)

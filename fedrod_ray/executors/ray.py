@@ -234,8 +234,8 @@ class RayExecutor:
                 value = ClientFailure.from_exception(cid, value, kind, details=str(value))
             yield slot, value
 
-    def evaluate(self, jobs: list[Job]) -> EvalCounts:
-        return self._spread("evaluate", jobs, lambda actor, chunk: actor.evaluate.remote(chunk))
+    def evaluate(self, jobs: list[Job], estimate: bool = False) -> EvalCounts:
+        return self._spread("evaluate", jobs, lambda actor, chunk: actor.evaluate.remote(chunk, estimate))
 
     def finetune(self, jobs: list[Job], message: RoundInput, epochs: int, round_idx: int) -> EvalCounts:
         message_ref = ray.put(message)
