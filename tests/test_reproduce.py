@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -286,7 +287,9 @@ def test_a_tiny_reproduction_writes_its_table_results_and_curves_and_resumes(ray
         pm = "pfl_ft" if row == rows[0] else "pfl_pm"
         expected = [mean_std([float(r[k]) for r in mine]) for k in ("gfl_gm", "pfl_gm", pm, "pfl_pm_global")]
         expected[2] += " †" if row == rows[0] else ""
-        assert cells == [row, *expected]
+        wall = f"{statistics.fmean(float(r['wall_s']) for r in mine) / 3600:.2f}"
+        assert all(float(r["wall_s"]) > 0 for r in mine)
+        assert cells == [row, *expected, wall]
     assert "fine-tuned for 1 epoch (ERM)" in table
 
     png = (out / "curves.png").read_bytes()
