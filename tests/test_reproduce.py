@@ -223,6 +223,9 @@ def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
     assert "| FedAvg (not finished: round 3 of 4; values at round 2) | 30.00 | - | 40.00 | - | 1.50 |" in console
     assert "| Fed-RoD (linear) (not started) |" in console
     assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
+    # Round by round, the last report of a round; a key no round reported has no column.
+    assert (out / "rounds.csv").read_text().splitlines() == [
+        "row,seed,round,gfl_gm,pfl_pm", "FedAvg,0,1,,", "FedAvg,0,2,0.3,0.4", "FedAvg,0,3,,"]
     assert main(["reproduce", "--status", str(out), "--seeds", "2"]) == 2
     assert "--status takes the reproduction saved in OUT_DIR; drop --seeds" in capsys.readouterr().err
 
@@ -292,6 +295,15 @@ def test_a_tiny_reproduction_writes_its_table_results_and_curves_and_resumes(ray
         assert cells == [row, *expected, wall]
     assert "fine-tuned for 1 epoch (ERM)" in table
 
+    with open(out / "rounds.csv") as f:
+        by_round = list(csv.DictReader(f))
+    assert [(r["row"], r["seed"], r["round"]) for r in by_round] == [
+        (row, str(seed), str(n)) for row in rows for seed in (0, 1) for n in (1, 2)]
+    for r in by_round:  # every round's training figures; the accuracies where evaluated, the table's at round 2
+        assert float(r["train_loss"]) > 0 and float(r["seconds"]) >= float(r["train_seconds"]) > 0
+        assert (r["gfl_gm"] != "") == (r["round"] == "2")
+        if r["round"] == "2":
+            assert r["gfl_gm"] == next(t["gfl_gm"] for t in results if (t["row"], t["seed"]) == (r["row"], r["seed"]))
     png = (out / "curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     saved = yaml.safe_load((out / "reproduce.yaml").read_text())

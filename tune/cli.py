@@ -102,8 +102,8 @@ def reproduce_command(args) -> int:
         out_dir = Path(args.status)
         records = status(out_dir)
         done = sum(r["status"] == "finished" for r in records)
-        print(f"{out_dir}: {done} of {len(records)} trials finished; table.md, results.csv, curves.png written",
-              flush=True)
+        print(f"{out_dir}: {done} of {len(records)} trials finished; table.md, results.csv, rounds.csv, "
+              "curves.png written", flush=True)
         print((out_dir / "table.md").read_text(), flush=True)
         return 0
     if args.resume:
@@ -127,7 +127,7 @@ def reproduce_command(args) -> int:
     records = reproduce(spec, out_dir, resume=bool(args.resume))
     failed = [f"{r['row']} (seed {r['seed']})" for r in records if r["status"] != "finished"]
     print(f"done: {len(records)} trials in {time.perf_counter() - t0:.0f} s; {out_dir}: table.md, results.csv, "
-          "curves.png", flush=True)
+          "rounds.csv, curves.png", flush=True)
     print((out_dir / "table.md").read_text(), flush=True)
     if failed:
         print(f"fedrod-ray: {len(failed)} trial(s) did not finish: {', '.join(failed)}; the table leaves them out. "

@@ -12,6 +12,7 @@ sweep's trials are for ASHA.
     <out>/results.csv       one line per (row, seed): its final metrics
     <out>/table.md          one line per row: mean ± std over the seeds, in %
     <out>/curves.png        per row, G-FL and P-FL (PM) against rounds, mean over the seeds
+    <out>/rounds.csv        one line per (row, seed, round): every number the trial reported that round
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import yaml
 
 from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, check_keys_and_types, load_config
-from fedrod_ray.metric_schema import ACCURACIES, title, values_line
+from fedrod_ray.metric_schema import ACCURACIES, BY_KEY, title, values_line
 from fedrod_ray.plotting import figure, png, round_axis
 
 from .space import SweepSpec
@@ -97,6 +98,15 @@ LINE_METRICS = tuple(k for k in ACCURACIES if k != "pfl_gm_new")
 CURVES = ("gfl_gm", "pfl_pm")
 # eval_round: the round the metrics were measured at (the last evaluated one; rounds for a finished trial).
 CSV_COLUMNS = ("row", "seed", "rounds", "eval_round", "status", *ACCURACIES, "wall_s")
+
+
+@dataclass
+class Collected:
+    """What a reproduction's files are written from: one record per (row, seed) (results.csv, table.md),
+    each trial's CURVES at its evaluated rounds (curves.png) and its reports round by round (rounds.csv)."""
+    records: list[dict]
+    curves: dict[tuple[str, int], dict[str, list[float]]]
+    rounds: list[dict]
 
 
 @dataclass
@@ -284,9 +294,9 @@ def reproduce(spec: ReproSpec, out_dir: Path, resume: bool = False) -> list[dict
     if not resume:
         start_dir(out_dir, SPEC_FILE, spec.to_dict(), "a reproduction", "--out")
     grid = fit(spec, out_dir, TrialLines(spec, trial_line, counted=True), resume)
-    records, curves = collect(spec, grid)
-    write_results(spec, records, curves, out_dir)
-    return records
+    collected = collect(spec, grid)
+    write_results(spec, collected, out_dir)
+    return collected.records
 
 
 def trial_line(spec: ReproSpec, params: dict, last: dict, status: str) -> str:
@@ -296,11 +306,11 @@ def trial_line(spec: ReproSpec, params: dict, last: dict, status: str) -> str:
     return f"{head}, round {last['round']}/{spec.rounds}: {values_line(last, LINE_METRICS)}"
 
 
-def collect(spec: ReproSpec, grid) -> tuple[list[dict], dict[tuple[str, int], dict[str, list[float]]]]:
+def collect(spec: ReproSpec, grid) -> Collected:
     """One record per (row, seed), in table order, with the metrics of its last evaluated round (a finished
-    trial's: the last round), and each trial's CURVES at its evaluated rounds."""
+    trial's: the last round); each trial's CURVES at its evaluated rounds and its reports by round."""
     rounds = spec.rounds
-    records, curves = [], {}
+    records, curves, reports = [], {}, []
     for result in grid:
         if result.config is None:  # a trial the run was stopped before it started: below, as "not started"
             continue
@@ -317,13 +327,24 @@ def collect(spec: ReproSpec, grid) -> tuple[list[dict], dict[tuple[str, int], di
                         "wall_s": _value((result.metrics or {}).get("time_total_s"))})
         if last:
             curves[row, seed] = {k: [float(v) for v in evaluated[k]] for k in ("round", *CURVES)}
+        if history is not None:
+            # A resumed trial reports some rounds again: the latest report of a round counts.
+            by_round = {int(r["round"]): r for r in history.to_dict("records") if _present(r.get("round"))}
+            reports += [{"row": row, "seed": seed, **{k: r[k] for k in BY_KEY if k in r and _present(r[k])},
+                         "round": n} for n, r in sorted(by_round.items())]
     seen = {(r["row"], r["seed"]) for r in records}
     records += [{"row": row, "seed": seed, "rounds": 0, "eval_round": 0, "status": "not started",
                  **dict.fromkeys((*ACCURACIES, "wall_s"), math.nan)}
                 for row in spec.rows for seed in spec.seeds if (row, seed) not in seen]
     order = {label: i for i, label in enumerate(spec.rows)}
     records.sort(key=lambda r: (order[r["row"]], r["seed"]))
-    return records, curves
+    reports.sort(key=lambda r: (order[r["row"]], r["seed"], r["round"]))
+    return Collected(records, curves, reports)
+
+
+def _present(v) -> bool:
+    """A value a trial reported (a round without a metric leaves NaN in the dataframe)."""
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
 
 
 def _value(v) -> float:
@@ -358,9 +379,9 @@ def status(out_dir: Path) -> list[dict]:
     files, without Ray, and return its records."""
     out_dir = out_dir.resolve()
     spec = load_spec(out_dir)
-    records, curves = collect(spec, trials_on_disk(out_dir))
-    write_results(spec, records, curves, out_dir)
-    return records
+    collected = collect(spec, trials_on_disk(out_dir))
+    write_results(spec, collected, out_dir)
+    return collected.records
 
 
 def mean_std(values: list[float]) -> str:
@@ -426,15 +447,23 @@ def _epochs(n: int) -> str:
     return f"{n} epoch" + ("s" if n != 1 else "")
 
 
-def write_results(spec: ReproSpec, records: list[dict], curves: dict, out_dir: Path) -> None:
+def write_results(spec: ReproSpec, collected: Collected, out_dir: Path) -> None:
+    (out_dir / "results.csv").write_text(csv_text(CSV_COLUMNS, collected.records))
+    # The schema's keys that some trial reported, in the schema's order.
+    reported = [k for k in BY_KEY if k not in ("round", "name") and any(k in r for r in collected.rounds)]
+    (out_dir / "rounds.csv").write_text(csv_text(("row", "seed", "round", *reported), collected.rounds))
+    (out_dir / "table.md").write_text(format_table(spec, collected.records))
+    plot_curves(spec, collected.curves, out_dir / "curves.png")
+
+
+def csv_text(columns: tuple[str, ...], rows: list[dict]) -> str:
+    """``rows`` as CSV text with ``columns``; NaN and absent values as empty cells."""
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(out, fieldnames=columns, restval="", lineterminator="\n")
     writer.writeheader()
-    for record in records:
-        writer.writerow({k: "" if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()})
-    (out_dir / "results.csv").write_text(out.getvalue())
-    (out_dir / "table.md").write_text(format_table(spec, records))
-    plot_curves(spec, curves, out_dir / "curves.png")
+    for row in rows:
+        writer.writerow({k: "" if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()})
+    return out.getvalue()
 
 
 def mean_curve(runs: list[dict[str, list[float]]], key: str) -> tuple[list[float], list[float], list[float]]:
