@@ -1,0 +1,112 @@
+"""Publish the Fashion-MNIST reproduction (``deploy/reproduce_fmnist.sh OUT``) into the repository: each job's
+small result files into ``bench/results/fmnist/<job>/`` and its table into README's "Where it stands".
+
+Each job in OUT is read as ``fedrod-ray reproduce --status`` reads it (from Tune's trial files, without Ray,
+so a job still running is published as far as it got) and its ``table.md``, ``results.csv``, ``rounds.csv``,
+``curves.png`` and ``reproduce.yaml`` are copied; checkpoints stay in OUT. A job not in OUT keeps what an
+earlier publication committed (a reproduction that had to start again on another machine does not erase the
+rows it has not reached yet), nor does a job in OUT with fewer finished trials than the committed one.
+
+    python bench/fmnist_results.py /path/to/out                  # every job found in OUT
+    python bench/fmnist_results.py --readme-only                 # the README block from what is committed
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import shutil
+from pathlib import Path
+
+from fedrod_ray_tune.reproduce import status
+
+ROOT = Path(__file__).resolve().parent.parent
+DEST = ROOT / "bench" / "results" / "fmnist"
+README = ROOT / "README.md"
+FILES = ("table.md", "results.csv", "rounds.csv", "curves.png", "reproduce.yaml")
+MARK = ("<!-- fmnist-status -->", "<!-- /fmnist-status -->")
+# deploy/reproduce_fmnist.sh's jobs, in its order, with what README calls them.
+JOBS = {
+    "main_a0.3": "Main table, Dir(0.3)",
+    "new_clients": "New clients (Dir(0.3), 50 train + 50 held out, 20 per round)",
+    "main_a0.1": "Main table, Dir(0.1)",
+    "init_a0.3": "Protocol audit: `model.init=pytorch`, Dir(0.3)",
+    "seeds_a0.3": "Seeds 1 and 2, Dir(0.3)",
+    "normalize_a0.3": "Protocol audit: `data.normalize=false`, Dir(0.3)",
+    "momentum_a0.3": "Protocol audit: `train.momentum_buffers=keep`, Dir(0.3)",
+}
+
+
+def commit_of(log: Path) -> str:
+    """The commit a job ran from, as deploy/reproduce_fmnist.sh logs it (``=== <time> <job> (commit X)``)."""
+    found = re.findall(r"\(commit ([0-9a-f]+)\)", log.read_text()) if log.is_file() else []
+    if len(set(found)) > 1:
+        raise SystemExit(f"{log}: the job ran from several commits ({', '.join(sorted(set(found)))}); "
+                         "a table must come from one")
+    return found[0] if found else "unknown"
+
+
+def finished(results_csv: Path) -> int:
+    with open(results_csv) as f:
+        return sum(r["status"] == "finished" for r in csv.DictReader(f))
+
+
+def publish(out: Path, job: str, force: bool) -> None:
+    status(out / job)
+    folder = DEST / job
+    if (folder / "results.csv").is_file() and not force:
+        before, now = finished(folder / "results.csv"), finished(out / job / "results.csv")
+        if now < before:
+            print(f"{job}: kept what is committed ({before} trials finished, against {now} in {out / job}; "
+                  "--force replaces it)", flush=True)
+            return
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    for name in FILES:
+        shutil.copyfile(out / job / name, folder / name)
+    (folder / "COMMIT").write_text(commit_of(out / f"{job}.log") + "\n")
+    print(f"{job}: {folder.relative_to(ROOT)}", flush=True)
+
+
+def readme_block() -> str:
+    parts = []
+    for job, heading in JOBS.items():
+        folder = DEST / job
+        if not (folder / "table.md").is_file():
+            parts.append(f"**{heading}** (`{job}`): not run yet.")
+            continue
+        commit = (folder / "COMMIT").read_text().strip()
+        parts.append(f"**{heading}** (`{job}`; commit `{commit}`; files in `bench/results/fmnist/{job}/`)\n\n"
+                     + (folder / "table.md").read_text().strip())
+    return "\n\n".join(parts)
+
+
+def write_readme() -> None:
+    text = README.read_text()
+    start, end = text.index(MARK[0]) + len(MARK[0]), text.index(MARK[1])
+    README.write_text(text[:start] + "\n" + readme_block() + "\n" + text[end:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, nargs="?", help="deploy/reproduce_fmnist.sh's OUT")
+    p.add_argument("--readme-only", action="store_true", help="only rewrite README's block")
+    p.add_argument("--force", action="store_true",
+                   help="replace a committed job even where it has more finished trials than OUT's")
+    args = p.parse_args()
+    if not args.readme_only:
+        if args.out is None:
+            p.error("OUT is needed unless --readme-only")
+        jobs = [job for job in JOBS if (args.out / job / "reproduce.yaml").is_file()]
+        if not jobs:
+            raise SystemExit(f"{args.out}: holds none of the jobs {', '.join(JOBS)}")
+        for job in jobs:
+            publish(args.out, job, args.force)
+    write_readme()
+    print(f"README.md: {MARK[0]} block rewritten", flush=True)
+
+
+if __name__ == "__main__":
+    main()
