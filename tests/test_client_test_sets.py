@@ -16,6 +16,7 @@ from PIL import Image
 from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.data import DatasetFormatError, load_dataset, normalize
+from fedrod_ray.executors.batched import in_process_executor
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.executors.ray import RayExecutor, plan_layout
 from fedrod_ray.federation import Federation
@@ -66,10 +67,11 @@ def accuracy_of(model, x, y, personal: bool) -> float:
     return float((predict(model, x, 64, personal) == y).double().mean())
 
 
-def test_pfl_is_each_clients_plain_accuracy_on_its_own_test_examples(tmp_path, one_torch_thread):
+@pytest.mark.parametrize("batched", [0, 2])
+def test_pfl_is_each_clients_plain_accuracy_on_its_own_test_examples(tmp_path, one_torch_thread, batched):
     arrays = save_npz(tmp_path / "own.npz")
-    setup = prepare(npz_config(tmp_path / "own.npz"))
-    fed, records = run(setup, InProcessExecutor(make_host(setup)))
+    setup = prepare(npz_config(tmp_path / "own.npz", f"runtime.batched_clients={batched}"))
+    fed, records = run(setup, in_process_executor(make_host(setup), batched))
     rec = records[-1]
     ds, m = setup.dataset, setup.num_clients
     # Client m of the partition is the data's client named part.client_names[m]: its own test images, by hand.
