@@ -9,8 +9,9 @@
                                             (every client has them); the global test set is their union
 
 Class names are the class folders' names (sorted; label c is the c-th); client names, the client
-folders'. Under clients/<client>/, ``test`` is the client's test set, never a class. Every image must have the size and mode (L: grey, RGB) of the first one read: a set of mixed
-images would otherwise be resized or converted silently. Names starting with a dot are skipped.
+folders'. Under clients/<client>/, ``test`` is the client's test set, never a class. Every image must
+have the size and mode (L: grey, RGB) of the first one read: a set of mixed images would otherwise be
+resized or converted silently. Names starting with a dot are skipped.
 """
 
 from __future__ import annotations
