@@ -40,14 +40,17 @@ class ClientActorImpl:
         self.fault = faults.from_env()  # None but in the tests that kill an actor mid-call
 
     def attach(self, train_x: np.ndarray, train_y: np.ndarray, indices: dict[int, np.ndarray] | list[np.ndarray],
-               counts: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, meta_indices: np.ndarray) -> None:
+               counts: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, meta_indices: np.ndarray,
+               test_clients: np.ndarray | None = None) -> None:
         """Take the dataset: arrays from the object store arrive as zero-copy read-only views, shared by
-        every actor on the node; a client's examples are copied out per call."""
+        every actor on the node; a client's examples are copied out per call. ``test_clients``: each test
+        example's client, where clients have test sets of their own."""
         meta = self.meta
         with warnings.catch_warnings():
             # The object store's arrays are read-only; nothing here writes to them.
             warnings.simplefilter("ignore", UserWarning)
-            test = TestSet(torch.from_numpy(test_x), torch.from_numpy(test_y), meta["num_classes"])
+            test = TestSet(torch.from_numpy(test_x), torch.from_numpy(test_y), meta["num_classes"],
+                           None if test_clients is None else torch.from_numpy(test_clients))
             self.host = ClientHost(self.cfg, ClientContext(
                 torch.from_numpy(train_x), torch.from_numpy(train_y), indices, counts, test, tuple(meta["mean"]),
                 tuple(meta["std"]), meta["augment"], meta_indices, self.device))

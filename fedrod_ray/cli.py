@@ -138,7 +138,9 @@ def cmd_train(args) -> int:
             raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
                               "or choose another --run-dir")
     from .runner import RoundProgress, format_summary
+    from .setup import check_model_arch
 
+    check_model_arch(cfg)
     # config.yaml records where the data and the run really were, so a resume finds them again.
     cfg.run_dir = storage.uri
     if cfg.data.path is not None:

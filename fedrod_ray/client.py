@@ -197,8 +197,9 @@ class ClientHost:
         return state.trained(outcome)
 
     def evaluate(self, jobs: list[tuple[int, ClientState]], estimate: bool = False) -> EvalCounts:
-        """Per-class test counts of trained clients' personalized models (FEDROD.md's PM); ``estimate``: on
-        the estimate's sample of the test set (``estimate_test_set``) instead of the whole of it.
+        """Per-class test counts of trained clients' personalized models (FEDROD.md's PM), on the test set or,
+        where clients have test sets of their own, on the client's; ``estimate``: on the estimate's sample of
+        the test set (``estimate_test_set``) instead of the whole of it.
 
         Fed-RoD: {theta*_m, psi*_m, phi*_m} (or nu*_m) with personalized logits; FedAvg: the local model
         w_m. (A client that never trained has no model of its own: ``Federation.evaluate`` scores it
@@ -218,7 +219,7 @@ class ClientHost:
                 load_client_weights(self.model, state.local_model, state.personal)
                 dist = class_distribution(torch.as_tensor(self.context.counts[cid], dtype=torch.long))
                 out.correct[cid], out.total[cid] = personal_class_correct(
-                    self.model, test, dist, self.cfg.eval.batch_size, personal)
+                    self.model, test, dist, self.cfg.eval.batch_size, personal, cid)
             except Exception as e:  # noqa: BLE001 - one broken client must not stop the evaluation
                 out.failed[cid] = f"{type(e).__name__}: {e}"
         return out
@@ -258,7 +259,7 @@ class ClientHost:
                              seed=derived_seed(self.cfg.seed, FINETUNE_TAG), client_id=cid, mean=self.mean,
                              std=self.std, augment=self.augment, personal=personal, device=self.device)
                 out.correct[cid], out.total[cid] = personal_class_correct(
-                    model, ctx.test, data.class_dist, self.cfg.eval.batch_size, model.variant is not None)
+                    model, ctx.test, data.class_dist, self.cfg.eval.batch_size, model.variant is not None, cid)
             except Exception as e:  # noqa: BLE001 - one client's failure must not stop the others'
                 out.failed[cid] = f"{type(e).__name__}: {e}"
         return out

@@ -159,8 +159,9 @@ class DataConfig:
     # A built-in set, the user's own (folder, arrays: under data.path) or one a package registers.
     dataset: Annotated[StrictStr, OneOf(DATASETS + USER_DATASETS, DATASET_PLUGINS)] = "mnist"
     data_dir: StrictStr | None = None  # else $FEDROD_DATA_DIR, else the user cache dir
-    # folder: a directory of train/<class>/*.png|jpg, test/<class>/... (natural: clients/<id>/<class>/...);
-    # arrays: an .npz of x_train, y_train, x_test, y_test (optional class_names, client_train)
+    # folder: a directory of train/<class>/*.png|jpg, test/<class>/... (natural: clients/<id>/<class>/..., and
+    # optionally clients/<id>/test/<class>/... instead of test/); arrays: an .npz of x_train, y_train, x_test,
+    # y_test (optional class_names, client_train, client_test)
     path: StrictStr | None = None
     download: StrictBool = True
     num_clients: PositiveInt = 100  # training clients

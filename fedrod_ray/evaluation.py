@@ -1,7 +1,9 @@
 """A federation's evaluation: G-FL of the generic model (GM), and P-FL of the GM and of both readings of
 the personalized models (PMs), for training clients and held-out new clients, and after fine-tuning.
 
-The GM and every client's global-reading PM are scored here from one pass of the GM over the test set;
+The GM and every client's global-reading PM are scored here from one pass of the GM over the test set
+(where natural clients have test sets of their own, the test set is their union and each client's P-FL is
+read from its own examples: ``TestSet.pfl_weights``);
 the PMs of clients that trained, and fine-tuning, are the executor's calls (on Ray, the client actors),
 run meanwhile. A PM changes only when its client trains, so its counts are cached between evaluations.
 
@@ -21,7 +23,14 @@ from .aggregate import StateDict
 from .client import ClientState, EvalCounts, estimate_test_set
 from .executors.base import Executor, Job
 from .local import RoundInput, class_distribution
-from .metrics import TestSet, accuracy, class_correct, features_and_logits, pfl_accuracy
+from .metrics import (
+    TestSet,
+    accuracy,
+    class_correct,
+    clients_class_correct,
+    features_and_logits,
+    pfl_accuracy,
+)
 from .models import FedModel
 from .setup import Setup
 
@@ -52,7 +61,7 @@ class Evaluation:
                  round_idx: int, final: bool = False) -> dict:
         """The metrics of the GM ``global_shared`` and the PMs of ``clients`` after round ``round_idx``
         (0-based); ``final`` adds the fine-tuned P-FL of ``eval.finetune_epochs``."""
-        test, dists = self.setup.test, self.setup.class_dists
+        test, weights = self.setup.test, self.setup.pfl_weights
         pm, stale, fresh_clients = self._pm_jobs(clients, self._pm_counts)
         ft_jobs = self._finetune_jobs(clients) if final else []
         message = RoundInput(global_shared)
@@ -63,12 +72,14 @@ class Evaluation:
                        if stale or ft_jobs else None)
             self.model.load_partial(global_shared)
             z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
-            correct, total = class_correct(logits.argmax(1), test.y, test.num_classes)
+            preds = logits.argmax(1)
+            correct, total = class_correct(preds, test.y, test.num_classes)
             ids = self.setup.all_client_ids
-            pm_global = self._global_reading_pms(clients, ids, z, logits, correct, total)
+            gm = _gm_counts(preds, test, ids, correct, total)
+            pm_global = self._global_reading_pms(clients, ids, z, logits, gm, test)
             # A client that never trained has no model of its own: its PM is the global reading.
             pm.correct.update({cid: pm_global.correct[cid] for cid in fresh_clients})
-            pm.total.update(dict.fromkeys(fresh_clients, total))
+            pm.total.update({cid: pm_global.total[cid] for cid in fresh_clients})
             evaluated, tuned = pending.result() if pending is not None else (EvalCounts(), EvalCounts())
         pm.merge(evaluated)
         for cid, state in stale:
@@ -80,9 +91,10 @@ class Evaluation:
         for cid, error in sorted(tuned.failed.items()):
             self.log(f"client {cid}: not fine-tuned: {error}")
         m = self.setup.num_clients
-        pfl_gm = pfl_accuracy(correct, total, dists)
-        pfl_pm = _pfl(pm, dists)
-        pfl_global = _pfl(pm_global, dists)
+        pfl_gm = pfl_accuracy(torch.stack([gm.correct[c] for c in ids]), torch.stack([gm.total[c] for c in ids]),
+                              weights[ids])
+        pfl_pm = _pfl(pm, weights)
+        pfl_global = _pfl(pm_global, weights)
         out = {
             "gfl_gm": accuracy(correct, total),
             "pfl_gm": float(pfl_gm[:m].mean()),
@@ -96,7 +108,7 @@ class Evaluation:
             # New clients never train, so both readings of their PM are the global model (hyper: with H(a; nu)).
             out["pfl_new_before"] = _mean([v for c, v in pfl_global.items() if c >= m])
         if ft_jobs:
-            pfl_ft = _pfl(tuned, dists)
+            pfl_ft = _pfl(tuned, weights)
             if self.cfg.eval.finetune_train:
                 out["pfl_ft"] = _mean([v for c, v in pfl_ft.items() if c < m])
             if len(ids) > m:
@@ -108,7 +120,8 @@ class Evaluation:
         """The estimate of G-FL and of the training clients' P-FL of the GM and of their PMs (as
         ``evaluate``'s gfl_gm, pfl_gm and pfl_pm) on the sample ``estimate_test``: the same counts, from
         its images only."""
-        test, dists = self.estimate_test, self.setup.class_dists
+        test = self.estimate_test
+        dists = test.pfl_weights(self.setup.class_dists)
         m = self.setup.num_clients
         train_clients = {cid: clients[cid] for cid in range(m)}
         pm, stale, fresh_clients = self._pm_jobs(train_clients, self._pm_estimates)
@@ -116,8 +129,10 @@ class Evaluation:
             pending = pool.submit(executor.evaluate, stale, True) if stale else None
             self.model.load_partial(global_shared)
             z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
-            correct, total = class_correct(logits.argmax(1), test.y, test.num_classes)
-            pm_global = self._global_reading_pms(clients, fresh_clients, z, logits, correct, total, test)
+            preds = logits.argmax(1)
+            correct, total = class_correct(preds, test.y, test.num_classes)
+            pm_global = self._global_reading_pms(clients, fresh_clients, z, logits,
+                                                 _gm_counts(preds, test, fresh_clients, correct, total), test)
             evaluated = pending.result() if pending is not None else EvalCounts()
         pm.merge(pm_global)
         pm.merge(evaluated)
@@ -162,26 +177,25 @@ class Evaluation:
 
     @torch.inference_mode()
     def _global_reading_pms(self, clients: dict[int, ClientState], ids: list[int], z: torch.Tensor,
-                            logits: torch.Tensor, correct: torch.Tensor, total: torch.Tensor,
-                            test: TestSet | None = None) -> EvalCounts:
-        """Per-class correct counts on ``test`` (default: the test set) of each client's PM in the appendix's reading: the global theta
-        and psi with the client's own head (phi_m, or H(a_m; nu) for hyper). The GM's features z and logits
-        of ``test`` serve every client; a head's logits are added a batch of PM_BATCH clients at a time. With no P-head,
-        or a linear head still at its initial zeros, that PM is the GM."""
+                            logits: torch.Tensor, gm: EvalCounts, test: TestSet) -> EvalCounts:
+        """Per-class correct counts on ``test`` (each client's own examples where it has some) of each client's
+        PM in the appendix's reading: the global theta and psi with the client's own head (phi_m, or H(a_m; nu)
+        for hyper). The GM's features z and logits of ``test`` serve every client; a head's logits are added a
+        batch of PM_BATCH clients at a time. With no P-head, or a linear head still at its initial zeros, that
+        PM is the GM, whose counts are ``gm``."""
         heads = self.model.variant
-        out = EvalCounts(total=dict.fromkeys(ids, total))
+        out = EvalCounts(total={cid: gm.total[cid] for cid in ids})
         if heads is None:
-            out.correct = dict.fromkeys(ids, correct)
+            out.correct = {cid: gm.correct[cid] for cid in ids}
             return out
         if heads == "linear":
             shape = self.model.personal_head.weight.shape
-            out.correct = {cid: correct for cid in ids if clients[cid].personal is None}
+            out.correct = {cid: gm.correct[cid] for cid in ids if clients[cid].personal is None}
             for cid in ids:
                 head = (clients[cid].personal or {}).get("personal_head.weight")
                 if cid not in out.correct and (head is None or head.shape != shape):
                     out.failed[cid] = f"ValueError: its personal head is not a {tuple(shape)} personal_head.weight"
             ids = [cid for cid in ids if cid not in out.correct and cid not in out.failed]
-        test = self.setup.test if test is None else test
         y, num_classes = test.y, test.num_classes
         onehot = torch.nn.functional.one_hot(y, num_classes).to(torch.float64)
         for start in range(0, len(ids), PM_BATCH):
@@ -191,10 +205,25 @@ class Evaluation:
                 phi = self.model.personal_weight(class_distribution(counts))
             else:
                 phi = torch.stack([clients[cid].personal["personal_head.weight"] for cid in batch])
-            preds = (logits + torch.einsum("nd,mcd->mnc", z, phi)).argmax(-1)
-            hits = (preds == y).to(torch.float64) @ onehot
-            out.correct.update(zip(batch, hits))
+            if test.clients is None:
+                preds = (logits + torch.einsum("nd,mcd->mnc", z, phi)).argmax(-1)
+                hits = (preds == y).to(torch.float64) @ onehot
+                out.correct.update(zip(batch, hits))
+                continue
+            # Each client's own examples only: together, one pass over the test set.
+            for cid, head in zip(batch, phi):
+                rows = test.rows(cid)
+                out.correct[cid] = class_correct((logits[rows] + z[rows] @ head.T).argmax(-1), y[rows], num_classes)[0]
         return out
+
+
+def _gm_counts(preds: torch.Tensor, test: TestSet, ids: list[int], correct: torch.Tensor,
+               total: torch.Tensor) -> EvalCounts:
+    """Each client's per-class counts of the GM, whose predictions on ``test`` are ``preds``: those of the
+    whole test set (``correct``, ``total``) or, where clients have their own test examples, of theirs."""
+    if test.clients is None:
+        return EvalCounts(dict.fromkeys(ids, correct), dict.fromkeys(ids, total))
+    return EvalCounts(*clients_class_correct(preds, test, ids))
 
 
 def _pfl(counts: EvalCounts, dists: torch.Tensor) -> dict[int, float]:

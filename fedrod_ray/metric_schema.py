@@ -43,7 +43,8 @@ METRICS = (
     Metric("gfl_gm", EVALUATION, "G-FL: the generic model's (GM) accuracy on the balanced test set",
            label="G-FL", title="G-FL (GM)", accuracy=True),
     Metric("pfl_gm", EVALUATION, "P-FL of the GM: each training client's test accuracy re-weighted by its "
-           "own class distribution, averaged over the training clients",
+           "own class distribution (natural clients with test sets of their own: its plain accuracy on them), "
+           "averaged over the training clients",
            label="P-FL GM", title="P-FL (GM)", accuracy=True),
     Metric("pfl_pm", EVALUATION, "P-FL of the personalized models (PM), each client's own last local model "
            "(the paper's main text; over the clients whose PM could be evaluated)",

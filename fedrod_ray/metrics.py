@@ -6,6 +6,10 @@ Everything reduces to per-class (correct, total) counts on the test set. P-FL fo
 
 so the generic model needs one pass over the test set for all clients, and a personalized model only
 needs the test examples of the classes its client has (a_m[c] = 0 contributes nothing).
+
+Natural clients may have test sets of their own (``TestSet.clients``): client m's P-FL is then its plain
+accuracy on them, which is the same formula with per-client counts of its own examples and weights
+a_m = 1 (``pfl_weights``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ class TestSet:
     x: torch.Tensor  # normalised float32, N x C x H x W
     y: torch.Tensor  # int64
     num_classes: int
+    # Natural clients' own test sets: each example's client id (int64); None: the test set is every client's.
+    clients: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # Kept sorted by label so that one class's examples are a contiguous slice: views, not copies,
@@ -29,9 +35,27 @@ class TestSet:
         if len(self.y) > 1 and not bool((self.y[1:] >= self.y[:-1]).all()):
             order = torch.argsort(self.y, stable=True)
             self.x, self.y = self.x[order], self.y[order]
+            if self.clients is not None:
+                self.clients = self.clients[order]
         bounds = torch.bincount(self.y, minlength=self.num_classes).cumsum(0)
         self._starts = torch.cat([torch.zeros(1, dtype=torch.long), bounds[:-1]]).tolist()
         self._ends = bounds.tolist()
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def rows(self, client: int) -> torch.Tensor:
+        """The indices of client ``client``'s own test examples (``clients`` must be set)."""
+        if self.clients is None:
+            raise ValueError("this test set has no per-client test sets")
+        if not self._rows:
+            order = torch.argsort(self.clients, stable=True)
+            sizes = torch.bincount(self.clients).tolist()
+            self._rows = dict(enumerate(torch.split(order, sizes)))
+        return self._rows.get(client, torch.empty(0, dtype=torch.long))
+
+    def pfl_weights(self, class_dists: torch.Tensor) -> torch.Tensor:
+        """The weights P-FL gives each client's per-class counts (``pfl_accuracy``): its class distribution on
+        the shared test set, ones on its own test set (plain accuracy)."""
+        return class_dists if self.clients is None else torch.ones_like(class_dists)
 
     def classes(self, classes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The test examples whose label is in ``classes`` (contiguous slices, no copy for one class)."""
@@ -119,11 +143,28 @@ def features_and_logits(model: FedModel, test: TestSet, batch_size: int) -> tupl
 
 
 def personal_class_correct(model: FedModel, test: TestSet, class_dist: torch.Tensor, batch_size: int,
-                           personal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-class counts of a client's own model, on the test classes that client has."""
-    classes = torch.nonzero(class_dist > 0).flatten().tolist()
-    if not classes:
-        zeros = torch.zeros(test.num_classes, dtype=torch.float64)
-        return zeros, zeros.clone()
-    x, y = test.classes(classes)
+                           personal: bool, client: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class counts of a client's own model: on its own test examples where the test set has per-client
+    ones (``client``: its id), else on the test classes that client has."""
+    if test.clients is not None:
+        if client is None:
+            raise ValueError("a test set with per-client test sets needs the client's id")
+        rows = test.rows(client)
+        x, y = test.x[rows], test.y[rows]
+    else:
+        classes = torch.nonzero(class_dist > 0).flatten().tolist()
+        if not classes:
+            zeros = torch.zeros(test.num_classes, dtype=torch.float64)
+            return zeros, zeros.clone()
+        x, y = test.classes(classes)
     return class_correct(predict(model, x, batch_size, personal, class_dist), y, test.num_classes)
+
+
+def clients_class_correct(preds: torch.Tensor, test: TestSet, clients: list[int]
+                          ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Per-class counts of ``preds`` (one per test example) on each of ``clients``' own test examples."""
+    correct, total = {}, {}
+    for cid in clients:
+        rows = test.rows(cid)
+        correct[cid], total[cid] = class_correct(preds[rows], test.y[rows], test.num_classes)
+    return correct, total

@@ -140,6 +140,10 @@ class Partition:
     # The balanced meta set a local objective learns against (``fedrod_ray.objectives``), held by the server:
     # training-set rows that no client holds.
     meta_indices: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    # Natural clients with test sets of their own: each test example's client (its id here), and each client's
+    # test class counts (clients x C); else None.
+    test_clients: np.ndarray | None = None
+    test_counts: np.ndarray | None = None
 
     @property
     def num_clients(self) -> int:
@@ -160,7 +164,8 @@ class Partition:
 
 def make_partition(cfg: DataConfig, train_labels: np.ndarray, num_classes: int, seed: int,
                    meta_per_class: int = 0, owners: np.ndarray | None = None,
-                   owner_names: tuple[str, ...] = ()) -> Partition:
+                   owner_names: tuple[str, ...] = (), test_labels: np.ndarray | None = None,
+                   test_owners: np.ndarray | None = None) -> Partition:
     """Take out the meta set (``meta_per_class`` > 0: a local objective's, e.g. Meta-BSM), long-tail (if ``cfg.imbalance_ratio > 1``),
     split over ``num_clients + new_clients``, hold some out.
 
@@ -169,12 +174,25 @@ def make_partition(cfg: DataConfig, train_labels: np.ndarray, num_classes: int, 
     without one, the partition is exactly what it would be without this step.
 
     ``data.partition: natural`` takes the clients from ``owners`` (each example's client, an index into
-    ``owner_names``), whole: the held-out new clients are natural clients too.
+    ``owner_names``), whole: the held-out new clients are natural clients too. With ``test_owners`` (each
+    test example's client, likewise), each client, held out or not, also keeps its own test examples (with
+    ``test_labels``, their labels). Other partitions make clients of their own, for which the data's test
+    owners mean nothing, as its training owners do not.
     """
     labels = np.asarray(train_labels)
     total = cfg.num_clients + cfg.new_clients
     if cfg.partition == "natural":
-        return _natural(cfg, labels, num_classes, seed, owners, owner_names)
+        part = _natural(cfg, labels, num_classes, seed, owners, owner_names)
+        if test_owners is not None:
+            # Client m of the partition is the data's client order[m]: its test examples go with it.
+            index = {name: k for k, name in enumerate(owner_names)}
+            order = np.array([index[name] for name in part.client_names], dtype=np.int64)
+            position = np.empty_like(order)
+            position[order] = np.arange(len(order))
+            part.test_clients = position[np.asarray(test_owners)]
+            part.test_counts = class_counts(np.asarray(test_labels), natural_partition(part.test_clients, total),
+                                            num_classes)
+        return part
     pool = np.arange(len(labels), dtype=np.int64)
     meta = np.empty(0, np.int64)
     if meta_per_class > 0:
@@ -236,13 +254,17 @@ def format_partition(p: Partition) -> str:
     # Natural clients also show the name the data gives them.
     names = [f" {n:>{max(4, *map(len, p.client_names))}}" for n in p.client_names] or [""] * p.num_clients
     name_head = f" {'name':>{len(names[0]) - 1}}" if p.client_names else ""
-    header = (f"{'client':>8}{name_head} {'kind':>5} {'n':>7} "
+    # Clients with test sets of their own: each one's number of test examples beside its training examples.
+    own_tests = p.test_counts is not None
+    tests = [f" {int(n):>6}" for n in p.test_counts.sum(axis=1)] if own_tests else [""] * p.num_clients
+    test_head = f" {'test':>6}" if own_tests else ""
+    header = (f"{'client':>8}{name_head} {'kind':>5} {'n':>7}{test_head} "
               + "".join(f"{f'c{c}':>{width}}" for c in range(num_classes)))
     lines = [header]
     for m in range(p.num_clients):
         kind = "new" if m >= p.num_train_clients else "train"
         row = "".join(f"{int(v):>{width}}" for v in p.counts[m])
-        lines.append(f"{m:>8}{names[m]} {kind:>5} {int(sizes[m]):>7} {row}")
+        lines.append(f"{m:>8}{names[m]} {kind:>5} {int(sizes[m]):>7}{tests[m]} {row}")
     classes_per_client = (p.counts > 0).sum(axis=1)
     new = p.new_client_ids
     lines += [
@@ -256,6 +278,11 @@ def format_partition(p: Partition) -> str:
         f"global class counts: {' '.join(str(int(v)) for v in p.counts.sum(axis=0))}",
         f"new clients: {', '.join(map(str, new)) if new else 'none'}",
     ]
+    if own_tests:
+        test_sizes = p.test_counts.sum(axis=1)
+        lines.append(f"own test sets: {int(test_sizes.sum())} examples; per client min {int(test_sizes.min())}, "
+                     f"median {float(np.median(test_sizes)):g}, max {int(test_sizes.max())} (P-FL: each client's "
+                     "accuracy on its own)")
     if len(p.meta_indices):
         lines.append(f"meta set (held by the server): {len(p.meta_indices)} examples, "
                      f"{len(p.meta_indices) // num_classes} per class")

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from .client import ClientContext, ClientHost
-from .config import ExperimentConfig
-from .data import ImageDataset, load_dataset
+from .config import ARCHS, ConfigError, ExperimentConfig
+from .data import ImageDataset, declared_image_shape, load_dataset
 from .data.transforms import normalize
 from .metrics import TestSet
 from .models import FedModel, build_model, resolve_arch
@@ -43,10 +43,29 @@ class Setup:
         counts = torch.tensor(self.partition.counts, dtype=torch.float64)
         return counts / counts.sum(1, keepdim=True).clamp_min(1)
 
+    @property
+    def pfl_weights(self) -> torch.Tensor:
+        """What each client's P-FL weighs its per-class test counts by (``TestSet.pfl_weights``)."""
+        return self.test.pfl_weights(self.class_dists)
+
     def build_model(self) -> FedModel:
         ds = self.dataset
         return build_model(self.cfg.model.arch, ds.num_classes, ds.image_shape, self.cfg.train.variant,
                            self.cfg.hyper_hidden, self.cfg.seed, model_parts(self.cfg.train), self.cfg.model.init)
+
+
+def check_model_arch(cfg: ExperimentConfig) -> None:
+    """What ``prepare`` checks of a user's ``model.arch`` (an import path or a plug-in), done when the config is
+    loaded, before any data is: it imports, builds for the dataset's image shape and gives N x d features on one
+    dummy batch; else a ConfigError naming model.arch. The shape is the data's declared one
+    (``declared_image_shape``); where only loading the data tells it (a plug-in's dataset), ``prepare`` checks.
+    The built-ins import nothing and are checked by ``prepare`` too, so loading their configs stays cheap."""
+    arch = cfg.model.arch
+    if arch == "auto" or arch in ARCHS:
+        return
+    shape = declared_image_shape(cfg.data)
+    if shape is not None:
+        check_arch(arch, shape)
 
 
 def prepare(cfg: ExperimentConfig) -> Setup:
@@ -55,7 +74,13 @@ def prepare(cfg: ExperimentConfig) -> Setup:
     # (it does not import, build, take these images or give N x d features) stops the run with model.arch named.
     check_arch(resolve_arch(cfg.model.arch, ds.image_shape), ds.image_shape)
     partition = partition_dataset(cfg, ds)
-    test = TestSet(normalize(ds.test_x, ds.mean, ds.std), ds.test_y, ds.num_classes)
+    own = None if partition.test_clients is None else torch.from_numpy(partition.test_clients)
+    if own is not None and cfg.eval.estimate_size:
+        # The estimate samples the test set by class; the clients' own test sets would need a sample per client.
+        raise ConfigError("eval.estimate_size: the P-FL estimate samples the global test set by class, and this "
+                          "data gives each client a test set of its own (client_test / clients/<id>/test/), on "
+                          "which P-FL is measured; set eval.estimate_size=0")
+    test = TestSet(normalize(ds.test_x, ds.mean, ds.std), ds.test_y, ds.num_classes, own)
     augment = ds.augment if cfg.train.augment is None else cfg.train.augment
     return Setup(cfg, ds, partition, test, augment)
 
@@ -63,7 +88,7 @@ def prepare(cfg: ExperimentConfig) -> Setup:
 def partition_dataset(cfg: ExperimentConfig, ds: ImageDataset) -> Partition:
     """``cfg``'s split of ``ds`` over the clients (natural: the clients the data names)."""
     return make_partition(cfg.data, ds.train_y.numpy(), ds.num_classes, cfg.seed, meta_per_class(cfg.train),
-                          ds.train_clients, ds.client_names)
+                          ds.train_clients, ds.client_names, ds.test_y.numpy(), ds.test_clients)
 
 
 def make_host(setup: Setup, device: str = "cpu") -> ClientHost:

@@ -11,6 +11,7 @@ from fedrod_ray.aggregate import weighted_average
 from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import config_from_dict
+from fedrod_ray.evaluation import _gm_counts
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.export import load_final
 from fedrod_ray.federation import Federation, RoundFailedError
@@ -162,8 +163,9 @@ def test_global_reading_pm_is_the_global_model_with_the_clients_own_head(head):
     fed.model.load_partial(fed.global_shared)
     z, logits = features_and_logits(fed.model, fed.setup.test, 7)
     correct, total = class_correct(logits.argmax(1), fed.setup.test.y, fed.setup.test.num_classes)
-    counts = fed.evaluation._global_reading_pms(fed.clients, fed.setup.all_client_ids, z, logits, correct,
-                                                total).correct
+    ids = fed.setup.all_client_ids
+    gm = _gm_counts(logits.argmax(1), fed.setup.test, ids, correct, total)
+    counts = fed.evaluation._global_reading_pms(fed.clients, ids, z, logits, gm, fed.setup.test).correct
     for cid, state in fed.clients.items():
         model = fed.setup.build_model()
         model.load_partial(fed.global_shared)

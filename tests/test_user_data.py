@@ -76,7 +76,7 @@ def test_arrays_nhwc_nchw_and_grey_layouts(tmp_path):
     (lambda a: a.pop("y_test"), "lacks y_test"),
     (lambda a: a.update(y_train=a["y_train"] + 5), "y_train: labels must lie in 0..2"),
     (lambda a: a.update(x_test=a["x_test"][:, :4]), "x_test's are"),
-    (lambda a: a.update(client_test=np.zeros(12, np.int64)), "per-client test sets are not supported"),
+    (lambda a: a.update(client_test=np.zeros(12, np.int64)), "client_test names the clients of the test examples"),
     (lambda a: a.update(client_train=np.array([0, 2] * 20)), "client 1 has no examples"),
     (lambda a: a.update(client_train=np.zeros(39, np.int64)), "one client id per training image"),
 ])
@@ -157,11 +157,10 @@ def _empty_client(root: Path) -> Path:
     return bad
 
 
-def _client_test_set(root: Path) -> Path:
+def _client_test_set_beside_test(root: Path) -> Path:
     _empty_client(root).rmdir()
-    bad = root / "clients" / "full" / "test"
-    write_png(bad / "a" / "0.png", np.zeros((8, 8), np.uint8), "L")
-    return bad
+    write_png(root / "clients" / "full" / "test" / "a" / "0.png", np.full((8, 8), 7, np.uint8), "L")
+    return root / "test"
 
 
 @pytest.mark.parametrize("damage, words", [
@@ -169,7 +168,7 @@ def _client_test_set(root: Path) -> Path:
     (_mixed_mode, "8x8 RGB, but .* is 8x8 L"),
     (_empty_class, "empty class folder"),
     (_not_an_image, "not an image file"),
-    (_client_test_set, "per-client test sets are not supported yet"),
+    (_client_test_set_beside_test, r"the clients have test sets of their own .* remove test/"),
     (_empty_client, r"no class folders \(and so no examples\)"),
 ])
 def test_folder_bad_inputs_name_the_first_file_that_differs(tmp_path, damage, words):

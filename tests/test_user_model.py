@@ -16,13 +16,16 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from fedrod_ray_api.app import create_app
+from fedrod_ray_tune.reproduce import build_spec
+from fedrod_ray_tune.space import load_sweep
 from PIL import Image
 
 from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError, config_from_dict
-from fedrod_ray.data import load_dataset
+from fedrod_ray.data import declared_image_shape, load_dataset
 from fedrod_ray.export import ExportError, load_final
 from fedrod_ray.models import build_model, count_parameters
+from fedrod_ray.setup import check_model_arch
 
 FACTORIES = '''
 from torch import nn
@@ -100,6 +103,60 @@ def test_an_unknown_arch_name_is_refused_when_the_config_loads():
         config_from_dict({"model": {"arch": "resnet56"}})
     with pytest.raises(ConfigError, match="model.arch: 'pkg.mod:' is not one of"):
         config_from_dict({"model": {"arch": "pkg.mod:"}})
+
+
+def test_declared_image_shape_is_read_without_loading_the_data(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (6, 9, 7, 3), dtype=np.uint8)  # N x H x W x C
+    y = np.arange(6) % 2
+    for name, images in (("nhwc", x), ("nchw", x.transpose(0, 3, 1, 2)), ("grey", x[..., 0])):
+        np.savez(tmp_path / f"{name}.npz", x_train=images, y_train=y, x_test=images, y_test=y)
+        data = config_from_dict({"data": {"dataset": "arrays", "path": str(tmp_path / f"{name}.npz")}}).data
+        assert declared_image_shape(data) == load_dataset(data).image_shape == ((1, 9, 7) if name == "grey" else (3, 9, 7))
+    for split in ("train", "test"):
+        (tmp_path / "pngs" / split / "a").mkdir(parents=True)
+        Image.fromarray(x[0]).save(tmp_path / "pngs" / split / "a" / "0.png")
+    data = config_from_dict({"data": {"dataset": "folder", "path": str(tmp_path / "pngs")}}).data
+    assert declared_image_shape(data) == load_dataset(data).image_shape == (3, 9, 7)
+    assert declared_image_shape(config_from_dict({"data": {"dataset": "cifar100"}}).data) == (3, 32, 32)
+    # Nothing to read here: loading the data reports it.
+    assert declared_image_shape(config_from_dict({"data": {"dataset": "arrays", "path": "nowhere.npz"}}).data) is None
+
+
+def test_model_arch_is_checked_when_the_config_is_checked(package, tmp_path):
+    """Before any data loads: this .npz lacks y_train, which only loading it would find."""
+    np.savez(tmp_path / "d.npz", x_train=np.zeros((4, 6, 5, 3), np.uint8), x_test=np.zeros((2, 6, 5, 3), np.uint8),
+             y_test=np.zeros(2, np.int64))
+    (tmp_path / "c.yaml").write_text(json.dumps({
+        "data": {"dataset": "arrays", "path": str(tmp_path / "d.npz")}, "model": {"arch": "userfactories.nets:spatial"}}))
+    rc, _out, err = run_main(["train", "--config", str(tmp_path / "c.yaml"), "--run-dir", str(tmp_path / "run")])
+    assert rc == 2 and err.startswith("fedrod-ray: error: model.arch: the module userfactories.nets:spatial built "
+                                      "maps a 2 x 3 x 6 x 5 batch to (2, 4, 6, 5), not 2 x d features"), err
+    # A built-in dataset's shape is fixed: no data needed (here there is none to download).
+    cfg = config_from_dict({"data": {"dataset": "mnist", "data_dir": str(tmp_path / "none"), "download": False},
+                            "model": {"arch": "userfactories.nets:raises"}})
+    with pytest.raises(ConfigError, match=r"^model.arch: userfactories.nets:raises\(\(1, 28, 28\)\) failed: "
+                                          "ValueError: needs 32 x 32"):
+        check_model_arch(cfg)
+    check_model_arch(config_from_dict({"data": {"dataset": "mnist", "data_dir": str(tmp_path / "none")},
+                                       "model": {"arch": "userfactories.nets:good"}}))
+    # The built-in archs are left to prepare: nothing is imported or built while the config loads.
+    check_model_arch(config_from_dict({"model": {"arch": "resnet20"}}))
+
+
+def test_sweeps_and_reproductions_check_model_arch_before_any_trial(package, tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text(json.dumps({"data": {"dataset": "synthetic", "num_clients": 4, "synthetic_train_per_class": 5,
+                                         "synthetic_test_per_class": 2},
+                                "model": {"arch": "userfactories.nets:good"}, "train": {"rounds": 2}}))
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(json.dumps({"base": str(base), "search": {"model.arch": {
+        "choice": ["userfactories.nets:good", "userfactories.nets:not_a_module"]}}}))
+    with pytest.raises(ConfigError, match="^model.arch: userfactories.nets:not_a_module.* returned a list, not"):
+        load_sweep(sweep)
+    base.write_text(base.read_text().replace("nets:good", "nets:raises"))
+    with pytest.raises(ConfigError, match="^model.arch: userfactories.nets:raises"):
+        build_spec("ablation", base, [0], rounds=2)
 
 
 PLUGIN = '''

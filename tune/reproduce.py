@@ -33,7 +33,7 @@ from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, che
 from fedrod_ray.metric_schema import ACCURACIES, BY_KEY, title, values_line
 from fedrod_ray.plotting import figure, png, round_axis
 
-from .space import SweepSpec
+from .space import SweepSpec, check_models
 from .sweep import TRIALS, TrialLines, fit, start_dir
 
 SPEC_FILE = "reproduce.yaml"
@@ -265,11 +265,13 @@ def check(spec: ReproSpec) -> None:
     if spec.table == "new-clients" and data["data"]["new_clients"] < 1:
         raise ConfigError("data.new_clients: the new-clients table needs held-out clients; the base config has "
                           "none (e.g. --set data.new_clients=10)")
+    configs = []
     for label in spec.rows:
         try:
-            spec.trial_config({"row": label})
+            configs.append(spec.trial_config({"row": label}))
         except ConfigError as e:
             raise ConfigError(f"row {label!r} of table {spec.table}: {e}") from None
+    check_models(configs)
 
 
 def load_spec(out_dir: Path) -> ReproSpec:

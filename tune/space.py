@@ -16,6 +16,7 @@ before any trial starts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -160,12 +161,27 @@ def _check(spec: SweepSpec) -> None:
         corners = [{**c, key: v} for c in corners for v in values]
     # Every extreme of the space must give a valid config: an unknown key or a value out of its range
     # fails here, naming the key, before any trial starts.
+    configs = []
     for corner in corners[:256]:
         try:
-            spec.experiment_config(corner)
+            configs.append(spec.experiment_config(corner))
             spec.trial_config(corner)
         except ConfigError as e:
             raise ConfigError(f"search: {e}") from None
+    check_models(configs)
+
+
+def check_models(configs: list[ExperimentConfig]) -> None:
+    """Each distinct user model.arch of ``configs``, on its data, imports, builds and gives N x d features
+    (``check_model_arch``: a ConfigError naming model.arch), before any trial starts."""
+    from fedrod_ray.setup import check_model_arch
+
+    seen = set()
+    for cfg in configs:
+        key = (cfg.model.arch, json.dumps(dataclasses.asdict(cfg.data), sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            check_model_arch(cfg)
 
 
 def _check_dimension(key: str, dist: Any) -> list:

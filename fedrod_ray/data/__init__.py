@@ -12,9 +12,11 @@ import torch
 
 from ..config import DATASET_PLUGINS, DATASETS, ConfigError
 from . import cifar, files, idx
+from .arrays import image_shape as arrays_shape
 from .arrays import read_arrays
 from .classes import class_names
 from .files import DatasetFormatError, DatasetNotFoundError, resolve_data_dir
+from .folder import image_shape as folder_shape
 from .folder import read_folder
 from .layout import RawImages
 from .synthetic import make_synthetic
@@ -30,6 +32,7 @@ __all__ = [
     "RawImages",
     "augment_batch",
     "class_names",
+    "declared_image_shape",
     "from_raw",
     "load_dataset",
     "normalize",
@@ -42,6 +45,8 @@ _STATS = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
+_IMAGE_SHAPES = {"mnist": (1, 28, 28), "fmnist": (1, 28, 28), "emnist": (1, 28, 28), "cifar10": (3, 32, 32),
+                 "cifar100": (3, 32, 32), "synthetic": (1, 28, 28)}
 _NUM_CLASSES = {"mnist": 10, "fmnist": 10, "emnist": 10, "cifar10": 10, "cifar100": 100, "synthetic": 10}
 _IDX_NAMES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
               "t10k-labels-idx1-ubyte.gz")
@@ -62,6 +67,8 @@ class ImageDataset:
     # Natural clients (data.partition: natural): each training example's client, an index into client_names.
     train_clients: np.ndarray | None = None
     client_names: tuple[str, ...] = ()
+    # Their own test sets: each test example's client, an index into client_names (None: no client has one).
+    test_clients: np.ndarray | None = None
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -120,11 +127,26 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> ImageDataset:
     )
 
 
+def declared_image_shape(cfg: DataConfig) -> tuple[int, int, int] | None:
+    """C x H x W of ``cfg``'s images without loading them: fixed for the built-in sets; for the user's own, from
+    one header (the first image of a folder, x_train's in an .npz). None for a plug-in's dataset, which only
+    loading it tells, and for data that cannot be read here: loading it says why, naming the file."""
+    if cfg.dataset in _IMAGE_SHAPES:
+        return _IMAGE_SHAPES[cfg.dataset]
+    if cfg.dataset not in ("folder", "arrays") or cfg.path is None:
+        return None
+    try:
+        return (folder_shape if cfg.dataset == "folder" else arrays_shape)(cfg.path)
+    except (DatasetFormatError, DatasetNotFoundError):
+        return None
+
+
 def from_raw(name: str, raw: RawImages, cfg: DataConfig) -> ImageDataset:
     """The dataset of the user's own images; no augmentation unless train.augment asks for it."""
     return ImageDataset(name, _tensor(raw.train_x), _tensor(raw.train_y), _tensor(raw.test_x), _tensor(raw.test_y),
                         len(raw.classes), *_stats(cfg, raw.train_x), augment=False, classes=raw.classes,
-                        train_clients=raw.train_clients, client_names=raw.client_names)
+                        train_clients=raw.train_clients, client_names=raw.client_names,
+                        test_clients=raw.test_clients)
 
 
 def _stats(cfg: DataConfig, train_x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -125,17 +125,19 @@ class RayExecutor:
         # holds the references, so that a restarted actor can be attached again.
         train_x, train_y, counts, test_x, test_y = (ray.put(x) for x in (
             ds.train_x.numpy(), ds.train_y.numpy(), part.counts, setup.test.x.numpy(), setup.test.y.numpy()))
+        test_clients = None if setup.test.clients is None else ray.put(setup.test.clients.numpy())
         self.actors = [ClientActor.options(**options).remote(cfg.to_dict(), meta) for _ in range(layout.num_actors)]
         self.home: dict[int, int] = {}
         if layout.pooled:
             self._attach_args = [[train_x, train_y, ray.put(part.client_indices), counts, test_x, test_y,
-                                  part.meta_indices]]
+                                  part.meta_indices, test_clients]]
         else:
             self._attach_args = []
             for a, ids in enumerate(layout.assignment(setup.all_client_ids)):
                 self.home.update({c: a for c in ids})
                 own = ray.put({c: part.client_indices[c] for c in ids})
-                self._attach_args.append([train_x, train_y, own, counts, test_x, test_y, part.meta_indices])
+                self._attach_args.append([train_x, train_y, own, counts, test_x, test_y, part.meta_indices,
+                                          test_clients])
         self.dead: set[int] = set()  # actors that did not come back within RESTART_TIMEOUT_S
         self.calls_done = [0] * layout.num_actors  # completed calls per actor: how the work was spread
         self.lost_calls: list[LostCall] = []  # calls that died with their actor, in the order they were lost
