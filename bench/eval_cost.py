@@ -34,11 +34,13 @@ import torch
 from _common import machine_note, make_config, md_table
 
 from fedrod_ray.data import resolve_data_dir
+from fedrod_ray.evaluation import anchored, estimate_offset
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.federation import Federation
 from fedrod_ray.setup import make_host, prepare
 
 NEVER = 10**6
+KEYS = ("gfl_gm", "pfl_gm", "pfl_pm")
 FLOOR_BATCHES = (64, 128, 256, 500, 1000, 2000)
 
 
@@ -54,6 +56,8 @@ def parse_args():
                    help="the run's local epochs: the measured train round is scaled by run-epochs / epochs")
     p.add_argument("--eval-every", type=int, default=10, help="the run's exact evaluations")
     p.add_argument("--estimate-size", type=int, default=1000, help="eval.estimate_size")
+    p.add_argument("--anchor-every", type=int, default=2,
+                   help="rounds between the exact evaluations the estimate is corrected by (as eval.eval_every)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -107,19 +111,30 @@ def main() -> None:
     fed = Federation(setup, InProcessExecutor(make_host(setup)), log=print)
     sample = fed.evaluation.estimate_test
     rows, train_s, est_s, exact_s, images, est_images = [], [], [], [], [], []
+    offset: dict[str, float] = {}
+    errors: dict[str, list[float]] = {"sample": [], "anchored": []}
     for r in range(args.rounds):
         before = {cid: st.rounds_trained for cid, st in fed.clients.items()}
-        rec = fed.step(r)  # trains, then the estimate (eval.estimate_size)
+        rec = fed.step(r)  # trains, then the estimate: the sample's alone (eval_every NEVER: no offset)
         t0 = time.perf_counter()
         exact = fed.evaluate()  # exact, as at an eval_every round: only this round's PMs are new
         exact_s.append(time.perf_counter() - t0)
+        sample = {f"{k}_est": rec[f"{k}_est"] for k in KEYS}
+        est = anchored(sample, offset)
+        if offset:
+            errors["sample"] += [abs(sample[f"{k}_est"] - exact[k]) for k in KEYS]
+            errors["anchored"] += [abs(est[f"{k}_est"] - exact[k]) for k in KEYS]
+        anchor = (r + 1) % args.anchor_every == 0
+        if anchor:
+            offset = estimate_offset(exact, sample)
         train_s.append(rec["train_seconds"])
         est_s.append(rec["seconds"] - rec["train_seconds"])
         new = [cid for cid, st in fed.clients.items() if st.rounds_trained != before[cid]]
         images.append(len(setup.test.y) + test_images(setup, new, setup.test.y))
         est_images.append(len(sample.y) + test_images(setup, new, sample.y))
-        rows.append([r + 1] + [f"{100 * exact[k]:.2f} / {100 * rec[k + '_est']:.2f} ({100 * (rec[k + '_est'] - exact[k]):+.2f})"
-                               for k in ("gfl_gm", "pfl_gm", "pfl_pm")]
+        rows.append([f"{r + 1}{' (anchor)' if anchor else ''}"]
+                    + [f"{100 * exact[k]:.2f} / {100 * sample[k + '_est']:.2f} ({100 * (sample[k + '_est'] - exact[k]):+.2f})"
+                       f" / {100 * (est[k + '_est'] - exact[k]):+.2f}" for k in KEYS]
                     + [f"{train_s[-1]:.1f}", f"{est_s[-1]:.2f}", f"{exact_s[-1]:.1f}"])
         print(f"  round {r + 1}: train {train_s[-1]:.2f} s, estimate {est_s[-1]:.2f} s, exact {exact_s[-1]:.2f} s "
               f"({images[-1]:,} images); P-FL PM {exact['pfl_pm']:.4f}, estimate {rec['pfl_pm_est']:.4f}", flush=True)
@@ -148,8 +163,14 @@ def main() -> None:
     print(f"{args.dataset}, {args.clients} clients, Dir({args.alpha}), {args.epochs} local epochs, linear head, "
           f"{args.rounds} rounds; estimate on {len(sample.y)} test images; the floor at batch {best_bs}")
     print()
-    print("Exact / estimate (estimate - exact), in %, after each round; seconds of each part:")
+    print("Exact / the sample's estimate (its error) / the anchored estimate's error, in %, after each round; "
+          "seconds of each part:")
     print(md_table("round|G-FL (GM)|P-FL (GM)|P-FL (PM)|train, s|estimate, s|exact, s", rows))
+    if errors["sample"]:
+        print(f"after the first anchor (round {args.anchor_every}): largest error of the sample's estimate "
+              f"{100 * max(errors['sample']):.2f} points, of the anchored one {100 * max(errors['anchored']):.2f} "
+              f"(mean {100 * sum(errors['sample']) / len(errors['sample']):.2f} and "
+              f"{100 * sum(errors['anchored']) / len(errors['anchored']):.2f})")
     print()
     print(md_table(f"the evaluations after rounds {later.start + 1 if later.start else 1}..{args.rounds}|"
                    "seconds|images|images/s|x floor", [

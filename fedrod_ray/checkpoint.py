@@ -104,6 +104,7 @@ class CheckpointWriter:
             "round": snap.rounds_done,
             "rule": rule,
             "config": snap.config.to_dict(),
+            "estimate_offset": snap.estimate_offset,
             "clients": {str(cid): {"rounds_trained": st.rounds_trained, "file": self.saved[cid][1]}
                         for cid, st in sorted(snap.clients.items())},
         }
@@ -200,4 +201,6 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
         int(cid): ClientState.from_tensors(per_client.get(int(cid), {}), meta["rounds_trained"])
         for cid, meta in manifest["clients"].items()
     }
-    return Snapshot(manifest["round"], config_from_dict(manifest["config"]), global_shared, server, clients)
+    # A checkpoint of a version before the estimate's offset holds none: the next exact evaluation sets it.
+    return Snapshot(manifest["round"], config_from_dict(manifest["config"]), global_shared, server, clients,
+                    {str(k): float(v) for k, v in manifest.get("estimate_offset", {}).items()})

@@ -9,11 +9,13 @@ run meanwhile. A PM changes only when its client trains, so its counts are cache
 
 With ``eval.estimate_size``, ``estimate`` does the same for G-FL and P-FL of the GM and PMs on a fixed
 class-stratified sample of the test set, every round: an estimate (its own ``*_est`` keys) for the rounds
-between exact evaluations, at about estimate_size / test size of an evaluation's cost.
+between exact evaluations, at about estimate_size / test size of an evaluation's cost, corrected by how far
+the sample was from the exact figures at the last exact evaluation (``anchored``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -224,6 +226,24 @@ def _gm_counts(preds: torch.Tensor, test: TestSet, ids: list[int], correct: torc
     if test.clients is None:
         return EvalCounts(dict.fromkeys(ids, correct), dict.fromkeys(ids, total))
     return EvalCounts(*clients_class_correct(preds, test, ids))
+
+
+def estimate_offset(exact: dict, sample: dict[str, float]) -> dict[str, float]:
+    """How far each estimate on the sample (``sample``: ``estimate``'s ``*_est`` keys) is from the exact
+    figure ``exact`` of the same round. Most of an estimate's error is which images the fixed sample holds,
+    and that changes slowly with the model: carried to the next rounds, the offset removes it (``anchored``)."""
+    offset = {}
+    for key, value in sample.items():
+        diff = exact.get(key.removesuffix("_est"), math.nan) - value
+        if math.isfinite(diff):
+            offset[key] = diff
+    return offset
+
+
+def anchored(sample: dict[str, float], offset: dict[str, float]) -> dict[str, float]:
+    """The estimates of a round: its sample estimates corrected by the offset of the last exact evaluation
+    (none before the first)."""
+    return {key: value + offset.get(key, 0.0) for key, value in sample.items()}
 
 
 def _pfl(counts: EvalCounts, dists: torch.Tensor) -> dict[int, float]:

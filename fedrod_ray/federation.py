@@ -16,7 +16,7 @@ import numpy as np
 from .aggregate import OrderedAverager, StateDict
 from .algorithms import build_rule
 from .client import ClientFailure, ClientState
-from .evaluation import Evaluation
+from .evaluation import Evaluation, anchored, estimate_offset
 from .executors.base import Executor
 from .local import LocalResult, RoundInput, round_lr
 from .server import sample_clients
@@ -56,6 +56,7 @@ class Federation:
         # is a shallow copy and stays valid while training goes on.
         self.clients: dict[int, ClientState] = {cid: ClientState() for cid in setup.all_client_ids}
         self.evaluation = Evaluation(setup, self.model, log)
+        self.estimate_offset: dict[str, float] = {}
         self.next_round = 0
 
     def _generic(self, state: StateDict) -> StateDict:
@@ -63,7 +64,7 @@ class Federation:
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.next_round, self.cfg, dict(self.global_shared), dict(self.server_state),
-                        dict(self.clients))
+                        dict(self.clients), dict(self.estimate_offset))
 
     def restore(self, snap: Snapshot) -> None:
         if set(snap.global_shared) != set(self.shared_keys):
@@ -76,6 +77,7 @@ class Federation:
             raise ValueError(f"the snapshot holds clients this federation does not have: {unknown[:10]}")
         self.next_round = snap.rounds_done
         self.clients.update(snap.clients)
+        self.estimate_offset = dict(snap.estimate_offset)
         self.evaluation.clear()
 
     def step(self, r: int) -> dict:
@@ -131,10 +133,14 @@ class Federation:
                               if results[0].personal_loss is not None else None),
             "train_seconds": round(train_seconds, 4),
         }
-        if cfg.eval.estimate_size:
-            record.update(self.evaluation.estimate(self.executor, self.global_shared, self.clients))
+        sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients)
+                  if cfg.eval.estimate_size else None)
         if (r + 1) % cfg.eval.eval_every == 0 or r + 1 == cfg.train.rounds:
             record.update(self.evaluate(final=r + 1 == cfg.train.rounds))
+            if sample is not None:
+                self.estimate_offset = estimate_offset(record, sample)
+        if sample is not None:
+            record.update(anchored(sample, self.estimate_offset))
         record["seconds"] = round(time.perf_counter() - t0, 4)
         return record
 

@@ -71,12 +71,13 @@ METRICS = (
 # (what a sweep's scheduler decides on). Their own keys, so that no table takes one for the exact figure.
 ESTIMATE_METRICS = (
     Metric("gfl_gm_est", ESTIMATED, "ESTIMATE of `gfl_gm`: the GM's accuracy on a fixed, seeded, "
-           "class-stratified sample of `eval.estimate_size` test images", label="G-FL est",
+           "class-stratified sample of `eval.estimate_size` test images, plus (exact − sample) of the last "
+           "exact evaluation (equal to the exact figure on an evaluated round)", label="G-FL est",
            title="G-FL (GM), estimate", accuracy=True),
-    Metric("pfl_gm_est", ESTIMATED, "ESTIMATE of `pfl_gm` on the same sample", label="P-FL GM est",
+    Metric("pfl_gm_est", ESTIMATED, "ESTIMATE of `pfl_gm` on the same sample, corrected the same way", label="P-FL GM est",
            title="P-FL (GM), estimate", accuracy=True),
     Metric("pfl_pm_est", ESTIMATED, "ESTIMATE of `pfl_pm` on the same sample (a client's PM on the sample's "
-           "images of its classes)", label="P-FL PM est", title="P-FL (PM), estimate", accuracy=True),
+           "images of its classes), corrected the same way", label="P-FL PM est", title="P-FL (PM), estimate", accuracy=True),
 )
 BY_KEY = {m.key: m for m in (*METRICS, *ESTIMATE_METRICS)}
 # The accuracies, in the order every table and report lists them: the exact ones only.

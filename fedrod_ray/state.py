@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .aggregate import StateDict
 from .client import ClientState
@@ -19,3 +19,6 @@ class Snapshot:
     global_shared: StateDict
     server_state: StateDict  # owned by config.train.generic_rule (empty if it keeps none)
     clients: dict[int, ClientState]
+    # With eval.estimate_size: exact minus sample estimate of each estimated metric at the last exact
+    # evaluation (``evaluation.estimate_offset``); empty before the first one.
+    estimate_offset: dict[str, float] = field(default_factory=dict)

@@ -11,7 +11,7 @@ from fedrod_ray.aggregate import weighted_average
 from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import config_from_dict
-from fedrod_ray.evaluation import _gm_counts
+from fedrod_ray.evaluation import _gm_counts, anchored, estimate_offset
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.export import load_final
 from fedrod_ray.federation import Federation, RoundFailedError
@@ -144,6 +144,44 @@ def test_the_estimate_is_a_fixed_class_balanced_sample_and_reads_only_changed_pm
     for r, record in enumerate(records):
         repeat = again.step(r)
         assert [repeat[k] for k in ESTIMATES] == [record[k] for k in ESTIMATES]
+
+
+def test_offset_and_anchored_estimates_by_hand():
+    sample = {"gfl_gm_est": 0.50, "pfl_gm_est": 0.25, "pfl_pm_est": 0.75}
+    exact = {"gfl_gm": 0.625, "pfl_gm": 0.125, "pfl_pm": float("nan"), "round": 4}
+    # pfl_pm had no PM to evaluate (NaN): no offset for it, so it stays the sample's.
+    assert estimate_offset(exact, sample) == {"gfl_gm_est": 0.125, "pfl_gm_est": -0.125}
+    later = {"gfl_gm_est": 0.5625, "pfl_gm_est": 0.375, "pfl_pm_est": 0.875}
+    assert anchored(later, estimate_offset(exact, sample)) == {
+        "gfl_gm_est": 0.6875, "pfl_gm_est": 0.25, "pfl_pm_est": 0.875}
+    assert anchored(later, {}) == later  # before the first exact evaluation
+
+
+def test_the_estimate_carries_the_last_exact_evaluations_offset_and_resumes_with_it(tmp_path):
+    """Between exact rounds, an estimate is the sample's plus (exact - sample) of the last exact round:
+    checked against a twin federation that trains the same and is never evaluated exactly before the end
+    (its estimates are the sample's alone); the offset survives a checkpoint."""
+    sized = ("train.rounds=5", "eval.estimate_size=30")
+    fed, twin = make_federation(*sized, "eval.eval_every=2"), make_federation(*sized, "eval.eval_every=4")
+    records, raw = [], []
+    for r in range(3):
+        records.append(fed.step(r))
+        raw.append(twin.step(r))
+    assert ["gfl_gm" in record for record in records] == [False, True, False]
+    offset = {f"{k}_est": records[1][k] - raw[1][f"{k}_est"] for k in ("gfl_gm", "pfl_gm", "pfl_pm")}
+    assert any(abs(v) > 0.01 for v in offset.values())  # a 30-image sample is off: the test can fail
+    for k, v in offset.items():
+        assert records[0][k] == raw[0][k]  # before the first exact evaluation: the sample's
+        assert records[1][k] == pytest.approx(records[1][k.removesuffix("_est")], abs=1e-12)
+        assert records[2][k] == raw[2][k] + v
+
+    save_checkpoint(RunStorage(str(tmp_path)), fed.snapshot())
+    resumed = make_federation(*sized, "eval.eval_every=2")
+    resumed.restore(load_checkpoint(RunStorage(str(tmp_path))))
+    assert resumed.estimate_offset == fed.estimate_offset == offset
+    after = [resumed.step(3), fed.step(3)]
+    assert [{k: v for k, v in record.items() if not k.endswith("seconds")} for record in after] == [
+        {k: v for k, v in after[1].items() if not k.endswith("seconds")}] * 2
 
 
 def test_an_estimate_larger_than_the_test_set_allows_names_the_setting():
