@@ -1,12 +1,14 @@
 """Run directories on an object store, through pyarrow's S3 filesystem exactly as a user's
 ``s3://bucket/runs/x`` goes, against a real S3-compatible server (moto's) on loopback: a run, a
-checkpoint save killed between its steps, ``--resume`` from the bucket bitwise equal to an uninterrupted
-run, ``final/`` served by the HTTP service and reloaded to a new version, and no credentials in any file."""
+checkpoint save killed between its steps or while the next round trains, ``--resume`` from the bucket
+bitwise equal to an uninterrupted run (on Ray too), ``final/`` served by the HTTP service and reloaded to a
+new version, and no credentials in any file."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -146,6 +148,88 @@ def test_a_save_killed_between_its_steps_and_resumed_from_the_bucket(s3, uninter
     named = {c["file"] for m in manifests for c in m["clients"].values() if c["file"]}
     assert {k.split("/", 1)[1] for k in left if k.startswith("clients/")} == named
     assert sorted({k.split("/")[0] for k in left if k.startswith("round_")}) == ["round_000002", "round_000003"]
+
+
+# Round 2's save held until round 3 has trained and appended its metrics, then the process killed: the
+# save was in flight while the next round ran, as a run's saves are (``checkpoint.BackgroundSaves``).
+IN_FLIGHT_KILLER = """
+import os, signal, sys, threading
+from fedrod_ray.cli import main
+from fedrod_ray.results import MetricsLog
+from fedrod_ray.storage import RunStorage
+
+third_round = threading.Event()
+append = MetricsLog.append
+def append_and_tell(self, record):
+    append(self, record)
+    if record["round"] == 3:
+        third_round.set()
+MetricsLog.append = append_and_tell
+write = RunStorage.write_bytes
+def write_then_die(self, rel, data):
+    if rel == "checkpoints/round_000002/manifest.json":
+        if not third_round.wait(120):
+            print("round 3 never ran while round 2's checkpoint was being saved", flush=True)
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    write(self, rel, data)
+RunStorage.write_bytes = write_then_die
+sys.exit(main(["train", "--config", {config!r}, "--run-dir", {uri!r}, "--set", "runtime.torch_threads=1"]))
+"""
+
+
+def test_a_run_killed_with_a_save_in_flight_resumes_from_the_save_before(s3, uninterrupted):
+    """Killed while round 2's save is written and round 3 has already trained: round 1's checkpoint loads,
+    the metrics of rounds 2 and 3 (written, but after the last committed checkpoint) are dropped on
+    resume as a kill's always are, and the resumed run ends bitwise equal to the uninterrupted one."""
+    uri = f"s3://{BUCKET}/runs/in-flight"
+    proc = subprocess.run([sys.executable, "-c", IN_FLIGHT_KILLER.format(config=CONFIG, uri=uri)], cwd=REPO,
+                          check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert [r["round"] for r in records(uri)] == [1, 2, 3]
+    storage = RunStorage(uri)
+    assert latest_checkpoint_name(storage) == "round_000001"
+    assert load_checkpoint(storage).rounds_done == 1
+
+    out = train("--resume", uri)
+    assert "resuming" in out and "after round 1" in out
+    assert [ln.split("]")[0] for ln in out.splitlines() if ln.startswith("[round")] == ["[round   2/3", "[round   3/3"]
+    assert_same_run(uri, uninterrupted)
+
+
+def test_a_ray_run_in_the_bucket_checkpoints_and_resumes(s3, uninterrupted, ray_session):
+    """runtime.mode ray: the coordinator actor saves the checkpoints into the bucket (in the background,
+    while the next round trains) and the driver the metrics; resumed from the bucket, the run ends bitwise
+    equal to the in-process one. The driver runs as a task of the tests' Ray, whose runtime_env gives it and
+    the actors it starts the server's environment, as a Ray job's does on a cluster."""
+    uri = f"s3://{BUCKET}/runs/ray"
+
+    def train_and_resume(uri: str, config: str, fast: list[str]) -> list[tuple[int, str]]:
+        """A run of 2 rounds and its resume to 3, as ``fedrod-ray train`` runs them in a Ray job (defined
+        here, so that Ray ships it by value to a worker that cannot import the tests)."""
+        import contextlib
+        import io
+
+        from fedrod_ray.cli import main
+
+        outputs = []
+        for argv in (["--config", config, "--run-dir", uri, "--mode", "ray", "--set", "train.rounds=2"],
+                     ["--resume", uri, "--set", "train.rounds=3"]):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                rc = main(["train", *argv, *fast])
+            outputs.append((rc, out.getvalue()))
+        return outputs
+
+    driver = ray_session.remote(train_and_resume).options(num_cpus=0, runtime_env={"env_vars": s3})
+    (rc, first), (rc2, resumed) = ray_session.get(driver.remote(uri, CONFIG, FAST))
+    assert rc == 0 and rc2 == 0, first + resumed
+    for out in (first, resumed):
+        assert re.search(r"^ray: \d+ client actor\(s\)", out, re.MULTILINE), out
+    assert [ln.split("]")[0] for ln in first.splitlines() if ln.startswith("[round")] == ["[round   1/2", "[round   2/2"]
+    assert "after round 2" in resumed
+    assert [ln.split("]")[0] for ln in resumed.splitlines() if ln.startswith("[round")] == ["[round   3/3"]
+    assert_same_run(uri, uninterrupted)
 
 
 TOKEN = "s3-admin-token"
