@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from concurrent.futures import Future
 
 import torch
 from safetensors.torch import load as st_load
@@ -156,6 +155,25 @@ class CheckpointSaveError(RuntimeError):
     """A save that ran in the background failed (raised by the next save, or when the run waits for it)."""
 
 
+class _Save(threading.Thread):
+    """One save on a thread of its own, keeping its outcome for whoever waits. Not a daemon: a process
+    that exits with a save in flight finishes it first."""
+
+    def __init__(self, writer: CheckpointWriter, snap: Snapshot):
+        super().__init__(name=f"checkpoint-{_name(snap.rounds_done)}")
+        self.writer, self.snap = writer, snap
+        self.what = f"round {snap.rounds_done}'s checkpoint into {writer.storage.uri}/checkpoints"
+        self.saved: str | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.saved = self.writer.save(self.snap)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits, never lost with the thread
+            self.error = e
+        self.snap = None  # the states it held may go as soon as they are written
+
+
 class BackgroundSaves:
     """Checkpoint saves off the round's critical path: ``save`` hands a snapshot to a thread of its own and
     returns; ``wait`` blocks until that save is committed. At most one save is in flight: the next
@@ -165,35 +183,28 @@ class BackgroundSaves:
     The snapshot is handed over uncopied: the federation never writes into its state but replaces it (the
     global weights and server state each round, a client's ``ClientState`` when it trains), and
     ``Federation.snapshot`` copies the dicts that hold them, so the next round cannot change what is being
-    written. The thread is not a daemon: a process that exits with a save in flight finishes it first.
+    written.
     """
 
     def __init__(self) -> None:
-        self._in_flight: tuple[Future, str] | None = None  # the save's result, and what it saves
+        self._in_flight: _Save | None = None
 
     def save(self, writer: CheckpointWriter, snap: Snapshot) -> None:
         self.wait()
-        future: Future = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(writer.save(snap))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits, never lost with the thread
-                future.set_exception(e)
-
-        self._in_flight = future, f"round {snap.rounds_done}'s checkpoint into {writer.storage.uri}/checkpoints"
-        threading.Thread(target=run, name=f"checkpoint-{_name(snap.rounds_done)}").start()
+        self._in_flight = _Save(writer, snap)
+        self._in_flight.start()
 
     def wait(self) -> str | None:
         """The name of the checkpoint the save in flight committed (None: there was none)."""
         if self._in_flight is None:
             return None
-        future, what = self._in_flight
-        error = future.exception()  # blocks; interrupted (Ctrl-C), the save stays in flight for the next wait
+        save = self._in_flight
+        save.join()  # interrupted (Ctrl-C), the save stays in flight for the next wait
         self._in_flight = None
+        error = save.error
         if error is not None:
-            raise CheckpointSaveError(f"saving {what} failed: {type(error).__name__}: {error}") from error
-        return future.result()
+            raise CheckpointSaveError(f"saving {save.what} failed: {type(error).__name__}: {error}") from error
+        return save.saved
 
 
 def save_checkpoint(storage: RunStorage, snap: Snapshot) -> str:
