@@ -21,6 +21,9 @@ written last, is the round's commit point: readers ignore a round folder without
 removes what an interrupted one left (a round folder without a manifest, a temporary folder, client files
 no kept manifest names). Tensors are safetensors and the rest JSON: loading never unpickles code.
 
+A run saves off the round's critical path (``BackgroundSaves``): the save of round N's snapshot runs on
+a thread of its own while round N+1 trains, at most one at a time.
+
 The run's randomness is a pure function of (seed, round, client id) (client sampling, shuffling,
 augmentation, initialisation), so the seed in the saved config *is* the RNG state to restore.
 """
@@ -28,6 +31,7 @@ augmentation, initialisation), so the seed in the saved config *is* the RNG stat
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 
 import torch
@@ -146,6 +150,62 @@ class CheckpointWriter:
             if file not in needed and ".tmp-" not in file:
                 self.storage.delete_file(f"{CLIENTS_DIR}/{file}")
                 self.file_sizes.pop(file, None)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that ran in the background failed (raised by the next save, or when the run waits for it)."""
+
+
+class _Save(threading.Thread):
+    """One save on a thread of its own, keeping its outcome for whoever waits. Not a daemon: a process
+    that exits with a save in flight finishes it first."""
+
+    def __init__(self, writer: CheckpointWriter, snap: Snapshot):
+        super().__init__(name=f"checkpoint-{_name(snap.rounds_done)}")
+        self.writer, self.snap = writer, snap
+        self.what = f"round {snap.rounds_done}'s checkpoint into {writer.storage.uri}/checkpoints"
+        self.saved: str | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.saved = self.writer.save(self.snap)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits, never lost with the thread
+            self.error = e
+        self.snap = None  # the states it held may go as soon as they are written
+
+
+class BackgroundSaves:
+    """Checkpoint saves off the round's critical path: ``save`` hands a snapshot to a thread of its own and
+    returns; ``wait`` blocks until that save is committed. At most one save is in flight: the next
+    ``save`` waits for the one before, and raises its error if it failed (as ``wait`` does), so a failed
+    save stops the run at the next checkpoint at the latest.
+
+    The snapshot is handed over uncopied: the federation never writes into its state but replaces it (the
+    global weights and server state each round, a client's ``ClientState`` when it trains), and
+    ``Federation.snapshot`` copies the dicts that hold them, so the next round cannot change what is being
+    written.
+    """
+
+    def __init__(self) -> None:
+        self._in_flight: _Save | None = None
+
+    def save(self, writer: CheckpointWriter, snap: Snapshot) -> None:
+        self.wait()
+        self._in_flight = _Save(writer, snap)
+        self._in_flight.start()
+
+    def wait(self) -> str | None:
+        """The name of the checkpoint the save in flight committed (None: there was none)."""
+        if self._in_flight is None:
+            return None
+        save = self._in_flight
+        save.join()  # interrupted (Ctrl-C), the save stays in flight for the next wait
+        self._in_flight = None
+        error = save.error
+        if error is not None:
+            raise CheckpointSaveError(f"saving {save.what} failed: {type(error).__name__}: {error}") from error
+        return save.saved
 
 
 def save_checkpoint(storage: RunStorage, snap: Snapshot) -> str:

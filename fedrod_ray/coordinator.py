@@ -7,7 +7,7 @@ from __future__ import annotations
 import ray
 import torch
 
-from .checkpoint import CheckpointWriter
+from .checkpoint import BackgroundSaves, CheckpointWriter
 from .executors.ray import RayExecutor, plan_layout
 from .federation import Federation
 from .final import write_final
@@ -29,6 +29,7 @@ class CoordinatorImpl:
         if snapshot is not None:
             self.federation.restore(snapshot)
         self.writers: dict[str, CheckpointWriter] = {}
+        self.saves = BackgroundSaves()
 
     def info(self) -> dict:
         return {"next_round": self.federation.next_round, "num_actors": self.layout.num_actors,
@@ -44,9 +45,14 @@ class CoordinatorImpl:
     def snapshot(self) -> Snapshot:
         return self.federation.snapshot()
 
-    def save_checkpoint(self, storage_uri: str) -> str:
+    def save_checkpoint(self, storage_uri: str) -> None:
+        """Start saving the federation's snapshot of now into ``storage_uri`` (once the save before it is
+        committed); it goes on while the next round trains. ``wait_checkpoint`` waits for it."""
         writer = self.writers.setdefault(storage_uri, CheckpointWriter(RunStorage(storage_uri)))
-        return writer.save(self.federation.snapshot())
+        self.saves.save(writer, self.federation.snapshot())
+
+    def wait_checkpoint(self) -> str | None:
+        return self.saves.wait()
 
     def save_final(self, storage_uri: str, metrics: dict) -> None:
         write_final(RunStorage(storage_uri), self.federation.setup, self.federation.snapshot(), metrics)

@@ -2,8 +2,8 @@
 
 ``Federation.step`` only computes; what is written, and when, is decided here: ``config.yaml`` at the
 start, the metrics files after every round, a checkpoint every ``runtime.checkpoint_every`` rounds
-and after the last, and ``final/`` at the end. The same loop drives the in-process runtime and the
-coordinator actor (``fedrod_ray.ray_runtime``); a Tune trainable calls ``step`` and ``snapshot`` itself.
+and after the last (saved while the next round trains), and ``final/`` at the end. The same loop drives
+the in-process runtime and the coordinator actor (``fedrod_ray.ray_runtime``); a Tune trainable calls ``step`` and ``snapshot`` itself.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TextIO
 
 import torch
 
-from .checkpoint import CheckpointWriter
+from .checkpoint import BackgroundSaves, CheckpointWriter
 from .config import ExperimentConfig, dump_config
 from .executors.batched import in_process_executor
 from .federation import Federation
@@ -37,26 +37,37 @@ def last_evaluation(records: list[dict]) -> dict:
     return evaluated[-1] if evaluated else {}
 
 
-def drive(step: Callable[[int], dict], checkpoint: Callable[[], None], finish: Callable[[dict], None],
-          cfg: ExperimentConfig, storage: RunStorage, start_round: int,
+def drive(step: Callable[[int], dict], checkpoint: Callable[[], None], saved: Callable[[], None],
+          finish: Callable[[dict], None], cfg: ExperimentConfig, storage: RunStorage, start_round: int,
           log: Callable[[str], None] = print) -> list[dict]:
     """Run rounds ``start_round`` .. ``train.rounds - 1``; returns every round's record (earlier runs'
     too, when resumed).
 
-    ``checkpoint()`` saves the federation's snapshot and ``finish(metrics)`` its ``final/``, with the
-    last evaluation's metrics.
+    ``checkpoint()`` starts saving the federation's snapshot of the moment, which may go on while the next
+    round trains (``checkpoint.BackgroundSaves``); ``saved()`` waits for the save in flight, raising its
+    error; ``finish(metrics)`` writes ``final/``, with the last evaluation's metrics.
     """
     storage.write_bytes("config.yaml", dump_config(cfg).encode())
     metrics = MetricsLog.resume(storage, start_round)
     trackers = open_trackers(cfg, storage, start_round)
-    for r in range(start_round, cfg.train.rounds):
-        record = step(r)
-        metrics.append(record)
-        for tracker in trackers:
-            tracker.log_round(record)
-        log(format_record(record, cfg.train.rounds))
-        if checkpoint_due(cfg, r):
-            checkpoint()
+    try:
+        for r in range(start_round, cfg.train.rounds):
+            record = step(r)
+            metrics.append(record)
+            for tracker in trackers:
+                tracker.log_round(record)
+            log(format_record(record, cfg.train.rounds))
+            if checkpoint_due(cfg, r):
+                checkpoint()
+    except BaseException:
+        # Interrupted or failed: the save in flight still commits, so that a resume starts from it. If it
+        # fails too, that is said, and the first error goes on up.
+        try:
+            saved()
+        except Exception as failed:  # noqa: BLE001 - reported here, the run's own error is the one raised
+            log(f"the checkpoint save in flight failed too: {failed}")
+        raise
+    saved()
     finish(last_evaluation(metrics.records))
     for tracker in trackers:
         tracker.finish(final_metrics(last_evaluation(metrics.records)), storage)
@@ -114,8 +125,8 @@ def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | N
     fed = Federation(setup, executor, log, progress)
     if snapshot is not None:
         fed.restore(snapshot)
-    writer = CheckpointWriter(storage)
-    return drive(fed.step, lambda: writer.save(fed.snapshot()),
+    writer, saves = CheckpointWriter(storage), BackgroundSaves()
+    return drive(fed.step, lambda: saves.save(writer, fed.snapshot()), saves.wait,
                  lambda m: write_final(storage, setup, fed.snapshot(), m), cfg, storage, fed.next_round, log)
 
 

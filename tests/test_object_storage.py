@@ -1,12 +1,14 @@
 """Run directories on an object store, through pyarrow's S3 filesystem exactly as a user's
 ``s3://bucket/runs/x`` goes, against a real S3-compatible server (moto's) on loopback: a run, a
-checkpoint save killed between its steps, ``--resume`` from the bucket bitwise equal to an uninterrupted
-run, ``final/`` served by the HTTP service and reloaded to a new version, and no credentials in any file."""
+checkpoint save killed between its steps or while the next round trains, ``--resume`` from the bucket
+bitwise equal to an uninterrupted run (on Ray too), ``final/`` served by the HTTP service and reloaded to a
+new version, and no credentials in any file."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,9 +102,8 @@ def test_a_run_in_the_bucket(s3, uninterrupted):
         assert S3_SECRET.encode() not in data and S3_KEY_ID.encode() not in data, name
 
 
-# Where the killed save stops: after the round's files, before its manifest (the round's commit point),
-# or after the manifest, before ``latest``.
-KILL_BEFORE = {"manifest": "checkpoints/round_000003/manifest.json", "latest": "checkpoints/latest"}
+# Killed in the last round's save, after its manifest, before ``latest`` names it (a kill before the
+# manifest, the round's commit point, is the test after this one).
 KILLER = """
 import os, signal, sys
 from fedrod_ray.storage import RunStorage
@@ -110,7 +111,7 @@ from fedrod_ray.cli import main
 
 write = RunStorage.write_bytes
 def write_then_die(self, rel, data):
-    if rel == {rel!r} and (rel.endswith("manifest.json") or data == b"round_000003"):
+    if rel == "checkpoints/latest" and data == b"round_000003":
         os.kill(os.getpid(), signal.SIGKILL)
     write(self, rel, data)
 RunStorage.write_bytes = write_then_die
@@ -118,34 +119,121 @@ sys.exit(main(["train", "--resume", {uri!r}, "--set", "train.rounds=3", "--set",
 """
 
 
-@pytest.mark.parametrize("step", list(KILL_BEFORE))
-def test_a_save_killed_between_its_steps_and_resumed_from_the_bucket(s3, uninterrupted, step):
-    uri = f"s3://{BUCKET}/runs/killed-{step}"
-    train("--config", CONFIG, "--run-dir", uri, "--set", "train.rounds=2")
-    proc = subprocess.run([sys.executable, "-c", KILLER.format(rel=KILL_BEFORE[step], uri=uri)], cwd=REPO, check=False,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    assert "[round   3/3]" in proc.stdout  # killed in round 3's save, after the round itself
-    left = objects(f"runs/killed-{step}/checkpoints/")
-    assert "round_000003/global.safetensors" in left
-    assert ("round_000003/manifest.json" in left) == (step == "latest")
-    # The previous checkpoint is what loads.
-    storage = RunStorage(uri)
-    assert latest_checkpoint_name(storage) == "round_000002"
-    assert load_checkpoint(storage).rounds_done == 2
-    if step == "manifest":
-        with pytest.raises(FileNotFoundError, match="incomplete"):
-            load_checkpoint(storage, "round_000003")
-
-    out = train("--resume", uri, "--set", "train.rounds=3")
-    assert [ln.split("]")[0] for ln in out.splitlines() if ln.startswith("[round")] == ["[round   3/3"]
-    assert_same_run(uri, uninterrupted)
-    # The next save removed what the killed one left: only the kept rounds' client files remain.
-    left = objects(f"runs/killed-{step}/checkpoints/")
+def assert_only_kept_rounds_left(prefix: str) -> None:
+    """The next save removed what a killed one left: only the kept rounds and the client files they name."""
+    left = objects(prefix)
     manifests = [json.loads(left[f"{r}/manifest.json"]) for r in ("round_000002", "round_000003")]
     named = {c["file"] for m in manifests for c in m["clients"].values() if c["file"]}
     assert {k.split("/", 1)[1] for k in left if k.startswith("clients/")} == named
     assert sorted({k.split("/")[0] for k in left if k.startswith("round_")}) == ["round_000002", "round_000003"]
+
+
+def test_a_save_killed_between_its_steps_and_resumed_from_the_bucket(s3, uninterrupted):
+    uri = f"s3://{BUCKET}/runs/killed"
+    train("--config", CONFIG, "--run-dir", uri, "--set", "train.rounds=2")
+    proc = subprocess.run([sys.executable, "-c", KILLER.format(uri=uri)], cwd=REPO, check=False,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "[round   3/3]" in proc.stdout  # killed in round 3's save, after the round itself
+    left = objects("runs/killed/checkpoints/")
+    assert "round_000003/global.safetensors" in left and "round_000003/manifest.json" in left
+    # The previous checkpoint is what loads.
+    storage = RunStorage(uri)
+    assert latest_checkpoint_name(storage) == "round_000002"
+    assert load_checkpoint(storage).rounds_done == 2
+
+    out = train("--resume", uri, "--set", "train.rounds=3")
+    assert [ln.split("]")[0] for ln in out.splitlines() if ln.startswith("[round")] == ["[round   3/3"]
+    assert_same_run(uri, uninterrupted)
+    assert_only_kept_rounds_left("runs/killed/checkpoints/")
+
+
+# Round 2's save held until round 3 has trained and appended its metrics, then the process killed: the
+# save was in flight while the next round ran, as a run's saves are (``checkpoint.BackgroundSaves``).
+IN_FLIGHT_KILLER = """
+import os, signal, sys, threading
+from fedrod_ray.cli import main
+from fedrod_ray.results import MetricsLog
+from fedrod_ray.storage import RunStorage
+
+third_round = threading.Event()
+append = MetricsLog.append
+def append_and_tell(self, record):
+    append(self, record)
+    if record["round"] == 3:
+        third_round.set()
+MetricsLog.append = append_and_tell
+write = RunStorage.write_bytes
+def write_then_die(self, rel, data):
+    if rel == "checkpoints/round_000002/manifest.json":
+        if not third_round.wait(120):
+            print("round 3 never ran while round 2's checkpoint was being saved", flush=True)
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    write(self, rel, data)
+RunStorage.write_bytes = write_then_die
+sys.exit(main(["train", "--config", {config!r}, "--run-dir", {uri!r}, "--set", "runtime.torch_threads=1"]))
+"""
+
+
+def test_a_run_killed_with_a_save_in_flight_resumes_from_the_save_before(s3, uninterrupted):
+    """Killed while round 2's save is written (its files, not yet its manifest) and round 3 has already
+    trained: round 1's checkpoint loads, the metrics of rounds 2 and 3 (written, but after the last
+    committed checkpoint) are dropped on resume as a kill's always are, the resumed run ends bitwise equal
+    to the uninterrupted one, and its saves removed what the killed one left."""
+    uri = f"s3://{BUCKET}/runs/in-flight"
+    proc = subprocess.run([sys.executable, "-c", IN_FLIGHT_KILLER.format(config=CONFIG, uri=uri)], cwd=REPO,
+                          check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert [r["round"] for r in records(uri)] == [1, 2, 3]
+    left = objects("runs/in-flight/checkpoints/")
+    assert "round_000002/global.safetensors" in left and "round_000002/manifest.json" not in left
+    storage = RunStorage(uri)
+    assert latest_checkpoint_name(storage) == "round_000001"
+    assert load_checkpoint(storage).rounds_done == 1
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        load_checkpoint(storage, "round_000002")
+
+    out = train("--resume", uri)
+    assert "resuming" in out and "after round 1" in out
+    assert [ln.split("]")[0] for ln in out.splitlines() if ln.startswith("[round")] == ["[round   2/3", "[round   3/3"]
+    assert_same_run(uri, uninterrupted)
+    assert_only_kept_rounds_left("runs/in-flight/checkpoints/")
+
+
+def test_a_ray_run_in_the_bucket_checkpoints_and_resumes(s3, uninterrupted, ray_session):
+    """runtime.mode ray: the coordinator actor saves the checkpoints into the bucket (in the background,
+    while the next round trains) and the driver the metrics; resumed from the bucket, the run ends bitwise
+    equal to the in-process one. The driver runs as a task of the tests' Ray, whose runtime_env gives it and
+    the actors it starts the server's environment, as a Ray job's does on a cluster."""
+    uri = f"s3://{BUCKET}/runs/ray"
+
+    def train_and_resume(uri: str, config: str, fast: list[str]) -> list[tuple[int, str]]:
+        """A run of 2 rounds and its resume to 3, as ``fedrod-ray train`` runs them in a Ray job (defined
+        here, so that Ray ships it by value to a worker that cannot import the tests)."""
+        import contextlib
+        import io
+
+        from fedrod_ray.cli import main
+
+        outputs = []
+        for argv in (["--config", config, "--run-dir", uri, "--mode", "ray", "--set", "train.rounds=2"],
+                     ["--resume", uri, "--set", "train.rounds=3"]):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                rc = main(["train", *argv, *fast])
+            outputs.append((rc, out.getvalue()))
+        return outputs
+
+    driver = ray_session.remote(train_and_resume).options(num_cpus=0, runtime_env={"env_vars": s3})
+    (rc, first), (rc2, resumed) = ray_session.get(driver.remote(uri, CONFIG, FAST))
+    assert rc == 0 and rc2 == 0, first + resumed
+    for out in (first, resumed):
+        assert re.search(r"^ray: \d+ client actor\(s\)", out, re.MULTILINE), out
+    assert [ln.split("]")[0] for ln in first.splitlines() if ln.startswith("[round")] == ["[round   1/2", "[round   2/2"]
+    assert "after round 2" in resumed
+    assert [ln.split("]")[0] for ln in resumed.splitlines() if ln.startswith("[round")] == ["[round   3/3"]
+    assert_same_run(uri, uninterrupted)
 
 
 TOKEN = "s3-admin-token"

@@ -61,6 +61,9 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
             estimate = bool(cfg.eval.estimate_size)
             if estimate or "gfl_gm" in record:
                 metrics["objective"] = objective(record, sweep.metric, estimate)
+            # Saved here, not in the background as a run's are: tune.report persists (copies) the folder to
+            # the trial's storage before it returns, so the folder must be complete when reported, and
+            # reporting a round late would let the scheduler stop the trial a round late.
             with tempfile.TemporaryDirectory() as folder:
                 save_checkpoint(RunStorage(folder), fed.snapshot())
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
