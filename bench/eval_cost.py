@@ -119,21 +119,21 @@ def main() -> None:
         t0 = time.perf_counter()
         exact = fed.evaluate()  # exact, as at an eval_every round: only this round's PMs are new
         exact_s.append(time.perf_counter() - t0)
-        sample = {f"{k}_est": rec[f"{k}_est"] for k in KEYS}
-        est = anchored(sample, offset)
+        sampled = {f"{k}_est": rec[f"{k}_est"] for k in KEYS}
+        est = anchored(sampled, offset)
         if offset:
-            errors["sample"] += [abs(sample[f"{k}_est"] - exact[k]) for k in KEYS]
+            errors["sample"] += [abs(sampled[f"{k}_est"] - exact[k]) for k in KEYS]
             errors["anchored"] += [abs(est[f"{k}_est"] - exact[k]) for k in KEYS]
         anchor = (r + 1) % args.anchor_every == 0
         if anchor:
-            offset = estimate_offset(exact, sample)
+            offset = estimate_offset(exact, sampled)
         train_s.append(rec["train_seconds"])
         est_s.append(rec["seconds"] - rec["train_seconds"])
         new = [cid for cid, st in fed.clients.items() if st.rounds_trained != before[cid]]
         images.append(len(setup.test.y) + test_images(setup, new, setup.test.y))
         est_images.append(len(sample.y) + test_images(setup, new, sample.y))
         rows.append([f"{r + 1}{' (anchor)' if anchor else ''}"]
-                    + [f"{100 * exact[k]:.2f} / {100 * sample[k + '_est']:.2f} ({100 * (sample[k + '_est'] - exact[k]):+.2f})"
+                    + [f"{100 * exact[k]:.2f} / {100 * sampled[k + '_est']:.2f} ({100 * (sampled[k + '_est'] - exact[k]):+.2f})"
                        f" / {100 * (est[k + '_est'] - exact[k]):+.2f}" for k in KEYS]
                     + [f"{train_s[-1]:.1f}", f"{est_s[-1]:.2f}", f"{exact_s[-1]:.1f}"])
         print(f"  round {r + 1}: train {train_s[-1]:.2f} s, estimate {est_s[-1]:.2f} s, exact {exact_s[-1]:.2f} s "
