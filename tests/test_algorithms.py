@@ -550,7 +550,7 @@ def test_scaffold_server_control_variate_over_two_rounds():
         seen.update(ids)
         assert fed.rule.broadcast(fed.server_state).keys() == c.keys()
         for k, v in c.items():
-            assert_close(fed.server_state[k], v, atol=1e-8, rtol=1e-5)
+            assert_close(fed.server_state[k], v, atol=1e-7, rtol=1e-5)
         before = {cid: dict(ref.clients[cid].rule_state) for cid in ids}
         results = reproduce(ref, ids, weights, c, r)
         fed.step(r)
@@ -560,7 +560,9 @@ def test_scaffold_server_control_variate_over_two_rounds():
         c_new = {k: c[k].double() + (len(ids) / m) * mean_up[k] for k in c}
         weighted_up = mean64(uploads, sizes, c)
         for k in c:
-            assert_close(fed.server_state[k].double(), c_new[k], atol=1e-8, rtol=1e-5)
+            # c is kept in float32: the mean of uploads that nearly cancel leaves a few 1e-8 of rounding
+            # (3e-8 seen on an AVX2 CPU), far below the 1e-4 a wrong weighting makes (the gap below).
+            assert_close(fed.server_state[k].double(), c_new[k], atol=1e-7, rtol=1e-5)
         gap = max((c[k].double() + (len(ids) / m) * weighted_up[k] - c_new[k]).abs().max().item() for k in c)
         assert gap > 1e-4  # an upload weighted by sample count would be visible
         # upload = c_m+ - c_m, and the participants keep c_m+

@@ -236,7 +236,8 @@ def test_federation_rounds_keeping_momentum_batched_equal_in_process():
     kept, and both give the same weights and states. Each round starts both federations from the
     in-process one's state: the rounding differences of a round, carried in a client's buffers into a
     longer trajectory, can flip a max-pooling tie in a later round (a 1e-7 change of client 1's
-    start weights moves its round-2 ones by 1e-2 here), which would compare chaos, not the two paths."""
+    start weights moves its round-2 ones by 1e-2 here), which would compare chaos, not the two paths. Within
+    a round such a tie moves one filter by about 1e-5 (1.01e-5 seen on an AVX2 CPU): AUG_ATOL, as above."""
     cfg = config_from_dict(BASE, ["runtime.batched_clients=2", "train.generic_rule=fedavg",
                                   "train.momentum_buffers=keep"])
     setup = prepare(cfg)
@@ -249,13 +250,13 @@ def test_federation_rounds_keeping_momentum_batched_equal_in_process():
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
         assert batched.global_shared.keys() == plain.global_shared.keys()
         for k, v in plain.global_shared.items():
-            torch.testing.assert_close(batched.global_shared[k], v, rtol=0, atol=ATOL)
+            torch.testing.assert_close(batched.global_shared[k], v, rtol=0, atol=AUG_ATOL)
         for cid, state in plain.clients.items():
             mine = batched.clients[cid]
             assert mine.rounds_trained == state.rounds_trained
             assert mine.tensors().keys() == state.tensors().keys()
             for k, v in state.tensors().items():
-                torch.testing.assert_close(mine.tensors()[k], v, rtol=0, atol=ATOL)
+                torch.testing.assert_close(mine.tensors()[k], v, rtol=0, atol=AUG_ATOL)
     # Round 2 continued kept buffers: some client trained in both rounds, and every trained client keeps
     # a buffer per parameter.
     assert any(st.rounds_trained == 2 for st in plain.clients.values())

@@ -184,9 +184,10 @@ def test_config_yaml_records_the_data_directory_used(tmp_path, shared_data_dir, 
     run resumes without the variable."""
     monkeypatch.setenv("FEDROD_DATA_DIR", str(shared_data_dir))
     run_dir = tmp_path / "M"
+    # Real MNIST split 100 ways, two clients a round: the point is where the data came from, not training.
     rc, _, err = run_main(["train", "--config", CONFIG, "--run-dir", str(run_dir), "--set", "data.dataset=mnist",
-                           "--set", "train.rounds=1", "--set", "data.download=false",
-                           "--set", "runtime.torch_threads=1"])
+                           "--set", "train.rounds=1", "--set", "data.download=false", "--set", "data.num_clients=100",
+                           "--set", "train.client_fraction=0.02", "--set", "runtime.torch_threads=1"])
     assert rc == 0, err
     assert load_config(run_dir / "config.yaml").data.data_dir == str(shared_data_dir.resolve())
     monkeypatch.delenv("FEDROD_DATA_DIR")
