@@ -320,20 +320,20 @@ def collect(spec: ReproSpec, grid) -> Collected:
         done = int((result.metrics or {}).get("round", 0))
         status = "error" if result.error else "finished" if done == rounds else "incomplete"
         history = result.metrics_dataframe
-        evaluated = (history[history["gfl_gm"].notna()] if history is not None and "gfl_gm" in history
-                     else None)
-        last = evaluated.iloc[-1].to_dict() if evaluated is not None and len(evaluated) else {}
+        # A resumed trial reports some rounds again: the latest report of a round counts, for every file.
+        by_round = {int(r["round"]): r for r in (history.to_dict("records") if history is not None else [])
+                    if _present(r.get("round"))}
+        reported = [{**{k: r[k] for k in BY_KEY if k in r and _present(r[k])}, "round": n}
+                    for n, r in sorted(by_round.items())]
+        evaluated = [r for r in reported if "gfl_gm" in r]
+        last = evaluated[-1] if evaluated else {}
         records.append({"row": row, "seed": seed, "rounds": done, "eval_round": int(last.get("round", 0)),
                         "status": status, **{k: _value(last.get(k)) for k in ACCURACIES},
                         # Tune's time_total_s: the trial's wall time over all its runs (resumes included)
                         "wall_s": _value((result.metrics or {}).get("time_total_s"))})
         if last:
-            curves[row, seed] = {k: [float(v) for v in evaluated[k]] for k in ("round", *CURVES)}
-        if history is not None:
-            # A resumed trial reports some rounds again: the latest report of a round counts.
-            by_round = {int(r["round"]): r for r in history.to_dict("records") if _present(r.get("round"))}
-            reports += [{"row": row, "seed": seed, **{k: r[k] for k in BY_KEY if k in r and _present(r[k])},
-                         "round": n} for n, r in sorted(by_round.items())]
+            curves[row, seed] = {k: [float(r.get(k, math.nan)) for r in evaluated] for k in ("round", *CURVES)}
+        reports += [{"row": row, "seed": seed, **r} for r in reported]
     seen = {(r["row"], r["seed"]) for r in records}
     records += [{"row": row, "seed": seed, "rounds": 0, "eval_round": 0, "status": "not started",
                  **dict.fromkeys((*ACCURACIES, "wall_s"), math.nan)}
