@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
@@ -41,6 +42,7 @@ from .schemas import (
 from .service import (
     Loaded,
     ModelService,
+    Personal,
     cached_head,
     personal_head,
     probabilities,
@@ -90,24 +92,37 @@ def _model_info(loaded: Loaded, settings: Settings) -> ModelInfo:
     )
 
 
-def _predict(loaded: Loaded, req: PredictRequest, max_batch: int) -> PredictResponse:
+# What a predict request asks for once its images are decoded: (images, top_k, the personalized head or None).
+Prepared = tuple[torch.Tensor, int, Personal | None]
+
+
+def _prepare(loaded: Loaded, req: PredictRequest, max_batch: int) -> Prepared:
     meta = loaded.served.meta
     # The images and top_k are checked before a head is made, so a bad request caches nothing.
     x = images.decode(req.images, req.pixels, req.images_png, meta, max_batch)
     k = req.top_k or min(DEFAULT_TOP_K, meta.num_classes)
     if k > meta.num_classes:
         raise ApiError("top_k", f"is {k}; this model has only {meta.num_classes} classes")
-    personal = personal_head(loaded, req)
-    probs = probabilities(loaded, x, personal.head if personal else None)
+    return x, k, personal_head(loaded, req)
+
+
+def _respond(loaded: Loaded, k: int, personal: Personal | None, probs: tuple[torch.Tensor, ...]) -> PredictResponse:
+    names = loaded.served.meta.class_names
     personalized = None
     if personal:
         note = zero_head_note(personal)
-        personalized = PersonalizedPredictions(**_predictions(probs[1], k, meta.class_names), by=personal.by,
+        personalized = PersonalizedPredictions(**_predictions(probs[1], k, names), by=personal.by,
                                                head_id=personal.head_id, client_id=personal.client_id,
                                                personalized=note is None, note=note)
     return PredictResponse(model_version=loaded.served.version_id,
-                           generic=Predictions(**_predictions(probs[0], k, meta.class_names)),
+                           generic=Predictions(**_predictions(probs[0], k, names)),
                            personalized=personalized)
+
+
+def _predict(loaded: Loaded, req: PredictRequest, max_batch: int) -> PredictResponse:
+    x, k, personal = _prepare(loaded, req, max_batch)
+    (probs,) = probabilities(loaded, [(x, personal.head if personal else None)])
+    return _respond(loaded, k, personal, probs)
 
 
 # Top-level values a predict request has besides its images and class list: the root object, the lists,
@@ -154,12 +169,19 @@ def _document_bodies(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def create_app(settings: Settings | str, admin_token: str | None = None) -> FastAPI:
+# Runs one predict request's forward, given (model version, images, P-head or None); may batch it with
+# others (Ray Serve's replica: api/serve.py).
+Forward = Callable[[tuple[Loaded, torch.Tensor, torch.Tensor | None]], Awaitable[tuple[torch.Tensor, ...]]]
+
+
+def create_app(settings: Settings | str, admin_token: str | None = None, forward: Forward | None = None,
+               ) -> FastAPI:
     """The app serving ``settings.model_dir``'s final/ (a plain string is taken as the model dir).
 
     Raises ExportError when final/ cannot be served, so a bad model never gets as far as a listening
     server. ``admin_token`` (normally ``$FEDROD_ADMIN_TOKEN``) enables POST /v1/admin/reload; None or
-    empty leaves it disabled.
+    empty leaves it disabled. ``forward``, when given, computes the predictions' probabilities (a batching
+    one runs them on ``app.state.inference``); by default each request runs its own forward there.
     """
     if isinstance(settings, str):
         settings = Settings(model_dir=settings)
@@ -173,7 +195,7 @@ def create_app(settings: Settings | str, admin_token: str | None = None) -> Fast
     # answers the other requests. With torch on one core, more threads only contend for the GIL and the
     # cores: on 2 cores this gave ~45% more requests/s at concurrency 8 than the default thread pool, and
     # less than half its p99 (bench/serve_latency.py). More traffic takes more processes (Ray Serve).
-    inference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrod-inference")
+    inference = app.state.inference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrod-inference")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     errors.install(app)
     _document_bodies(app)
@@ -213,7 +235,12 @@ def create_app(settings: Settings | str, admin_token: str | None = None) -> Fast
               summary="Generic class probabilities, and personalized ones when a head is named")
     async def predict(req: Annotated[PredictRequest, PREDICT_BODY]):
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(inference, _predict, service.current, req, settings.max_batch)
+        loaded = service.current
+        if forward is None:
+            return await loop.run_in_executor(inference, _predict, loaded, req, settings.max_batch)
+        x, k, personal = await loop.run_in_executor(inference, _prepare, loaded, req, settings.max_batch)
+        probs = await forward((loaded, x, personal.head if personal else None))
+        return _respond(loaded, k, personal, probs)
 
     def admin(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
         if not admin_token:

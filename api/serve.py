@@ -6,28 +6,84 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import os
 import time
 
 import ray
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
 from .app import create_app
+from .service import batched_probabilities
 from .settings import Settings
 
 APP_NAME = "fedrod"
 
 
+# Ray's high-throughput mode for Serve: HAProxy (shipped with ray[serve] on Linux) takes the HTTP requests
+# straight to the replicas' own HTTP servers, instead of Serve's Python proxy actor relaying each one over
+# Ray. Ray's processes read these when they start, so they are set for a Ray that `run` starts and must be
+# in the environment of `ray start` / `serve run` otherwise (bench/serve_latency.py compares both modes).
+HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# A local Ray has no load balancer but its HAProxy, which retries a refused connection on another replica:
+# a stopping replica need not stay up Ray's default 30 s for an external one to drop it (every Ctrl-C and
+# redeploy would wait 35 s).
+LOCAL_RAY_ENV = {**HIGH_THROUGHPUT_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+
+
+class BatchConfig(BaseModel):
+    """The deployment's ``user_config`` (Serve applies a change without restarting the replicas)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Batches form while the previous one runs (Serve's batch queue does not wait for the forward), so only
+    # a wait lets concurrent single images share one forward. A request alone in the replica does not wait.
+    batch_wait_s: float = Field(0.002, ge=0, le=1, description="seconds a predict request waits for others "
+                                                               "to share its forward, when others are in "
+                                                               "the replica")
+
+
+def _images(requests: list) -> int:
+    return sum(len(x) for _, x, _ in requests)
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 @serve.ingress()
 class FedRodAPI:
-    """One replica. Its admin reload stays disabled: it would reach only the replica that got the request,
-    leaving the others on the old model. Deploying a new model_dir instead rolls out to every replica."""
+    """One replica. Concurrent predict requests are batched (``@serve.batch``) into one forward of at most
+    ``max_batch`` images, as many as one request may send, so a batch never needs more memory than the largest
+    request. Its admin reload stays disabled: it would reach only the replica that got the request, leaving
+    the others on the old model. Deploying a new model_dir instead rolls out to every replica."""
 
     def __init__(self, settings: dict):
-        self._app = create_app(Settings.model_validate(settings))
+        settings = Settings.model_validate(settings)
+        self.forward.set_max_batch_size(settings.max_batch)
+        self._in_flight = 0  # predict requests between decoding and their answer
+        self.reconfigure({})
+        self._app = create_app(settings, forward=self._predict)
         gc.freeze()  # as `fedrod-ray serve` does: start-up objects stay out of full collections
+
+    def reconfigure(self, user_config: dict) -> None:
+        self._batch_wait_s = BatchConfig.model_validate(user_config).batch_wait_s
+
+    async def _predict(self, request: tuple) -> tuple:
+        # The batch queue reads the wait when a batch's first request comes: none when it is alone, so a
+        # lone request never waits for company that is not there (at concurrency 1, 2 ms of wait cost
+        # 3-4 ms of latency).
+        self._in_flight += 1
+        try:
+            self.forward.set_batch_wait_timeout_s(self._batch_wait_s if self._in_flight > 1 else 0.0)
+            return await self.forward(request)
+        finally:
+            self._in_flight -= 1
+
+    @serve.batch(max_batch_size=Settings.model_fields["max_batch"].default, batch_size_fn=_images)
+    async def forward(self, requests: list) -> list:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._app.state.inference, batched_probabilities, requests)
 
     def __serve_build_asgi_app__(self):
         return self._app
@@ -41,6 +97,10 @@ def app(args: dict) -> Application:
 def run(settings: Settings, host: str, port: int) -> None:
     """Deploy on the Ray cluster running on this machine (or a new local one) until Ctrl-C, then delete
     the application."""
+    # For a Ray that ray.init starts here (no `ray start` cluster runs): its processes read these when they
+    # start. A running cluster keeps the mode it was started in.
+    for name, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(name, value)
     ray.init()
     try:
         serve.start(http_options={"host": host, "port": port})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,16 +116,37 @@ def zero_head_note(personal: Personal) -> str | None:
 
 
 @torch.inference_mode()
-def probabilities(loaded: Loaded, x: torch.Tensor, head: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """softmax of the generic logits and, with a P-head, of the personalized ones h_G(z) + h_P(z)."""
+def probabilities(loaded: Loaded, requests: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+                  ) -> list[tuple[torch.Tensor, ...]]:
+    """For each (images, P-head or None) of ``requests``: softmax of the generic logits and, with a P-head,
+    of the personalized ones h_G(z) + h_P(z). One pass of the extractor over all their images, so requests
+    batched together (Ray Serve) cost one forward."""
     model = loaded.served.model
+    sizes = [len(x) for x, _ in requests]
+    x = torch.cat([x for x, _ in requests]) if len(requests) > 1 else requests[0][0]
     z = model.features(x.contiguous(memory_format=torch.channels_last))
     generic = model.generic_head(z)
-    if head is None:
-        return (generic.softmax(1),)
-    # The head comes from the cache or a client's stored phi_m, not the model's own P-head, hence not
-    # model.personal_logits; the sum is the same.
-    return generic.softmax(1), (generic + F.linear(z, head)).softmax(1)
+    out = []
+    for (_, head), zi, gi in zip(requests, z.split(sizes), generic.split(sizes)):
+        # The head comes from the cache or a client's stored phi_m, not the model's own P-head, hence not
+        # model.personal_logits; the sum is the same.
+        out.append((gi.softmax(1),) if head is None else (gi.softmax(1), (gi + F.linear(zi, head)).softmax(1)))
+    return out
+
+
+def batched_probabilities(requests: Sequence[tuple[Loaded, torch.Tensor, torch.Tensor | None]],
+                          ) -> list[tuple[torch.Tensor, ...]]:
+    """``probabilities`` of requests that may hold different model versions (a reload came between them):
+    one pass per version, answers in the requests' order."""
+    by_version: dict[int, list[int]] = {}
+    for i, (loaded, _, _) in enumerate(requests):
+        by_version.setdefault(id(loaded), []).append(i)
+    out: list = [None] * len(requests)
+    for indices in by_version.values():
+        loaded = requests[indices[0]][0]
+        for i, probs in zip(indices, probabilities(loaded, [requests[i][1:] for i in indices])):
+            out[i] = probs
+    return out
 
 
 class ModelService:

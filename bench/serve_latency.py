@@ -1,9 +1,11 @@
 """Latency and throughput of the HTTP API on loopback, driven by client threads on keep-alive connections:
 ``fedrod-ray serve`` (uvicorn) and Ray Serve (one replica, the deployment options of
-deploy/serve_config.yaml) in the same run, and the ratio of the two; then, with --autoscale, Ray Serve
-adding a replica under load.
+deploy/serve_config.yaml; in Ray's high-throughput mode, `serve`, and with Serve's default Python proxy,
+`serve-proxy`) in the same run, and their ratios; with --batch-waits, Serve's predict batching at several
+waits; then, with --autoscale, Ray Serve adding a replica under load.
 
-    python bench/serve_latency.py [RUN_DIR] [--requests 400] [--seconds 5] [--servers uvicorn serve] [--autoscale]
+    python bench/serve_latency.py [RUN_DIR] [--requests 400] [--seconds 5] [--servers uvicorn serve serve-proxy]
+                                  [--batch-waits 0 0.002] [--autoscale]
 
 Without RUN_DIR it serves a freshly built MNIST-shaped hyper model (random weights: the latency does not
 depend on them). Cells: POST /v1/heads (a new class distribution each request, so every head is computed)
@@ -15,6 +17,7 @@ seconds, whichever comes first. The client runs on the same cores as the server.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -28,8 +31,12 @@ import threading
 import time
 from pathlib import Path
 
+import ray
 import yaml
 from _common import machine_note, md_table
+from fedrod_ray_api.serve import HIGH_THROUGHPUT_ENV, LOCAL_RAY_ENV, FedRodAPI
+from fedrod_ray_api.settings import Settings
+from ray import serve
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE_CONFIG = REPO / "deploy" / "serve_config.yaml"
@@ -160,19 +167,36 @@ def serve_options() -> tuple[dict, dict]:
 
 
 SERVE_PORT = free_port()
+# Ray Serve's two ingress paths, each on a Ray started for it (the controller, proxy and replicas read these
+# variables when they start): HAProxy straight to the replicas (Ray's high-throughput mode, what
+# `fedrod-ray serve --ray` starts), and Serve's default Python proxy actor in front of them.
+SERVE_MODES = {"serve": "high-throughput", "serve-proxy": "default"}
+
+
+@contextlib.contextmanager
+def serve_running(mode: str):
+    """A private local Ray with Ray Serve in ``mode`` (``SERVE_MODES``) listening on SERVE_PORT."""
+    saved = {name: os.environ.get(name) for name in LOCAL_RAY_ENV}
+    if SERVE_MODES[mode] == "high-throughput":
+        os.environ.update(LOCAL_RAY_ENV)
+    else:
+        os.environ.update({name: "0" for name in HIGH_THROUGHPUT_ENV})
+    try:
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def start_serve(run_dir: Path, options: dict) -> tuple[str, int]:
-    """Ray Serve on a private local Ray (started once, on SERVE_PORT), the FedRodAPI deployment with
-    ``options``."""
-    import ray
-    from fedrod_ray_api.serve import FedRodAPI
-    from fedrod_ray_api.settings import Settings
-    from ray import serve
-
-    if not ray.is_initialized():
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+    """The FedRodAPI deployment with ``options``, on the Serve of ``serve_running``."""
     app = FedRodAPI.options(**options).bind(Settings(model_dir=str(run_dir), max_batch=64).model_dump())
     serve.run(app, name="bench", route_prefix="/")
     return "127.0.0.1", SERVE_PORT
@@ -192,8 +216,6 @@ def bench(host: str, port: int, server: str, args, rows: list, results: dict) ->
 
 
 def replicas(app: str = "bench") -> int:
-    from ray import serve
-
     (status,) = serve.status().applications[app].deployments.values()
     return status.replica_states.get("RUNNING", 0)
 
@@ -203,7 +225,7 @@ def autoscale(run_dir: Path, options: dict, seconds: float) -> list[str]:
     replica count over time."""
     options = {**{k: v for k, v in options.items() if k != "num_replicas"}, "autoscaling_config": {
         "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
-        "downscale_delay_s": 60, "look_back_period_s": 2}}
+        "downscale_delay_s": 60, "look_back_period_s": 2, "metrics_interval_s": 0.5}}
     host, port = start_serve(run_dir, options)
     payloads = bodies("1", 64, random.Random(1))
     done = threading.Event()
@@ -228,7 +250,11 @@ def main() -> None:
     parser.add_argument("run_dir", nargs="?", help="run directory holding final/ (default: build one)")
     parser.add_argument("--requests", type=int, default=400, help="timed requests per cell (default 400)")
     parser.add_argument("--seconds", type=float, default=5.0, help="time limit per cell (default 5)")
-    parser.add_argument("--servers", nargs="+", choices=["uvicorn", "serve"], default=["uvicorn", "serve"])
+    parser.add_argument("--servers", nargs="+", choices=["uvicorn", *SERVE_MODES], default=["uvicorn", "serve"],
+                        help="serve: Ray's high-throughput mode (HAProxy); serve-proxy: Serve's default proxy")
+    parser.add_argument("--batch-waits", nargs="+", type=float, metavar="S",
+                        help="Ray Serve: batch_wait_s values (user_config) to run the predict cells with "
+                             "(default: the deployment's)")
     parser.add_argument("--autoscale", action="store_true",
                         help="then show Ray Serve adding a replica under load (target_ongoing_requests 1)")
     args = parser.parse_args()
@@ -245,43 +271,40 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
-        if "serve" in args.servers or args.autoscale:
-            import ray
-            from ray import serve
-
-            options, runtime_env = serve_options()
-            options = {k: v for k, v in options.items() if k != "autoscaling_config"}
-            actor = dict(options.get("ray_actor_options", {}))
-            if runtime_env:
-                actor["runtime_env"] = runtime_env
-            options = {**options, "num_replicas": 1, "ray_actor_options": actor}
-            try:
-                if "serve" in args.servers:
-                    host, port = start_serve(run_dir, options)
-                    bench(host, port, "serve", args, rows, results)
+        options, runtime_env = serve_options()
+        options = {k: v for k, v in options.items() if k != "autoscaling_config"}
+        actor = dict(options.get("ray_actor_options", {}))
+        if runtime_env:
+            actor["runtime_env"] = runtime_env
+        options = {**options, "num_replicas": 1, "ray_actor_options": actor}
+        for mode in [m for m in SERVE_MODES if m in args.servers or (m == "serve" and args.autoscale)]:
+            with serve_running(mode):
+                for wait in (args.batch_waits or [None]) if mode in args.servers else []:
+                    config = {} if wait is None else {"user_config": {"batch_wait_s": wait}}
+                    label = mode if wait is None else f"{mode}, wait {wait * 1e3:g} ms"
+                    bench(*start_serve(run_dir, {**options, **config}), label, args, rows, results)
                     serve.delete("bench")
-                if args.autoscale:
+                if args.autoscale and mode == "serve":
                     timeline = autoscale(run_dir, options, max(30.0, 6 * args.seconds))
-            finally:
-                serve.shutdown()
-                ray.shutdown()
     print(machine_note())
-    print(f"uvicorn: fedrod-ray serve (access log on); serve: Ray Serve, 1 replica, {SERVE_CONFIG.name}'s "
+    print(f"uvicorn: fedrod-ray serve (access log on); serve: Ray Serve in Ray's high-throughput mode "
+          f"({' '.join(f'{k}={v}' for k, v in HIGH_THROUGHPUT_ENV.items())}: HAProxy to the replicas), "
+          f"serve-proxy: Ray Serve with its default Python proxy; both 1 replica, {SERVE_CONFIG.name}'s "
           f"deployment options; client: {sys.executable} threads, one keep-alive connection each, on the "
           f"same machine\n")
     print(md_table("server|endpoint|batch|concurrency|requests|p50 ms|p99 ms|requests/s|images/s", rows,
                    right=[False, False, True, True, True, True, True, True, True]))
-    pairs = [(k[1:], results[k], results[("serve", *k[1:])]) for k in results
-             if k[0] == "uvicorn" and ("serve", *k[1:]) in results]
+    pairs = [(server, k[1:], results[("uvicorn", *k[1:])], results[k]) for k in results
+             for server in [k[0]] if server != "uvicorn" and ("uvicorn", *k[1:]) in results]
     if pairs:
         print("\nRay Serve / uvicorn (p99: lower is better; requests/s: higher is better)\n")
-        print(md_table("endpoint|batch|concurrency|p99 ratio|requests/s ratio",
-                       [[path, batch, c, f"{s[1] / u[1]:.2f}", f"{s[2] / u[2]:.2f}"]
-                        for (path, batch, c), u, s in pairs], right=[False, True, True, True, True]))
+        print(md_table("server|endpoint|batch|concurrency|p99 ratio|requests/s ratio",
+                       [[server, path, batch, c, f"{s[1] / u[1]:.2f}", f"{s[2] / u[2]:.2f}"]
+                        for server, (path, batch, c), u, s in pairs],
+                       right=[False, False, True, True, True, True]))
     if timeline:
-        print("\nAutoscaling (1..2 replicas, target_ongoing_requests 1, predict at concurrency 8): "
-              + "; ".join(timeline))
-
+        print("\nAutoscaling (high-throughput mode, 1..2 replicas, target_ongoing_requests 1, predict at "
+              "concurrency 8): " + "; ".join(timeline))
 
 if __name__ == "__main__":
     main()

@@ -115,7 +115,13 @@ def ray_session():
 
     if ray.is_initialized():
         pytest.fail("Ray was already initialised before the ray_session fixture")
+    from fedrod_ray_api.serve import LOCAL_RAY_ENV
+
     temp_dir = tempfile.mkdtemp(prefix="frt-", dir="/tmp")
+    # Ray Serve in the mode `fedrod-ray serve --ray` starts (HAProxy ingress): Ray's processes read it when
+    # they start.
+    saved = {name: os.environ.get(name) for name in LOCAL_RAY_ENV}
+    os.environ.update(LOCAL_RAY_ENV)
     ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir,
              log_to_driver=False, configure_logging=False)
     try:
@@ -123,6 +129,11 @@ def ray_session():
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def _processes_mentioning(marker: str) -> list[tuple[int, str]]:

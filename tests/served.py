@@ -22,6 +22,11 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPE = [1, 28, 28]
 MEAN, STD = [0.1307], [0.3081]
 CLIENT_IDS = (0, 1, 5)  # not contiguous, like a linear run's clients after some never trained
+# A process started with `&` by a non-interactive shell (a CI harness) inherits SIGINT as ignored, and so
+# would a CLI a test starts, which then never sees Ctrl-C: the child puts Python's own action back before
+# running the CLI.
+CLI_WITH_SIGINT = [sys.executable, "-c", ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                                         "from fedrod_ray.cli import main; sys.exit(main(sys.argv[1:]))")]
 
 
 def make_final(run_dir, head: str = "hyper", seed: int = 1, zero_clients: tuple[int, ...] = (),

@@ -225,6 +225,31 @@ def test_generic_predictions_by_hand(hyper):
         assert len(other.json()["generic"]["top_k"][0]) == 3  # the default top_k
 
 
+def test_requests_batched_into_one_forward_get_each_its_own_answer(runs):
+    """Ray Serve's batch: requests of different sizes, heads and model versions in one call, each answered
+    as the model computes it alone."""
+    from fedrod_ray_api.service import batched_probabilities, load
+
+    hyper, linear = load(str(runs / "hyper"), 4), load(str(runs / "linear"), 4)
+    with torch.no_grad():  # the fixtures' runs share their generic model: make the versions differ
+        linear.served.model.generic_head.weight.mul_(-1)
+    heads = torch.randn(2, 10, hyper.served.model.generic_head.in_features,
+                        generator=torch.Generator().manual_seed(5))
+    batch = [(hyper, _normalised(_pixels(1, seed=2)), None), (linear, _normalised(_pixels(2, seed=3)), heads[0]),
+             (hyper, _normalised(_pixels(3, seed=4)), heads[1]), (hyper, _normalised(_pixels(2, seed=6)), None)]
+    answers = batched_probabilities(batch)
+    assert [len(a) for a in answers] == [1, 2, 2, 1]
+    for (loaded, x, head), got in zip(batch, answers):
+        with torch.no_grad():
+            z = loaded.served.model.features(x)
+            generic = loaded.served.model.generic_head(z)
+        assert torch.allclose(got[0], generic.softmax(1), atol=1e-6)
+        if head is not None:
+            assert torch.allclose(got[1], (generic + z @ head.T).softmax(1), atol=1e-6)
+    # Each request went through its own model version: the linear model's weights differ.
+    assert not torch.allclose(answers[1][0], batched_probabilities([(hyper, batch[1][1], None)])[0][0], atol=1e-3)
+
+
 def test_personalized_predictions_by_hand(hyper):
     served = _served(hyper).served
     x = _pixels(2, seed=1)

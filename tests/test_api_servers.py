@@ -3,17 +3,25 @@ deploy/serve_config.yaml); and the CLI's errors for a run it cannot serve."""
 
 from __future__ import annotations
 
+import base64
 import importlib
+import io
 import json
 import signal
 import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import yaml
 from fedrod_ray_api.schemas import EXAMPLE_PNG
-from served import make_final, uvicorn_server
+from PIL import Image
+from served import CLI_WITH_SIGINT, make_final, uvicorn_server
 
 from fedrod_ray.cli import main
 
@@ -67,6 +75,29 @@ def _in_process(run_dir: Path) -> dict:
         return {"version": head["model_version"], "head": head, "predict": predict.json()}
 
 
+def _concurrent_predictions(where: str | Path) -> list[dict]:
+    """Predict requests of 1-3 images with different heads, sent at once to a server at ``where`` (URL: a
+    Ray Serve replica batches them into one forward) or, for a run dir, one by one to an in-process app."""
+    rng = np.random.default_rng(0)
+    pngs = []
+    for _ in range(6):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (28, 28), dtype=np.uint8), mode="L").save(buf, format="PNG")
+        pngs.append(base64.b64encode(buf.getvalue()).decode())
+    bodies = [{"images_png": pngs[i % 6:i % 6 + 1 + i % 3], "top_k": 2,
+               **({"class_counts": [i + 1] + COUNTS[1:]} if i % 2 else {})} for i in range(12)]
+    if isinstance(where, Path):
+        from fastapi.testclient import TestClient
+        from fedrod_ray_api.app import create_app
+
+        with TestClient(create_app(str(where))) as client:
+            return [client.post("/v1/predict", json=body).json() for body in bodies]
+    with httpx.Client(base_url=where, timeout=60) as http, ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda body: http.post("/v1/predict", json=body), bodies))
+    assert [r.status_code for r in answers] == [200] * len(bodies)
+    return [r.json() for r in answers]
+
+
 def _assert_close(got, want, where="") -> None:
     """Equal, floats up to rounding: a replica's torch runs one thread, this process several, and their
     sums round differently."""
@@ -116,10 +147,91 @@ def test_ray_serve_deployment(ray_session, run_dir):
         serve.run(app, name="fedrod-test", route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         _assert_close(_talk(base), _in_process(run_dir))
+        _assert_close(_concurrent_predictions(base), _concurrent_predictions(run_dir))
         r = httpx.post(f"{base}/v1/admin/reload", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
         assert r.status_code == 403 and "redeploy" in r.json()["detail"]
     finally:
         serve.shutdown()
+
+
+def test_fedrod_ray_serve_on_a_ray_of_its_own(private_ray_env, run_dir):
+    """``fedrod-ray serve RUN --ray`` with no Ray running: it starts one in the high-throughput mode (HAProxy,
+    set by the CLI itself), answers like the in-process app, and Ctrl-C deletes the app and stops that Ray."""
+    from fedrod_ray_api.serve import LOCAL_RAY_ENV
+
+    env = {k: v for k, v in private_ray_env.items() if k not in LOCAL_RAY_ENV}
+    port = _free_port()
+    cmd = [*CLI_WITH_SIGINT, "serve", str(run_dir), "--ray", "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 180
+        while not any(line.startswith("fedrod-ray: serving") for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.5)
+        assert any("haproxy" in cmdline for _, cmdline in private_ray_env.processes())
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            head = http.post("/v1/heads", json={"class_counts": COUNTS})
+            predict = http.post("/v1/predict", json={"images_png": [EXAMPLE_PNG], "class_counts": COUNTS})
+        want = _in_process(run_dir)
+        _assert_close({"version": head.json()["model_version"], "head": head.json(), "predict": predict.json()},
+                      want)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0, "".join(lines)[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_ray_serve_adds_a_replica_under_load(ray_session, run_dir):
+    """The autoscaling config at work: predict traffic at concurrency 8 against a target of 1 request in flight
+    per replica brings up a second replica."""
+    from fedrod_ray_api.serve import FedRodAPI
+    from fedrod_ray_api.settings import Settings
+    from ray import serve
+
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
+                   "downscale_delay_s": 600, "look_back_period_s": 1, "metrics_interval_s": 0.5}
+    app = FedRodAPI.options(autoscaling_config=autoscaling, max_ongoing_requests=64,
+                            ray_actor_options={"num_cpus": 0.1}).bind(Settings(model_dir=str(run_dir)).model_dump())
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            while not stop.is_set():
+                assert http.post("/v1/predict", json={"images_png": [EXAMPLE_PNG]}).status_code == 200
+
+    try:
+        serve.run(app, name="fedrod-autoscale", route_prefix="/")
+        with ThreadPoolExecutor(8) as pool:
+            senders = [pool.submit(load) for _ in range(8)]
+            deadline, running = time.monotonic() + 120, 1
+            while running < 2 and time.monotonic() < deadline:
+                time.sleep(0.5)
+                (status,) = serve.status().applications["fedrod-autoscale"].deployments.values()
+                running = status.replica_states.get("RUNNING", 0)
+            stop.set()
+            for sender in senders:
+                sender.result()  # every request was answered
+        assert running == 2
+    finally:
+        stop.set()
+        serve.shutdown()
+
+
+def test_serve_batch_config_names_a_bad_field():
+    from fedrod_ray_api.serve import BatchConfig
+    from pydantic import ValidationError
+
+    assert BatchConfig.model_validate({}).batch_wait_s == 0.002
+    for bad, field in (({"batch_wait": 0.01}, "batch_wait"), ({"batch_wait_s": -1}, "batch_wait_s"),
+                       ({"batch_wait_s": "soon"}, "batch_wait_s")):
+        with pytest.raises(ValidationError, match=field):
+            BatchConfig.model_validate(bad)
 
 
 def _error_of(capsys, *argv) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from served import CLI_WITH_SIGINT
 
 import fedrod_ray
 from fedrod_ray.checkpoint import load_checkpoint
@@ -305,13 +306,6 @@ def test_a_near_miss_key_gets_a_suggestion(tmp_path):
     rc, _, err = run_main(["train", "--config", CONFIG, "--run-dir", str(tmp_path / "r"),
                            "--set", "train.generic_rule=scafold"])
     assert rc == 2 and "(did you mean scaffold?)" in err
-
-
-# A process started with `&` by a non-interactive shell (a CI harness) inherits SIGINT as ignored, and so
-# would the CLI this test starts, which then never sees Ctrl-C: the child puts Python's own action back
-# before running the CLI.
-CLI_WITH_SIGINT = [sys.executable, "-c", ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                                         "from fedrod_ray.cli import main; sys.exit(main(sys.argv[1:]))")]
 
 
 @contextlib.contextmanager
