@@ -255,6 +255,7 @@ def main() -> None:
     parser.add_argument("--batch-waits", nargs="+", type=float, metavar="S",
                         help="Ray Serve: batch_wait_s values (user_config) to run the predict cells with "
                              "(default: the deployment's)")
+    parser.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (default 1)")
     parser.add_argument("--autoscale", action="store_true",
                         help="then show Ray Serve adding a replica under load (target_ongoing_requests 1)")
     args = parser.parse_args()
@@ -276,7 +277,7 @@ def main() -> None:
         actor = dict(options.get("ray_actor_options", {}))
         if runtime_env:
             actor["runtime_env"] = runtime_env
-        options = {**options, "num_replicas": 1, "ray_actor_options": actor}
+        options = {**options, "num_replicas": args.replicas, "ray_actor_options": actor}
         for mode in [m for m in SERVE_MODES if m in args.servers or (m == "serve" and args.autoscale)]:
             with serve_running(mode):
                 for wait in (args.batch_waits or [None]) if mode in args.servers else []:
@@ -289,7 +290,7 @@ def main() -> None:
     print(machine_note())
     print(f"uvicorn: fedrod-ray serve (access log on); serve: Ray Serve in Ray's high-throughput mode "
           f"({' '.join(f'{k}={v}' for k, v in HIGH_THROUGHPUT_ENV.items())}: HAProxy to the replicas), "
-          f"serve-proxy: Ray Serve with its default Python proxy; both 1 replica, {SERVE_CONFIG.name}'s "
+          f"serve-proxy: Ray Serve with its default Python proxy; both {args.replicas} replica(s), {SERVE_CONFIG.name}'s "
           f"deployment options; client: {sys.executable} threads, one keep-alive connection each, on the "
           f"same machine\n")
     print(md_table("server|endpoint|batch|concurrency|requests|p50 ms|p99 ms|requests/s|images/s", rows,
