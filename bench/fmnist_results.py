@@ -29,6 +29,7 @@ MARK = ("<!-- fmnist-status -->", "<!-- /fmnist-status -->")
 # deploy/reproduce_fmnist.sh's jobs, in its order, with what README calls them.
 JOBS = {
     "main_a0.3": "Main table, Dir(0.3)",
+    "main_a0.3_rest": "Main table, Dir(0.3): its Fed-RoD (Meta-BSM) row, run on its own",
     "new_clients": "New clients (Dir(0.3), 50 train + 50 held out, 20 per round)",
     "main_a0.1": "Main table, Dir(0.1)",
     "init_a0.3": "Protocol audit: `model.init=pytorch`, Dir(0.3)",
