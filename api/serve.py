@@ -1,7 +1,8 @@
 """The API on Ray Serve, for traffic one process cannot take: replicas of the same FastAPI app.
 
-``serve run fedrod_ray_api.serve:app model_dir=RUN_DIR``, ``serve run deploy/serve_config.yaml`` (autoscaling) or
-``fedrod-ray serve RUN_DIR --ray``. The only module of ``api`` that imports Ray.
+``serve run fedrod_ray_api.serve:app model_dir=RUN_DIR``, ``serve run deploy/serve_config.yaml`` (autoscaling; both
+with ``HIGH_THROUGHPUT_ENV`` in the environment) or ``fedrod-ray serve RUN_DIR --ray``. The only module of ``api``
+that imports Ray.
 """
 
 from __future__ import annotations
