@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import ray
 import yaml
@@ -176,23 +177,17 @@ SERVE_MODES = {"serve": "high-throughput", "serve-proxy": "default"}
 @contextlib.contextmanager
 def serve_running(mode: str):
     """A private local Ray with Ray Serve in ``mode`` (``SERVE_MODES``) listening on SERVE_PORT."""
-    saved = {name: os.environ.get(name) for name in LOCAL_RAY_ENV}
-    if SERVE_MODES[mode] == "high-throughput":
-        os.environ.update(LOCAL_RAY_ENV)
-    else:
-        os.environ.update({name: "0" for name in HIGH_THROUGHPUT_ENV})
-    try:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    env = LOCAL_RAY_ENV if SERVE_MODES[mode] == "high-throughput" else dict.fromkeys(HIGH_THROUGHPUT_ENV, "0")
+    # Only this process talks to its private Ray: no token auth, whose token Ray would write to ~/.ray (and
+    # so switch auth on for the user's own `ray start`), as fedrod_ray.ray_runtime does for its local Ray.
+    with mock.patch.dict(os.environ, {**env, "RAY_AUTH_MODE": "disabled"}):
+        try:
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+            serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+            yield
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
 
 def start_serve(run_dir: Path, options: dict) -> tuple[str, int]:
@@ -295,8 +290,8 @@ def main() -> None:
           f"same machine\n")
     print(md_table("server|endpoint|batch|concurrency|requests|p50 ms|p99 ms|requests/s|images/s", rows,
                    right=[False, False, True, True, True, True, True, True, True]))
-    pairs = [(server, k[1:], results[("uvicorn", *k[1:])], results[k]) for k in results
-             for server in [k[0]] if server != "uvicorn" and ("uvicorn", *k[1:]) in results]
+    pairs = [(k[0], k[1:], results[("uvicorn", *k[1:])], results[k]) for k in results
+             if k[0] != "uvicorn" and ("uvicorn", *k[1:]) in results]
     if pairs:
         print("\nRay Serve / uvicorn (p99: lower is better; requests/s: higher is better)\n")
         print(md_table("server|endpoint|batch|concurrency|p99 ratio|requests/s ratio",
@@ -306,6 +301,7 @@ def main() -> None:
     if timeline:
         print("\nAutoscaling (high-throughput mode, 1..2 replicas, target_ongoing_requests 1, predict at "
               "concurrency 8): " + "; ".join(timeline))
+
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -120,20 +121,14 @@ def ray_session():
     temp_dir = tempfile.mkdtemp(prefix="frt-", dir="/tmp")
     # Ray Serve in the mode `fedrod-ray serve --ray` starts (HAProxy ingress): Ray's processes read it when
     # they start.
-    saved = {name: os.environ.get(name) for name in LOCAL_RAY_ENV}
-    os.environ.update(LOCAL_RAY_ENV)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir,
-             log_to_driver=False, configure_logging=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
+    with mock.patch.dict(os.environ, LOCAL_RAY_ENV):
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir,
+                 log_to_driver=False, configure_logging=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _processes_mentioning(marker: str) -> list[tuple[int, str]]:
