@@ -119,6 +119,10 @@ def _respond(loaded: Loaded, k: int, personal: Personal | None, probs: tuple[tor
                            personalized=personalized)
 
 
+def _pixels(loaded: Loaded, req: PredictRequest) -> int:
+    return len(req.images if req.images is not None else req.images_png) * math.prod(loaded.served.meta.image_shape)
+
+
 def _predict(loaded: Loaded, req: PredictRequest, max_batch: int) -> PredictResponse:
     x, k, personal = _prepare(loaded, req, max_batch)
     (probs,) = probabilities(loaded, [(x, personal.head if personal else None)])
@@ -145,6 +149,11 @@ def _head_values(loaded: Loaded) -> tuple[int, str]:
     n = loaded.served.meta.num_classes
     return HEADROOM * (n + 2) + SLACK, f"{n} classes"
 
+
+# A batched request (Ray Serve's replica) of at most this many pixels is decoded on the event loop, in a
+# fraction of a millisecond: a hop to the inference thread and back cost more CPU than the decoding, and the
+# replica is bound by one core's worth of Python (bench/serve_latency.py).
+INLINE_PIXELS = 4096
 
 # Module level: FastAPI resolves the (string) annotations of the routes in this module's globals.
 HEADS_BODY = json_body(HeadRequest, lambda app: _head_values(app.state.service.current))
@@ -238,7 +247,10 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
         loaded = service.current
         if forward is None:
             return await loop.run_in_executor(inference, _predict, loaded, req, settings.max_batch)
-        x, k, personal = await loop.run_in_executor(inference, _prepare, loaded, req, settings.max_batch)
+        if _pixels(loaded, req) <= INLINE_PIXELS:
+            x, k, personal = _prepare(loaded, req, settings.max_batch)
+        else:
+            x, k, personal = await loop.run_in_executor(inference, _prepare, loaded, req, settings.max_batch)
         probs = await forward((loaded, x, personal.head if personal else None))
         return _respond(loaded, k, personal, probs)
 

@@ -250,6 +250,43 @@ def test_requests_batched_into_one_forward_get_each_its_own_answer(runs):
     assert not torch.allclose(answers[1][0], batched_probabilities([(hyper, batch[1][1], None)])[0][0], atol=1e-3)
 
 
+def test_an_app_with_a_batching_forward_answers_as_the_plain_app(runs, monkeypatch):
+    """create_app(forward=...), as Ray Serve's replica builds it: a small request is decoded on the event
+    loop, a larger one on the inference thread; both answer as the plain app does, and a bad one of either
+    size gets its 422 naming the field before any forward."""
+    import threading
+
+    from fedrod_ray_api import images
+    from fedrod_ray_api.app import INLINE_PIXELS
+    from fedrod_ray_api.service import batched_probabilities
+
+    calls, decoded_on = [], []
+    decode = images.decode
+    monkeypatch.setattr(images, "decode", lambda *a: decoded_on.append(threading.current_thread().name)
+                        or decode(*a))
+
+    async def forward(request):
+        calls.append(len(request[1]))
+        (answer,) = batched_probabilities([request])
+        return answer
+
+    small, large = 2, INLINE_PIXELS // (SHAPE[1] * SHAPE[2]) + 1  # at most and above INLINE_PIXELS
+    run = str(runs / "hyper")
+    with TestClient(create_app(run, forward=forward)) as batching, TestClient(create_app(run)) as plain:
+        for n in (small, large):
+            body = {"images": _pixels(n, seed=n).tolist(), "class_counts": [3, 0, 0, 1, 0, 0, 0, 0, 0, 2]}
+            got, want = batching.post("/v1/predict", json=body), plain.post("/v1/predict", json=body)
+            assert got.status_code == want.status_code == 200
+            assert got.json() == want.json()
+            bad = {**body, "images": [*body["images"][:-1], [[[300] * SHAPE[2]] * SHAPE[1]]]}
+            r = batching.post("/v1/predict", json=bad)
+            assert r.status_code == 422 and r.json()["field"] == f"images[{n - 1}][0][0][0]"
+    assert calls == [small, large]
+    # The plain app decodes every request on the inference thread, the batching one only the large ones:
+    inference = [name.startswith("fedrod-inference") for name in decoded_on]
+    assert inference == [False, True, False, True, True, True]  # small: batching, plain, bad; then large
+
+
 def test_personalized_predictions_by_hand(hyper):
     served = _served(hyper).served
     x = _pixels(2, seed=1)

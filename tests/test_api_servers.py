@@ -123,7 +123,7 @@ def test_fedrod_ray_serve_on_uvicorn(run_dir):
 
 
 def test_ray_serve_deployment(ray_session, run_dir):
-    from fedrod_ray_api.serve import FedRodAPI
+    from fedrod_ray_api.serve import REPLICA_ENV, FedRodAPI
     from fedrod_ray_api.settings import Settings
     from ray import serve
     from ray.serve import Application
@@ -132,6 +132,9 @@ def test_ray_serve_deployment(ray_session, run_dir):
     config = yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
     ServeDeploySchema.model_validate(config)  # what `serve run` / `serve deploy` check
     (app_config,) = config["applications"]
+    # The file's replicas get the variables the deployment's own options give them.
+    assert REPLICA_ENV.items() <= app_config["runtime_env"]["env_vars"].items()
+    assert FedRodAPI.ray_actor_options["runtime_env"]["env_vars"] == REPLICA_ENV
     module, builder = app_config["import_path"].split(":")
     args = {**app_config["args"], "model_dir": str(run_dir), "max_body_bytes": LIMIT}
     assert isinstance(getattr(importlib.import_module(module), builder)(args), Application)
