@@ -201,12 +201,15 @@ def test_an_unfinished_row_says_how_far_it_got():
 
 def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
     """--status writes the table of a reproduction as far as it got, from Tune's trial files, without Ray:
-    a round reported twice (a trial resumed from an earlier checkpoint) counts once, the last report of it."""
+    a round reported twice (a trial resumed from an earlier checkpoint) counts once, the last report of it;
+    a row whose clients' updates failed says how many, from which round."""
     out = tmp_path / "repro"
     spec = build_spec("ablation", TINY, [0], rounds=4, rows=["FedAvg", "Fed-RoD (linear)"])
     start_dir(out, SPEC_FILE, spec.to_dict(), "a reproduction", "--out")
-    reports = {"FedAvg": [{"round": 1}, {"round": 2, "gfl_gm": 0.1, "pfl_pm": 0.2}, {"round": 3},
-                          {"round": 2, "gfl_gm": 0.3, "pfl_pm": 0.4}, {"round": 3, "time_total_s": 5400.0}],
+    reports = {"FedAvg": [{"round": 1, "clients": 4, "clients_failed": 0}, {"round": 2, "gfl_gm": 0.1, "pfl_pm": 0.2},
+                          {"round": 3, "clients": 4, "clients_failed": 3},
+                          {"round": 2, "gfl_gm": 0.3, "pfl_pm": 0.4, "clients": 4, "clients_failed": 2},
+                          {"round": 3, "time_total_s": 5400.0, "clients": 4, "clients_failed": 1}],
                "Fed-RoD (linear)": []}
     for i, (row, lines) in enumerate(reports.items()):
         folder = out / "trials" / f"run_trial_{i}"
@@ -220,12 +223,17 @@ def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
         results = list(csv.DictReader(f))
     assert [(r["row"], r["rounds"], r["eval_round"], r["status"], r["gfl_gm"], r["wall_s"]) for r in results] == [
         ("FedAvg", "3", "2", "incomplete", "0.3", "5400.0"), ("Fed-RoD (linear)", "0", "0", "incomplete", "", "")]
-    assert "| FedAvg (not finished: round 3 of 4; values at round 2) | 30.00 | - | 40.00 | - | 1.50 |" in console
+    assert [(r["updates"], r["failed_updates"], r["first_failed_round"]) for r in results] == [
+        ("12", "3", "2"), ("0", "0", "0")]
+    assert "| FedAvg (not finished: round 3 of 4; values at round 2) ‡ | 30.00 | - | 40.00 | - | 1.50 |" in console
+    assert ("‡ FedAvg: sampled clients' local updates failed and were left out of their rounds' averages (seed 0: "
+            "3 of 12, the first in round 2)") in console
     assert "| Fed-RoD (linear) (not started) |" in console
     assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
     # Round by round, the last report of a round; a key no round reported has no column.
     assert (out / "rounds.csv").read_text().splitlines() == [
-        "row,seed,round,gfl_gm,pfl_pm", "FedAvg,0,1,,", "FedAvg,0,2,0.3,0.4", "FedAvg,0,3,,"]
+        "row,seed,round,clients,clients_failed,gfl_gm,pfl_pm", "FedAvg,0,1,4,0,,", "FedAvg,0,2,4,2,0.3,0.4",
+        "FedAvg,0,3,4,1,,"]
     assert main(["reproduce", "--status", str(out), "--seeds", "2"]) == 2
     assert "--status takes the reproduction saved in OUT_DIR; drop --seeds" in capsys.readouterr().err
 

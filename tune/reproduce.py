@@ -97,7 +97,10 @@ NEW_COLUMNS = ("gfl_gm", "pfl_new_before", "pfl_new_after")
 LINE_METRICS = tuple(k for k in ACCURACIES if k != "pfl_gm_new")
 CURVES = ("gfl_gm", "pfl_pm")
 # eval_round: the round the metrics were measured at (the last evaluated one; rounds for a finished trial).
-CSV_COLUMNS = ("row", "seed", "rounds", "eval_round", "status", *ACCURACIES, "wall_s")
+# updates / failed_updates: sampled clients' local updates over the reported rounds, and those that failed
+# (left out of their round's average), the first of them in first_failed_round (0: none).
+CSV_COLUMNS = ("row", "seed", "rounds", "eval_round", "status", *ACCURACIES, "wall_s", "updates", "failed_updates",
+               "first_failed_round")
 
 
 @dataclass
@@ -327,16 +330,21 @@ def collect(spec: ReproSpec, grid) -> Collected:
                     for n, r in sorted(by_round.items())]
         evaluated = [r for r in reported if "gfl_gm" in r]
         last = evaluated[-1] if evaluated else {}
+        failed = [r for r in reported if r.get("clients_failed")]
         records.append({"row": row, "seed": seed, "rounds": done, "eval_round": int(last.get("round", 0)),
                         "status": status, **{k: _value(last.get(k)) for k in ACCURACIES},
                         # Tune's time_total_s: the trial's wall time over all its runs (resumes included)
-                        "wall_s": _value((result.metrics or {}).get("time_total_s"))})
+                        "wall_s": _value((result.metrics or {}).get("time_total_s")),
+                        "updates": int(sum(r.get("clients", 0) for r in reported)),
+                        "failed_updates": int(sum(r["clients_failed"] for r in failed)),
+                        "first_failed_round": failed[0]["round"] if failed else 0})
         if last:
             curves[row, seed] = {k: [float(r.get(k, math.nan)) for r in evaluated] for k in ("round", *CURVES)}
         reports += [{"row": row, "seed": seed, **r} for r in reported]
     seen = {(r["row"], r["seed"]) for r in records}
     records += [{"row": row, "seed": seed, "rounds": 0, "eval_round": 0, "status": "not started",
-                 **dict.fromkeys((*ACCURACIES, "wall_s"), math.nan)}
+                 **dict.fromkeys((*ACCURACIES, "wall_s"), math.nan), "updates": 0, "failed_updates": 0,
+                 "first_failed_round": 0}
                 for row in spec.rows for seed in spec.seeds if (row, seed) not in seen]
     order = {label: i for i, label in enumerate(spec.rows)}
     records.sort(key=lambda r: (order[r["row"]], r["seed"]))
@@ -434,6 +442,16 @@ def format_table(spec: ReproSpec, records: list[dict]) -> str:
             cells.append(mean_std([r[key] for r in mine]) + mark)
         walls = [r["wall_s"] for r in mine if not math.isnan(r["wall_s"])]
         cells.append(f"{statistics.fmean(walls) / 3600:.2f}" if walls else "-")
+        # A row whose clients' updates failed (a diverged model's non-finite loss, a crashed client) is not a
+        # plain result: say so next to its numbers.
+        failing = [r for r in records if r["row"] == label and r.get("failed_updates")]
+        if failing:
+            name += " ‡"
+            seeds_failed = "; ".join(f"seed {r['seed']}: {r['failed_updates']} of {r['updates']}, the first in round "
+                                     f"{r['first_failed_round']}" for r in failing)
+            footnotes.append(f"‡ {label}: sampled clients' local updates failed and were left out of their "
+                             f"rounds' averages ({seeds_failed}); the run's log names each error (e.g. a "
+                             "non-finite local loss).")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if spec.table == "new-clients":
         epochs = sorted({row["eval.finetune_epochs"] for row in spec.rows.values()})
