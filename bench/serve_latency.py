@@ -202,13 +202,18 @@ def serve_running(mode: str):
             ray.shutdown()
 
 
+def _stat(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces): state, ppid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _cmdlines() -> dict[int, tuple[int, str]]:
     """Every process of this machine: pid -> (parent pid, command line); empty where there is no /proc."""
     found = {}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            ppid = int(_stat(proc.name)[1])
         except (OSError, IndexError, ValueError):  # gone meanwhile
             continue
         found[int(proc.name)] = ppid, cmd
@@ -231,7 +236,7 @@ def cpu_seconds(pids: list[int]) -> float | None:
     total = 0.0
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = _stat(pid)
         except OSError:
             return None
         total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
