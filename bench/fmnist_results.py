@@ -38,6 +38,9 @@ JOBS = {
     "momentum_a0.3": "Protocol audit: `train.momentum_buffers=keep`, Dir(0.3)",
 }
 
+# The jobs whose curves.png README shows under their table (G-FL and P-FL (PM) by evaluated round).
+CURVES = ("main_a0.3", "main_a0.1")
+
 
 def commit_of(log: Path) -> str:
     """The commit a job ran from, as deploy/reproduce_fmnist.sh logs it (``=== <time> <job> (commit X)``)."""
@@ -81,6 +84,8 @@ def readme_block() -> str:
         commit = (folder / "COMMIT").read_text().strip()
         parts.append(f"**{heading}** (`{job}`; commit `{commit}`; files in `bench/results/fmnist/{job}/`)\n\n"
                      + (folder / "table.md").read_text().strip())
+        if job in CURVES:
+            parts.append(f"![{heading}: G-FL (GM) and P-FL (PM) by round](bench/results/fmnist/{job}/curves.png)")
     return "\n\n".join(parts)
 
 
