@@ -262,20 +262,21 @@ def bench(servers: dict[str, tuple[str, int, Callable[[], list[int]]]], args, ro
     rng = random.Random(0)
     for path, kind, batch in CELLS:
         for c in CONCURRENCY:
-            pooled = {label: ([], [0.0], []) for label in servers}
+            latencies = {label: [] for label in servers}
+            walls = dict.fromkeys(servers, 0.0)
+            cpus = {label: [] for label in servers}
             for _ in range(args.repeats):
                 # New class distributions every turn: each /v1/heads request computes its head.
                 payloads = bodies(kind, args.requests + max(CONCURRENCY) * (WARMUP + 1), rng)
                 for label, (host, port, processes) in servers.items():
                     lat, wall, cpu = run_cell(host, port, path, payloads, c, args.requests, args.seconds,
                                               processes())
-                    pooled[label][0].extend(lat)
-                    pooled[label][1][0] += wall
-                    pooled[label][2].append(cpu)
+                    latencies[label] += lat
+                    walls[label] += wall
+                    cpus[label].append(cpu)
             figures = {}
-            for label, (lat, (wall,), cpus) in pooled.items():
-                cpu = statistics.mean(cpus)
-                rps = len(lat) / wall
+            for label, lat in latencies.items():
+                rps, cpu = len(lat) / walls[label], statistics.mean(cpus[label])
                 p50, p99 = percentile(lat, 50) * 1e3, percentile(lat, 99) * 1e3
                 figures[label] = p99, rps
                 images = f"{rps * batch:.0f}" if batch != "-" else "-"
