@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from unittest import mock
 
@@ -96,7 +96,7 @@ def bodies(kind: str, n: int, rng: random.Random) -> list[bytes]:
 
 
 def run_cell(host: str, port: int, path: str, payloads: list[bytes], concurrency: int, max_requests: int,
-             max_seconds: float, pids: list[int] = ()) -> tuple[list[float], float, float]:
+             max_seconds: float, pids: Sequence[int] = ()) -> tuple[list[float], float, float]:
     """Latencies (s) of up to max_requests requests from `concurrency` connections, the wall time, and the
     CPU seconds ``pids`` spent per request after the warm-up (NaN without /proc)."""
     latencies: list[float] = []
@@ -231,8 +231,11 @@ def serve_pids() -> list[int]:
                        if (ppid in raylets and cmd.startswith("ray::ProxyActor")) or ("haproxy" in cmd and node in cmd)]
 
 
-def cpu_seconds(pids: list[int]) -> float | None:
-    """User + system CPU time of ``pids`` so far (None without /proc: not Linux)."""
+def cpu_seconds(pids: Sequence[int]) -> float | None:
+    """User + system CPU time of ``pids`` so far (None without /proc, not Linux, or without a process to
+    count: a table's 0.00 would claim a measurement)."""
+    if not pids:
+        return None
     total = 0.0
     for pid in pids:
         try:
@@ -247,6 +250,14 @@ def start_serve(run_dir: Path, options: dict) -> tuple[str, int, Callable[[], li
     """The FedRodAPI deployment with ``options``, on the Serve of ``serve_running``."""
     app = FedRodAPI.options(**options).bind(Settings(model_dir=str(run_dir), max_batch=64).model_dump())
     serve.run(app, name="bench", route_prefix="/")
+    # HAProxy restarts itself (a new process) as the replicas register: the first cell would count a
+    # process that is gone by its end. Wait until the set stays the same for a second.
+    deadline, pids = time.monotonic() + 15, serve_pids()
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        pids, before = serve_pids(), pids
+        if pids == before:
+            break
     return "127.0.0.1", SERVE_PORT, serve_pids
 
 
