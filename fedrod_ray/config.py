@@ -192,7 +192,8 @@ class ModelConfig:
 class MetaBSMConfig:
     """Fed-RoD (Meta-BSM), ``train.balanced_loss: meta_bsm`` only (fedrod_ray.objectives.meta_bsm)."""
 
-    meta_lr: PositiveFloat = 1.0  # SGD step size of gamma_m and the Meta-Weight-Net on the meta loss, per batch
+    meta_lr: PositiveFloat = 0.001  # SGD step size of the Meta-Weight-Net on the meta loss, per batch
+    gamma_lr: PositiveFloat = 0.1  # SGD step size of gamma_m on the meta loss, per batch
     meta_per_class: PositiveInt = 10  # the server's balanced meta set: examples per class taken out of training
     hidden: PositiveInt = 100  # Meta-Weight-Net width: loss -> hidden -> weight (Shu et al., 2019)
 

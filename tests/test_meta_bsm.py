@@ -15,6 +15,7 @@ from fedrod_ray.algorithms import build_rule
 from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import ConfigError, DataConfig, TrainConfig, config_from_dict
+from fedrod_ray.data import load_dataset
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.export import load_final, save_final
 from fedrod_ray.federation import Federation
@@ -31,7 +32,7 @@ from fedrod_ray.storage import RunStorage
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-LR, META_LR = 0.5, 2.0
+LR, META_LR, GAMMA_LR = 0.5, 2.0, 0.7
 COUNTS = torch.tensor([7, 2])  # the client's class counts N_m: skewed towards class 0
 
 
@@ -60,7 +61,7 @@ def batch():
 
 def explicit(B, W, zeta, gamma, xb, yb, meta_x, meta_y, counts=COUNTS, lr=LR, q_gamma=None):
     """Steps 1-3 written out for logits W B x: the hand-derived gradient of the weighted BSM loss,
-    (1/n) sum_i q_i (p_i - e_{y_i}) z_i^T for W and W^T (p_i - e_{y_i}) x_i^T for B, the virtual weights
+    sum_i q_i (p_i - e_{y_i}) z_i^T / sum_i q_i for W and W^T (p_i - e_{y_i}) x_i^T for B, the virtual weights
     and the meta loss. The MWNet reads loss values as constants: those under ``q_gamma`` if given (so
     that a finite difference in ``gamma`` leaves them alone), else under ``gamma``.
     Returns (meta loss, virtual B, virtual W, per-example weights, per-example losses)."""
@@ -75,7 +76,7 @@ def explicit(B, W, zeta, gamma, xb, yb, meta_x, meta_y, counts=COUNTS, lr=LR, q_
     logits, losses = bsm(gamma)
     seen = (losses if q_gamma is None else bsm(q_gamma)[1]).detach()
     q = torch.sigmoid(torch.relu(seen[:, None] @ a1.T + b1) @ a2.T + b2).squeeze(1)
-    err = q[:, None] * (torch.softmax(logits, 1) - onehot) / len(yb)  # n x classes
+    err = (q / q.sum())[:, None] * (torch.softmax(logits, 1) - onehot)  # n x classes
     grad_w = err.T @ z
     grad_b = (err @ W).T @ xb
     vb, vw = B - lr * grad_b, W - lr * grad_w
@@ -106,11 +107,12 @@ def test_one_step_matches_the_explicit_formula():
           - explicit(B, W, zeta, gamma0 - eps, xb, yb, meta_x, meta_y, q_gamma=gamma0)[0]) / (2 * eps)
     assert float(d_gamma) == pytest.approx(float(fd), rel=1e-6)
     assert abs(float(d_gamma)) > 1e-4 and all(d.abs().sum() > 1e-6 for d in d_zeta)
-    new_gamma = max(0.0, gamma0 - META_LR * float(d_gamma))
+    new_gamma = max(0.0, gamma0 - GAMMA_LR * float(d_gamma))
     new_zeta = [p - META_LR * d for p, d in zip(zeta, d_zeta)]
 
     gamma = torch.tensor(gamma0, dtype=torch.float64, requires_grad=True)
-    loss_g, loss_p, meta_loss = meta_bsm_step(model, gamma, xb, yb, COUNTS, None, meta_x, meta_y, LR, META_LR)
+    loss_g, loss_p, meta_loss = meta_bsm_step(model, gamma, xb, yb, COUNTS, None, meta_x, meta_y, LR, META_LR,
+                                              GAMMA_LR)
     torch.testing.assert_close(meta_loss, meta_ref.detach())
     assert gamma.item() == pytest.approx(new_gamma, rel=1e-12)
     for p, want in zip(model.mwn.parameters(), new_zeta):
@@ -123,7 +125,7 @@ def test_one_step_matches_the_explicit_formula():
     (loss_g + loss_p).backward()
     gamma_t = torch.tensor(new_gamma, dtype=torch.float64)
     _, vb, vw, q, losses = explicit(B, W, new_zeta, gamma_t, xb, yb, meta_x, meta_y)
-    torch.testing.assert_close(loss_g.detach(), (q * losses).mean())
+    torch.testing.assert_close(loss_g.detach(), (q * losses).sum() / q.sum())
     torch.testing.assert_close(model.body.weight.grad, (B - vb) / LR)
     torch.testing.assert_close(model.generic_head.weight.grad, (W - vw) / LR)
     z = xb @ B.T
@@ -155,7 +157,7 @@ def test_gamma_moves_the_way_the_meta_loss_falls(way, gamma0):
     slope = meta_slope(model, gamma0, meta_y)
     assert (slope < 0) == (way == "up")
     gamma = torch.tensor(gamma0, dtype=torch.float64, requires_grad=True)
-    meta_bsm_step(model, gamma, xb, yb, COUNTS, None, meta_x, meta_y, LR, 0.1)
+    meta_bsm_step(model, gamma, xb, yb, COUNTS, None, meta_x, meta_y, LR, 0.1, 0.1)
     assert np.sign(gamma.item() - gamma0) == -np.sign(slope)
     # gamma_m's step alone (zeta and the example weights as they were) lowers the meta loss through the
     # virtual step.
@@ -168,8 +170,28 @@ def test_gamma_stays_non_negative():
     xb, yb, meta_x, _ = batch()
     assert meta_slope(model, 0.3, META_LABELS["down"]) > 0  # a huge step down overshoots 0
     gamma = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    meta_bsm_step(model, gamma, xb, yb, COUNTS, None, meta_x, META_LABELS["down"], LR, 1e6)
+    meta_bsm_step(model, gamma, xb, yb, COUNTS, None, meta_x, META_LABELS["down"], LR, 1.0, 1e6)
     assert gamma.item() == 0.0
+
+
+
+def test_the_weights_share_a_step_out_and_do_not_size_it():
+    """The collapse of an unnormalised weighted loss: zeta shrinking every weight would shrink the step.
+    Normalised, weights all e^40 or e^50 times smaller (sigmoid ~ exp down there) give the same step."""
+    grads = {}
+    for shift in (40.0, 50.0):
+        model = linear_model()
+        with torch.no_grad():
+            model.mwn.net[2].bias.sub_(shift)
+        xb, yb, meta_x, meta_y = batch()
+        gamma = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
+        loss_g, _, _ = meta_bsm_step(model, gamma, xb, yb, COUNTS, None, meta_x, meta_y, LR, 0.0, 0.0)
+        loss_g.backward()
+        losses = balanced_softmax(model.generic_head(model.body(xb)), yb, COUNTS, 0.8, reduction="none")
+        assert losses.min() <= loss_g <= losses.max()
+        grads[shift] = (loss_g.detach(), model.body.weight.grad, model.generic_head.weight.grad)
+    for got, want in zip(grads[50.0], grads[40.0], strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_balanced_softmax_takes_a_learnable_gamma():
@@ -263,6 +285,44 @@ def test_local_update_needs_the_meta_set():
                      seed=1, client_id=0, mean=MEAN, std=STD, augment=False)
 
 
+
+def skewed_fmnist_client(data_dir) -> tuple[ClientData, ClientData, tuple, tuple]:
+    """A client of real Fashion-MNIST holding 300, 80 and 20 examples of classes 0-2, and a balanced meta
+    set of 10 examples per class that it does not hold."""
+    ds = load_dataset(DataConfig(dataset="fmnist", data_dir=str(data_dir)))
+    by_class = [torch.nonzero(ds.train_y == c).squeeze(1) for c in range(10)]
+    held = torch.cat([by_class[0][:300], by_class[1][:80], by_class[2][:20]])
+    meta = torch.cat([idx[1000:1010] for idx in by_class])
+
+    def data(idx):
+        return ClientData(x=ds.train_x[idx], y=ds.train_y[idx], counts=torch.bincount(ds.train_y[idx], minlength=10))
+
+    return data(held), data(meta), ds.mean, ds.std
+
+
+def test_the_default_meta_step_keeps_a_skewed_clients_weights_in_range(shared_data_dir):
+    """The paper's CNN, step and batch on a skewed real client, two local epochs (20 mini-batches): under
+    the default meta step sizes the Meta-Weight-Net still weighs every loss value within a factor of a few
+    of the others, and gamma_m moves a little. With the earlier meta_lr = 1 the MWN's output layer grew
+    ~20x and weighed a loss of 0.5 or more at exactly 0 after these 20 mini-batches (the Fashion-MNIST
+    collapse, README "Meta-BSM")."""
+    data, meta, mean, std = skewed_fmnist_client(shared_data_dir)
+    c = TrainConfig(balanced_loss="meta_bsm", local_epochs=2, batch_size=40, lr=0.01, momentum=0.9,
+                    weight_decay=1e-5)
+    model = build_model("mnist_cnn", 10, SHAPE, "linear", 0, 0, model_parts(c))
+    state = model.state_dict()
+    shared = {k: state[k].clone() for k in model.shared_keys()}
+    result, _, _ = local_update(model, RoundInput(shared), data, c, build_rule("fedavg"), round_idx=0, seed=1,
+                                client_id=0, mean=mean, std=std, augment=False, meta_set=meta)
+    assert result.steps == 20 and 0.1 < result.loss < 3
+    zeta = MetaWeightNet(c.meta_bsm.hidden)
+    zeta.load_state_dict({k.removeprefix("mwn."): v for k, v in result.shared.items() if k.startswith("mwn.")})
+    with torch.no_grad():
+        q = zeta(torch.tensor([0.01, 0.1, 0.5, 1.0, 2.0, 5.0]))
+    assert q.min() > 0.1 and q.max() / q.min() < 5
+    assert 0.9 < float(result.objectives["meta_bsm"]["gamma"]) < 1.5
+
+
 # --- the server's meta set -----------------------------------------------------------------------------
 
 
@@ -293,7 +353,8 @@ def test_meta_set_needs_enough_examples_of_every_class():
 
 def test_config_defaults_and_gamma():
     t = config_from_dict({}, ["train.balanced_loss=meta_bsm"]).train
-    assert (t.meta_bsm.meta_lr, t.meta_bsm.meta_per_class, t.meta_bsm.hidden) == (1.0, 10, 100)
+    m = t.meta_bsm
+    assert (m.meta_lr, m.gamma_lr, m.meta_per_class, m.hidden) == (0.001, 0.1, 10, 100)
     assert meta_per_class(t) == 10 and list(model_parts(t)) == ["mwn"]
     # train.gamma is gamma_m's initial value.
     assert config_from_dict({}, ["train.balanced_loss=meta_bsm", "train.gamma=0.5"]).train.gamma == 0.5
@@ -303,6 +364,7 @@ def test_config_defaults_and_gamma():
 
 @pytest.mark.parametrize("overrides, message", [
     (["train.meta_bsm.meta_lr=0"], "train.meta_bsm.meta_lr: must be > 0"),
+    (["train.meta_bsm.gamma_lr=-1"], "train.meta_bsm.gamma_lr: must be > 0"),
     (["train.meta_bsm.meta_per_class=0"], "train.meta_bsm.meta_per_class: must be > 0"),
     (["train.meta_bsm.hidden=-2"], "train.meta_bsm.hidden: must be > 0"),
     (["train.meta_bsm.hidden=1.5"], "train.meta_bsm.hidden: expected an integer"),

@@ -12,15 +12,15 @@ host gets them, as it gets the clients' indices). Client m keeps gamma_m (``Clie
 ``meta_bsm``, starting at ``train.gamma``, default 1). The Meta-Weight-Net zeta (the model part ``mwn``,
 ``train.meta_bsm.hidden`` wide, Shu et al. 2019)
 maps an example's loss value to a weight in (0, 1): Linear(1 -> hidden) -> ReLU -> Linear(hidden -> 1)
--> sigmoid. With w = (theta, psi), eta the round's learning rate and beta = ``train.meta_bsm.meta_lr``,
-per mini-batch B of D_m:
+-> sigmoid. With w = (theta, psi), eta the round's learning rate, beta = ``train.meta_bsm.meta_lr`` and
+beta_gamma = ``train.meta_bsm.gamma_lr``, per mini-batch B of D_m:
 
 1. l_i = l^BSM_{gamma_m}(x_i, y_i; w) = -log( N_{m,y_i}^gamma_m e^{g_{y_i}} / sum_c N_{m,c}^gamma_m e^{g_c} ),
    g = h_G(f(x_i; theta); psi);  q_i = MWNet(l_i; zeta), the loss entering as a value.
-2. Virtual step: w~(gamma_m, zeta) = w - eta * grad_w (1/|B|) sum_i q_i l_i, its graph kept.
+2. Virtual step: w~(gamma_m, zeta) = w - eta * grad_w sum_i q_i l_i / sum_i q_i, its graph kept.
 3. Meta loss: L_meta(gamma_m, zeta) = (1/|D_meta|) sum_{(x, y) in D_meta} l_CE(h_G(f(x; theta~); psi~), y);
-   gamma_m <- max(0, gamma_m - beta dL_meta/dgamma_m),  zeta <- zeta - beta grad_zeta L_meta.
-4. Real step: L = (1/|B|) sum_i q'_i l'_i + l_CE(h_G(z).detach() + h_P(z.detach()), y), with l'_i under
+   gamma_m <- max(0, gamma_m - beta_gamma dL_meta/dgamma_m),  zeta <- zeta - beta grad_zeta L_meta.
+4. Real step: L = sum_i q'_i l'_i / sum_i q'_i + l_CE(h_G(z).detach() + h_P(z.detach()), y), with l'_i under
    the new gamma_m and q'_i = MWNet(l'_i; new zeta) as constants. One backward; then, as for every
    loss, the generic rule's correction and the optimizer's step (momentum, weight decay) on w and phi_m
    (or nu). The forward pass of step 1 serves steps 2 and 4: w has not changed in between.
@@ -42,16 +42,24 @@ Choices where the paper leaves it open
   loss value already carries gamma_m and the client's counts), so pooling every participant's meta
   gradients trains it on far more steps than one client's rounds give. gamma_m stays the client's: it
   is meant to fit the client's own label skew (the paper's subscript m; zeta has none).
-- beta is one SGD step size for gamma_m and zeta. The meta gradient carries the factor eta of the
-  virtual step, so beta = 1 (the default) moves them by steps of the size the model's own SGD steps
-  take, and they slow down with eta's per-round decay. (Shu et al. use Adam for zeta; the brief's
-  "one gradient step" is plain SGD, which also keeps the update a pure function of the mini-batch.)
+- beta and beta_gamma are plain SGD step sizes (the brief's "one gradient step", which also keeps the
+  update a pure function of the mini-batch), one for zeta and one for gamma_m, because their meta
+  gradients differ in scale and in what a step does. zeta's is a dot product of two gradients over
+  all of w, of order 1 for the paper's CNN even with the factor eta in it: at beta = 1 the MWN's output
+  layer grew from norm 0.6 to 7 within 10 mini-batches on Fashion-MNIST and its weights spread over
+  orders of magnitude (README, "Meta-BSM"); beta = 0.001 is Shu et al.'s step for it (with Adam). At
+  that step gamma_m would not move (0.002 in two epochs of a skewed client); at beta_gamma = 0.1 it
+  moves by ~0.2 in those epochs, steadily; at 1 it oscillates.
 - Per Shu et al., q enters as the weight of a loss, not as a function of w: MWNet reads the loss value
   (detached), and the real step's weights are constants. The virtual step is plain SGD, without the
   optimizer's momentum and weight decay or the generic rule's correction, none of which depends on
   gamma_m or zeta.
-- The weighted loss is the batch mean (1/|B|) sum_i q_i l_i (FEDROD.md writes the sum), so that eta means
-  what it means for the other losses; the weights are not renormalised (as in Shu et al.'s code).
+- The weighted loss is the weighted mean sum_i q_i l_i / sum_i q_i (FEDROD.md writes the sum; Shu et al.'s
+  code divides by the weights' sum), in the virtual and the real step, so that eta means what it means
+  for the other losses and zeta decides only how a batch's step is shared among its examples, not how
+  large it is. Unnormalised, every local step of a skewed client raises the balanced meta loss a little,
+  so the meta gradient shrinks every weight: at Dir(0.3) the weights fell below 1e-6 after one round and
+  froze the generic model (README, "Meta-BSM"). If every weight underflows to 0 the batch's step is 0.
 - gamma_m is kept >= 0: N^gamma with gamma < 0 would give a class the client lacks infinite weight. At
   gamma_m = 0 the loss is plain cross-entropy, as ``train.gamma: 0`` is for ``bsm``.
 - ``train_loss`` reports the weighted loss of step 4 (what the real step minimises).
@@ -94,13 +102,18 @@ class MetaWeightNet(nn.Module):
         return torch.sigmoid(self.net(losses.unsqueeze(-1))).squeeze(-1)
 
 
+def weighted_mean(losses: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """sum_i q_i l_i / sum_i q_i; 0 where every weight is 0."""
+    return (q * losses).sum() / q.sum().clamp_min(torch.finfo(q.dtype).tiny)
+
+
 def meta_bsm_step(model: FedModel, gamma: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, counts: torch.Tensor,
                   dist: torch.Tensor | None, meta_x: torch.Tensor, meta_y: torch.Tensor, lr: float,
-                  meta_lr: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                  meta_lr: float, gamma_lr: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Steps 1-3 of one Meta-BSM mini-batch, and the real step's losses (step 4) for the caller's backward.
 
     ``gamma`` (a 0-d leaf that requires grad) and ``model.mwn``'s parameters are updated in place by one SGD
-    step of ``meta_lr`` on the meta loss over (``meta_x``, ``meta_y``) (normalised, on the model's device);
+    step (of ``gamma_lr`` and ``meta_lr``) on the meta loss over (``meta_x``, ``meta_y``) (normalised, on the model's device);
     ``lr`` is the virtual step's eta. Returns (weighted balanced loss, personalized loss or None for a
     one-head model, meta loss before the update, detached). No ``.grad`` is touched: backward of the sum
     of the first two gives the real step's gradients of w and phi_m (or nu), and none of gamma or zeta.
@@ -112,21 +125,21 @@ def meta_bsm_step(model: FedModel, gamma: torch.Tensor, xb: torch.Tensor, yb: to
     g = model.generic_head(z)
 
     losses = balanced_softmax(g, yb, counts, gamma, reduction="none")
-    q = model.mwn(losses.detach())
-    grads = torch.autograd.grad((q * losses).mean(), list(w.values()), create_graph=True)
+    grads = torch.autograd.grad(weighted_mean(losses, model.mwn(losses.detach())), list(w.values()),
+                                create_graph=True)
     virtual = {k: p - lr * grad for (k, p), grad in zip(w.items(), grads, strict=True)}
     meta_loss = F.cross_entropy(functional_call(model, virtual, (meta_x,)), meta_y)
     # The forward graph of z and g is kept for the real step's backward.
     grad_gamma, *grad_zeta = torch.autograd.grad(meta_loss, [gamma, *zeta], retain_graph=True)
     with torch.no_grad():
-        gamma.sub_(meta_lr * grad_gamma).clamp_(min=0)
+        gamma.sub_(gamma_lr * grad_gamma).clamp_(min=0)
         for p, grad in zip(zeta, grad_zeta, strict=True):
             p.sub_(meta_lr * grad)
 
     losses = balanced_softmax(g, yb, counts, gamma.detach(), reduction="none")
     with torch.no_grad():
         q = model.mwn(losses)
-    loss_g = (q * losses).mean()
+    loss_g = weighted_mean(losses, q)
     loss_p = None
     if model.variant is not None:
         loss_p = F.cross_entropy(model.personal_logits(z.detach(), g.detach(), dist), yb)
@@ -155,14 +168,14 @@ class MetaBSM(LocalObjective):
         self.meta_x, self.meta_y = meta
         start = state[GAMMA] if state else torch.tensor(DEFAULT_GAMMA if cfg.gamma is None else cfg.gamma)
         self.gamma = start.to(device, torch.float32, copy=True).requires_grad_()
-        self.meta_lr = cfg.meta_bsm.meta_lr
+        self.meta_lr, self.gamma_lr = cfg.meta_bsm.meta_lr, cfg.meta_bsm.gamma_lr
 
     def losses(self, model: FedModel, counts: torch.Tensor, dist: torch.Tensor, lr: float) -> LossesFn:
         """``meta_bsm_step`` on each mini-batch: (weighted balanced loss, personalized loss or None)."""
 
         def losses(xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             loss_g, loss_p, _ = meta_bsm_step(model, self.gamma, xb, yb, counts, dist, self.meta_x, self.meta_y,
-                                              lr, self.meta_lr)
+                                              lr, self.meta_lr, self.gamma_lr)
             return loss_g, loss_p
 
         return losses
