@@ -553,7 +553,22 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...
     data = _deep_copy(data or {})
     for assignment in overrides:
         apply_override(data, assignment)
+    _drop_former_meta_bsm(data)
     return _validate(_build(ExperimentConfig, data))
+
+
+# train.meta_bsm as every config record (config.yaml, checkpoints, reproduce.yaml: all settings, defaults
+# included) of the versions up to b37490f holds it, whatever loss the run used. Its defaults changed since,
+# so the check that an unused section is left at its defaults would refuse those records: where Meta-BSM is
+# not the loss, the section is dropped before the check.
+_FORMER_META_BSM = {"meta_lr": 1.0, "meta_per_class": 10, "hidden": 100}
+
+
+def _drop_former_meta_bsm(data: dict[str, Any]) -> None:
+    train = data.get("train")
+    if (isinstance(train, dict) and train.get("balanced_loss") != "meta_bsm"
+            and train.get("meta_bsm") == _FORMER_META_BSM):
+        del train["meta_bsm"]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

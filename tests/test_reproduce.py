@@ -202,7 +202,8 @@ def test_an_unfinished_row_says_how_far_it_got():
 def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
     """--status writes the table of a reproduction as far as it got, from Tune's trial files, without Ray:
     a round reported twice (a trial resumed from an earlier checkpoint) counts once, the last report of it;
-    a row whose clients' updates failed says how many, from which round."""
+    a row whose clients' updates failed says how many, from which round; a trial Tune is still creating
+    is not there yet."""
     out = tmp_path / "repro"
     spec = build_spec("ablation", TINY, [0], rounds=4, rows=["FedAvg", "Fed-RoD (linear)"])
     start_dir(out, SPEC_FILE, spec.to_dict(), "a reproduction", "--out")
@@ -216,6 +217,9 @@ def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
         folder.mkdir(parents=True)
         (folder / "params.json").write_text(json.dumps({"row": row, "seed": 0}))
         (folder / "result.json").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    # A trial Tune is creating: its params.json is there, still empty.
+    (out / "trials" / "run_trial_2").mkdir()
+    (out / "trials" / "run_trial_2" / "params.json").touch()
     assert main(["reproduce", "--status", str(out)]) == 0
     console = capsys.readouterr().out
     assert "0 of 2 trials finished" in console

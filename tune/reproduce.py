@@ -381,7 +381,8 @@ class TrialOnDisk:
 
 
 def trials_on_disk(out_dir: Path) -> list[TrialOnDisk]:
-    return [TrialOnDisk(p.parent) for p in sorted((out_dir / TRIALS).glob("*/params.json"))]
+    # Tune creates a trial's params.json empty and fills it as the trial starts: not begun yet, for us.
+    return [TrialOnDisk(p.parent) for p in sorted((out_dir / TRIALS).glob("*/params.json")) if p.stat().st_size]
 
 
 def status(out_dir: Path) -> list[dict]:
