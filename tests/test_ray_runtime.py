@@ -292,10 +292,13 @@ def run_with_timeout(fn, seconds: float):
     return Background(fn).result(seconds)
 
 
-def kill_the_hung_actor(ray, executor: RayExecutor, pids: dict[int, int], marker: Path,
-                        running: Background) -> tuple[int, dict]:
-    """Wait for the armed call to reach the fault (its marker), then kill the actor it hangs on, which Ray
-    restarts; (that actor's index, the marker: the call, its clients, its round and the actor's pid)."""
+def kill_the_hung_actor(ray, executor: RayExecutor, fed: Federation, round_idx: int,
+                        marker: Path) -> tuple[Background, int, dict]:
+    """Run round ``round_idx`` in the background, wait for the armed call to reach the fault (its marker),
+    then kill the actor it hangs on, which Ray restarts; (the running round, that actor's index, the
+    marker: the call, its clients, its round and the actor's pid)."""
+    pids = actor_pids(ray, executor)
+    running = Background(lambda: fed.step(round_idx))
     deadline = time.monotonic() + 120
     while not marker.exists():
         if not running.thread.is_alive():
@@ -309,7 +312,7 @@ def kill_the_hung_actor(ray, executor: RayExecutor, pids: dict[int, int], marker
     assert running.thread.is_alive()
     a = pids[hit["pid"]]
     ray.kill(executor.actors[a], no_restart=False)
-    return a, hit
+    return running, a, hit
 
 
 def actor_pids(ray, executor: RayExecutor) -> dict[int, int]:
@@ -360,10 +363,8 @@ def test_actor_killed_mid_round_loses_only_its_call_in_flight(ray_session, one_t
         for r in range(2):
             fed.step(r)
         assert not marker.exists() and executor.lost_calls == []
-        pids = actor_pids(ray, executor)
         before = list(executor.calls_done)
-        running = Background(lambda: fed.step(2))
-        a, hit = kill_the_hung_actor(ray, executor, pids, marker, running)
+        running, a, hit = kill_the_hung_actor(ray, executor, fed, 2, marker)
         done_before_kill = executor.calls_done[a] - before[a]
         rec = running.result(180)
 
@@ -408,9 +409,7 @@ def test_an_actor_dying_during_evaluation_changes_no_metric(ray_session, one_tor
     executor = ray_executor(ray, setup, log=logs.append)
     try:
         fed = Federation(setup, executor, log=logs.append)
-        pids = actor_pids(ray, executor)
-        running = Background(lambda: fed.step(0))
-        a, hit = kill_the_hung_actor(ray, executor, pids, marker, running)
+        running, a, hit = kill_the_hung_actor(ray, executor, fed, 0, marker)
         rec = running.result(180)
 
         chunk = tuple(hit["clients"])
@@ -439,9 +438,7 @@ def test_an_actor_out_of_restarts_is_given_up_and_the_rest_carry_on(ray_session,
     executor = ray_executor(ray, setup, log=logs.append)
     try:
         fed = Federation(setup, executor, log=logs.append)
-        pids = actor_pids(ray, executor)
-        running = Background(lambda: fed.step(0))
-        a, _ = kill_the_hung_actor(ray, executor, pids, marker, running)
+        running, a, _ = kill_the_hung_actor(ray, executor, fed, 0, marker)
         # Given up at once, not after waiting for a restart that cannot come (the restart timeout is 120 s):
         # timed from the kill to the executor's verdict, apart from the round's remaining training.
         killed_at = time.monotonic()
