@@ -39,7 +39,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .client import ClientState
-from .config import config_from_dict
+from .config import config_from_record
 from .state import Snapshot
 from .storage import RunStorage
 
@@ -262,5 +262,5 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
         for cid, meta in manifest["clients"].items()
     }
     # A checkpoint of a version before the estimate's offset holds none: the next exact evaluation sets it.
-    return Snapshot(manifest["round"], config_from_dict(manifest["config"]), global_shared, server, clients,
+    return Snapshot(manifest["round"], config_from_record(manifest["config"]), global_shared, server, clients,
                     {str(k): float(v) for k, v in manifest.get("estimate_offset", {}).items()})

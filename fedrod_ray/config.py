@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import typing
@@ -428,11 +429,9 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     if t.gamma is not None and t.balanced_loss not in GAMMA_LOSSES:
         raise ConfigError(f"train.gamma: has no effect with train.balanced_loss={t.balanced_loss} "
                           f"(gamma is used by {', '.join(sorted(GAMMA_LOSSES))}); remove it")
-    if t.balanced_loss != "meta_bsm":
-        for name, value in dataclasses.asdict(MetaBSMConfig()).items():
-            if getattr(t.meta_bsm, name) != value:
-                raise ConfigError(f"train.meta_bsm.{name}: has no effect with train.balanced_loss="
-                                  f"{t.balanced_loss} (only meta_bsm uses it); remove it")
+    for key, (default, why) in _unused_settings(t.balanced_loss, cfg.data.partition).items():
+        if functools.reduce(getattr, key.split("."), cfg) != default:
+            raise ConfigError(f"{key}: has no effect with {why}; remove it")
     if cfg.model.hyper_hidden is not None and t.head != "hyper":
         raise ConfigError(f"model.hyper_hidden: has no effect with train.head={t.head} "
                           "(only the hyper head has a hypernetwork); remove it")
@@ -493,15 +492,9 @@ def _check_data(cfg: ExperimentConfig) -> None:
     if d.path is not None and d.dataset in DATASETS:
         raise ConfigError(f"data.path: has no effect with data.dataset={d.dataset} (a built-in set, found under "
                           "data.data_dir); remove it")
-    if d.partition == "natural":
-        defaults = DataConfig()
-        for name in ("alpha", "imbalance_ratio"):
-            if getattr(d, name) != getattr(defaults, name):
-                raise ConfigError(f"data.{name}: has no effect with data.partition=natural (each client keeps "
-                                  "exactly its own examples); remove it")
-        if cfg.train.balanced_loss == "meta_bsm":
-            raise ConfigError("train.balanced_loss: meta_bsm takes its meta set out of the clients' examples, "
-                              "which data.partition=natural keeps whole; use another loss or partition")
+    if d.partition == "natural" and cfg.train.balanced_loss == "meta_bsm":
+        raise ConfigError("train.balanced_loss: meta_bsm takes its meta set out of the clients' examples, "
+                          "which data.partition=natural keeps whole; use another loss or partition")
 
 
 def check_resume(saved: ExperimentConfig, new: ExperimentConfig, rounds_done: int) -> None:
@@ -553,22 +546,46 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...
     data = _deep_copy(data or {})
     for assignment in overrides:
         apply_override(data, assignment)
-    _drop_former_meta_bsm(data)
     return _validate(_build(ExperimentConfig, data))
 
 
-# train.meta_bsm as every config record (config.yaml, checkpoints, reproduce.yaml: all settings, defaults
-# included) of the versions up to b37490f holds it, whatever loss the run used. Its defaults changed since,
-# so the check that an unused section is left at its defaults would refuse those records: where Meta-BSM is
-# not the loss, the section is dropped before the check.
-_FORMER_META_BSM = {"meta_lr": 1.0, "meta_per_class": 10, "hidden": 100}
+def _unused_settings(loss: str, partition: str) -> dict[str, tuple[Any, str]]:
+    """The settings that have no effect under this loss and partition: key -> (its default, why not).
+
+    Set by a user, one is an error (``_check_effective``); held by a record, it is dropped on loading
+    (``config_from_record``)."""
+    unused: dict[str, tuple[Any, str]] = {}
+    if loss != "meta_bsm":
+        why = f"train.balanced_loss={loss} (only meta_bsm uses it)"
+        unused |= {f"train.meta_bsm.{k}": (v, why) for k, v in dataclasses.asdict(MetaBSMConfig()).items()}
+    if partition == "natural":
+        why = "data.partition=natural (each client keeps exactly its own examples)"
+        unused |= {f"data.{k}": (getattr(DataConfig(), k), why) for k in ("alpha", "imbalance_ratio")}
+    return unused
 
 
-def _drop_former_meta_bsm(data: dict[str, Any]) -> None:
-    train = data.get("train")
-    if (isinstance(train, dict) and train.get("balanced_loss") != "meta_bsm"
-            and train.get("meta_bsm") == _FORMER_META_BSM):
-        del train["meta_bsm"]
+def config_from_record(record: dict[str, Any]) -> ExperimentConfig:
+    """The config a record holds: a checkpoint's, a reproduction's (reproduce.yaml), written by any version.
+
+    A record keeps every setting, defaults included, as the version that wrote it had them, unused ones too.
+    Those never had an effect, so they are dropped whatever their values (a default changed since would
+    otherwise read as a user's setting with no effect); everything else is checked as a user's config is."""
+    data = _deep_copy(record)
+    loss = _get(data, "train.balanced_loss", TrainConfig.balanced_loss)
+    for key in _unused_settings(loss, _get(data, "data.partition", DataConfig.partition)):
+        section, name = key.rsplit(".", 1)
+        node = _get(data, section, None)
+        if isinstance(node, dict):
+            node.pop(name, None)
+    return config_from_dict(data)
+
+
+def _get(data: Any, key: str, default: Any) -> Any:
+    for name in key.split("."):
+        if not isinstance(data, dict) or name not in data:
+            return default
+        data = data[name]
+    return data
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

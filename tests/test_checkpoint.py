@@ -17,7 +17,7 @@ from fedrod_ray.checkpoint import (
     save_checkpoint,
 )
 from fedrod_ray.client import ClientState
-from fedrod_ray.config import config_from_dict
+from fedrod_ray.config import check_resume, config_from_dict
 from fedrod_ray.results import MetricsLog
 from fedrod_ray.state import Snapshot
 from fedrod_ray.storage import RunStorage
@@ -230,6 +230,22 @@ def test_a_format_1_checkpoint_is_refused_naming_its_version(tmp_path):
     manifest.write_text(json.dumps(old))
     with pytest.raises(CheckpointFormatError, match=r"format version 1; this version of fedrod-ray reads formats \(2, 3\)"):
         load_checkpoint(storage)
+
+
+def test_a_checkpoint_of_an_earlier_version_loads_and_resumes(tmp_path):
+    """Its config holds every setting as that version had them: up to b37490f, the unused train.meta_bsm at
+    meta_lr 1.0 (since 0.001). The section never had an effect on the run (its loss is bsm), so the checkpoint
+    loads with today's, and a run resumed from it is the same run."""
+    storage = RunStorage(str(tmp_path / "run"))
+    ckpt = make_checkpoint()
+    name = save_checkpoint(storage, ckpt)
+    manifest = tmp_path / "run" / "checkpoints" / name / "manifest.json"
+    old = json.loads(manifest.read_text())
+    old["config"]["train"]["meta_bsm"] = {"meta_lr": 1.0, "meta_per_class": 10, "hidden": 100}
+    manifest.write_text(json.dumps(old))
+    loaded = load_checkpoint(storage).config
+    assert loaded == ckpt.config
+    check_resume(loaded, ckpt.config, 3)
 
 
 def _state(seed: int, rounds: int) -> ClientState:

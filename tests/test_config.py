@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from fedrod_ray.config import (
     ExperimentConfig,
     check_resume,
     config_from_dict,
+    config_from_record,
     dump_config,
     load_config,
 )
@@ -189,6 +192,42 @@ def test_out_of_range_names_the_field(override, field):
 def test_a_setting_without_effect_is_an_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict({}, overrides)
+
+
+NATURAL = {"dataset": "arrays", "path": "x.npz", "partition": "natural"}
+
+
+@pytest.mark.parametrize(("record", "key", "kept"), [
+    # A record keeps every setting, defaults included, as the version that wrote it had them (up to b37490f,
+    # train.meta_bsm.meta_lr defaulted to 1.0).
+    ({"train": {"balanced_loss": "ce", "meta_bsm": {"meta_lr": 1.0, "meta_per_class": 10, "hidden": 100}}},
+     "train.meta_bsm.meta_lr", None),
+    ({"train": {"balanced_loss": "bsm", "meta_bsm": {"meta_lr": 0.5, "meta_per_class": 3, "hidden": 7}}},
+     "train.meta_bsm.hidden", None),
+    ({"data": {**NATURAL, "alpha": 0.7, "imbalance_ratio": 5}}, "data.alpha", None),
+    # Where the setting had an effect, the record keeps what it ran with.
+    ({"train": {"balanced_loss": "meta_bsm", "meta_bsm": {"meta_lr": 1.0, "meta_per_class": 10, "hidden": 100}}},
+     "train.meta_bsm.meta_lr", 1.0),
+    ({"data": {"alpha": 0.7}}, "data.alpha", 0.7),
+])
+def test_a_record_drops_the_settings_that_had_no_effect_in_it(record, key, kept):
+    """A checkpoint's or a reproduction's config loads whatever its unused settings hold: they never had an
+    effect, and a default changed since must not make an old run unreadable. A user's config with the same
+    values is refused (a setting without effect), and the record itself is left as it was."""
+    before = yaml.safe_dump(record)
+    got = functools.reduce(getattr, key.split("."), config_from_record(record))
+    assert got == (kept if kept is not None else functools.reduce(getattr, key.split("."), ExperimentConfig()))
+    assert yaml.safe_dump(record) == before
+    if kept is None:
+        with pytest.raises(ConfigError, match=rf"{re.escape(key.rsplit('.', 1)[0])}\.\w+: has no effect"):
+            config_from_dict(record)
+
+
+def test_a_record_is_checked_like_a_users_config_for_everything_else():
+    with pytest.raises(ConfigError, match=r"train\.lr: must be > 0"):
+        config_from_record({"train": {"balanced_loss": "ce", "lr": -1, "meta_bsm": {"meta_lr": 1.0}}})
+    with pytest.raises(ConfigError, match=r"unknown config key train\.gama"):
+        config_from_record({"train": {"gama": 1}})
 
 
 @pytest.mark.parametrize(("key", "replacement"), [

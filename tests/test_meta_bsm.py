@@ -467,17 +467,3 @@ def test_ray_round_equals_in_process(ray_session):
     assert all(torch.equal(fed.global_shared[k], v) for k, v in local.global_shared.items())
     for cid, st in local.clients.items():
         assert all(torch.equal(fed.clients[cid].tensors()[k], v) for k, v in st.tensors().items())
-
-
-@pytest.mark.parametrize("loss", ["bsm", "ce", "meta_bsm"])
-def test_records_of_earlier_versions_still_load(loss):
-    """Config records (config.yaml, checkpoints, reproduce.yaml) keep every setting: up to b37490f they hold
-    train.meta_bsm at its then defaults whatever the loss. Those still load; where the loss is not meta_bsm
-    the section never had an effect and takes today's defaults; a Meta-BSM run keeps what it ran with."""
-    old = {"meta_lr": 1.0, "meta_per_class": 10, "hidden": 100}
-    t = config_from_dict({"train": {"balanced_loss": loss, "meta_bsm": dict(old)}}).train
-    want = (1.0, 10, 100) if loss == "meta_bsm" else (0.001, 10, 100)
-    assert (t.meta_bsm.meta_lr, t.meta_bsm.meta_per_class, t.meta_bsm.hidden) == want
-    if loss != "meta_bsm":
-        with pytest.raises(ConfigError, match="train.meta_bsm.meta_lr: has no effect"):
-            config_from_dict({"train": {"balanced_loss": loss, "meta_bsm": {**old, "meta_lr": 0.5}}})

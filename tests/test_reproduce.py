@@ -242,6 +242,26 @@ def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
     assert "--status takes the reproduction saved in OUT_DIR; drop --seeds" in capsys.readouterr().err
 
 
+def test_a_reproduction_of_an_earlier_version_still_loads(tmp_path):
+    """reproduce.yaml keeps the base config with every setting as the version that started it had them: up to
+    b37490f, train.meta_bsm at meta_lr 1.0 (since 0.001). --status and --resume still read it: the rows whose
+    loss is not meta_bsm never used the section, and the Meta-BSM row runs on with what it started with."""
+    out = tmp_path / "repro"
+    spec = build_spec("main", TINY, [0], rounds=2, rows=["FedAvg", "Fed-RoD (Meta-BSM)"])
+    doc = spec.to_dict()
+    doc["base_config"]["train"]["meta_bsm"] = {"meta_lr": 1.0, "meta_per_class": 10, "hidden": 7}
+    start_dir(out, SPEC_FILE, doc, "a reproduction", "--out")
+    (out / "trials").mkdir()
+    loaded = load_spec(out)
+    assert loaded.row_config("FedAvg", 0).train.meta_bsm == spec.row_config("FedAvg", 0).train.meta_bsm
+    meta = loaded.row_config("Fed-RoD (Meta-BSM)", 0).train.meta_bsm
+    assert (meta.meta_lr, meta.hidden) == (1.0, 7)
+    # A new reproduction is a user's: the same setting is refused where a row does not use it.
+    with pytest.raises(ConfigError, match=r"row 'FedAvg' of table main: train\.meta_bsm\.meta_lr: has no effect"):
+        build_spec("main", TINY, [0], rows=["FedAvg", "Fed-RoD (Meta-BSM)"],
+                   overrides=parse_sets(["train.meta_bsm.meta_lr=1.0"]))
+
+
 def test_cli_errors_exit_2_naming_the_problem(tmp_path, capsys):
     args = ["reproduce", "--config", str(TINY), "--seeds", "2", "--out", str(tmp_path / "r")]
     assert main([*args, "--table", "mian"]) == 2

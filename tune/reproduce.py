@@ -29,7 +29,14 @@ from typing import Any
 
 import yaml
 
-from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, check_keys_and_types, load_config
+from fedrod_ray.config import (
+    ConfigError,
+    ExperimentConfig,
+    apply_override,
+    check_keys_and_types,
+    config_from_record,
+    load_config,
+)
 from fedrod_ray.metric_schema import ACCURACIES, BY_KEY, title, values_line
 from fedrod_ray.plotting import figure, png, round_axis
 
@@ -124,9 +131,16 @@ class ReproSpec(SweepSpec):
     rows: dict[str, dict[str, Any]] = field(default_factory=dict)
     seeds: list[int] = field(default_factory=list)
     scheduler: str = "none"
+    # Read back from reproduce.yaml (load_spec): what the trials were started with, as any version wrote it.
+    recorded: bool = False
 
     def base_data(self) -> dict:
         return copy.deepcopy(self.base_config)
+
+    def trial_config(self, params: dict[str, Any]) -> ExperimentConfig:
+        if self.recorded:
+            return config_from_record(self._data(params, trial=True))
+        return super().trial_config(params)
 
     def _data(self, params: dict[str, Any], trial: bool) -> dict:
         # Without a row (the sweep machinery's base config: where to connect), the first row's first seed.
@@ -284,7 +298,7 @@ def load_spec(out_dir: Path) -> ReproSpec:
         raise ConfigError(f"--resume: {out_dir} holds no reproduction ({SPEC_FILE} and {TRIALS}/ are missing)")
     doc = yaml.safe_load(path.read_text())
     spec = ReproSpec(base=doc["base"], search={}, fixed=doc["set"], base_config=doc["base_config"],
-                     table=doc["table"], rows=doc["rows"], seeds=doc["seeds"], name=doc["name"],
+                     table=doc["table"], rows=doc["rows"], seeds=doc["seeds"], name=doc["name"], recorded=True,
                      **_resources(doc["resources"]))
     check(spec)
     return spec
