@@ -43,6 +43,9 @@ JOBS = {
 
 # The jobs whose curves.png README shows under their table (G-FL and P-FL (PM) by evaluated round).
 CURVES = ("main_a0.3", "main_a0.1")
+# A row README shows from another job: the main tables' Fed-RoD (Meta-BSM) ran before its fix (aaf1586) and
+# was rerun alone; README's table names where the row comes from, and that job keeps its own table.
+ROW_FROM = {"main_a0.3": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.3"), "main_a0.1": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.1")}
 
 
 def commit_of(log: Path) -> str:
@@ -77,6 +80,31 @@ def publish(out: Path, job: str, force: bool) -> None:
     print(f"{job}: {folder.relative_to(ROOT)}", flush=True)
 
 
+def row_line(table: str, label: str) -> int:
+    """The index of ``label``'s line in a table.md's lines (its name, then an optional note or mark)."""
+    cells = [line.split("|")[1].strip() if line.startswith("|") else "" for line in table.splitlines()]
+    found = [i for i, cell in enumerate(cells) if cell == label or cell.startswith((f"{label} (", f"{label} ‡"))]
+    if len(found) != 1:
+        raise SystemExit(f"row {label!r}: {len(found)} lines of the table hold it, not 1")
+    return found[0]
+
+
+def with_row_from(table: str, job: str) -> str:
+    """``table`` (``job``'s table.md) with ROW_FROM's row taken from the job that reran it, marked §."""
+    label, source = ROW_FROM[job]
+    if not (DEST / source / "table.md").is_file():
+        return table
+    theirs = (DEST / source / "table.md").read_text()
+    line = theirs.splitlines()[row_line(theirs, label)]
+    lines = table.splitlines()
+    lines[row_line(table, label)] = line.replace(f"| {label}", f"| {label} §", 1)
+    commit = (DEST / source / "COMMIT").read_text().strip()
+    at = next(i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("|")) + 1
+    lines.insert(at, f"\n§ {label}: from `{source}` (commit `{commit}`, below), the row rerun after the fix of "
+                     "Meta-BSM; this table's own commit ran the method before it.")
+    return "\n".join(lines)
+
+
 def readme_block() -> str:
     parts = []
     for job, heading in JOBS.items():
@@ -85,8 +113,11 @@ def readme_block() -> str:
             parts.append(f"**{heading}** (`{job}`): not run yet.")
             continue
         commit = (folder / "COMMIT").read_text().strip()
+        table = (folder / "table.md").read_text().strip()
+        if job in ROW_FROM:
+            table = with_row_from(table, job)
         parts.append(f"**{heading}** (`{job}`; commit `{commit}`; files in `bench/results/fmnist/{job}/`)\n\n"
-                     + (folder / "table.md").read_text().strip())
+                     + table)
         if job in CURVES:
             parts.append(f"![{heading}: G-FL (GM) and P-FL (PM) by round](bench/results/fmnist/{job}/curves.png)")
     return "\n\n".join(parts)
