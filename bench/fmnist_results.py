@@ -19,7 +19,9 @@ import re
 import shutil
 from pathlib import Path
 
-from fedrod_ray_tune.reproduce import status
+from fedrod_ray_tune.reproduce import COLUMNS, mean_std, status
+
+from fedrod_ray.metric_schema import title
 
 ROOT = Path(__file__).resolve().parent.parent
 DEST = ROOT / "bench" / "results" / "fmnist"
@@ -80,6 +82,33 @@ def publish(out: Path, job: str, force: bool) -> None:
     print(f"{job}: {folder.relative_to(ROOT)}", flush=True)
 
 
+# The rows run with more seeds, each seed in one job: README shows them together as mean ± std.
+SEEDS = ("main_a0.3", "seeds_a0.3")
+
+
+def finished_records(job: str) -> list[dict]:
+    with open(DEST / job / "results.csv") as f:
+        return [r for r in csv.DictReader(f) if r["status"] == "finished"]
+
+
+def seeds_table() -> str:
+    """SEEDS' rows over all their seeds' finished trials, mean ± std, each seed's job and commit named."""
+    if not all((DEST / job / "results.csv").is_file() for job in SEEDS):
+        return ""
+    records = {job: finished_records(job) for job in SEEDS}
+    rows = list(dict.fromkeys(r["row"] for r in records[SEEDS[-1]]))
+    lines = ["| method | " + " | ".join(map(title, COLUMNS)) + " | seeds |",
+             "|---|" + "|".join("---:" for _ in COLUMNS) + "|---|"]
+    for row in rows:
+        mine = [(job, r) for job in SEEDS for r in records[job] if r["row"] == row]
+        cells = [mean_std([float(r[key]) for _, r in mine]) for key in COLUMNS]
+        seeds = ", ".join(f"{r['seed']} (`{job}`)" for job, r in mine)
+        lines.append(f"| {row} | " + " | ".join(cells) + f" | {seeds} |")
+    commits = ", ".join(f"`{job}` at `{(DEST / job / 'COMMIT').read_text().strip()}`" for job in SEEDS)
+    return (f"**Main table, Dir(0.3): the rows run with three seeds** (mean ± sample std over the seeds; "
+            f"{commits})\n\n" + "\n".join(lines))
+
+
 def row_line(table: str, label: str) -> int:
     """The index of ``label``'s line in a table.md's lines (its name, then an optional note or mark)."""
     cells = [line.split("|")[1].strip() if line.startswith("|") else "" for line in table.splitlines()]
@@ -120,6 +149,8 @@ def readme_block() -> str:
                      + table)
         if job in CURVES:
             parts.append(f"![{heading}: G-FL (GM) and P-FL (PM) by round](bench/results/fmnist/{job}/curves.png)")
+        if job == SEEDS[0] and seeds_table():
+            parts.append(seeds_table())
     return "\n\n".join(parts)
 
 
