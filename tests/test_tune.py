@@ -199,22 +199,28 @@ def test_a_killed_sweep_resumes_without_redoing_finished_rounds_or_trials(tmp_pa
         rounds = [len(p.read_text().splitlines()) for p in results()]
         return ROUNDS in rounds and any(0 < n < ROUNDS for n in rounds)
 
-    def state_saved_after_last_report() -> bool:
+    def state_saved_after_last_checkpoint() -> bool:
+        # A trial resumes from the checkpoint the saved state names: Tune registers a report's checkpoint and
+        # saves the state, then writes the report to result.json. Killed between the two, a round would be
+        # missing from result.json; killed before the save, it would be reported twice.
         states = [p.stat().st_mtime_ns for p in (sweep_dir / "trials").glob("experiment_state-*.json")]
-        reports = [p.stat().st_mtime_ns for p in results()]
-        return bool(states and reports) and max(states) > max(reports)
+        checkpoints = {p.parent: sorted(p.parent.glob("checkpoint_*")) for p in results()}
+        latest = [c[-1].stat().st_mtime_ns for c in checkpoints.values() if c]
+        written = all(len((trial / "result.json").read_text().splitlines())
+                      == (int(c[-1].name.split("_")[-1]) + 1 if c else 0) for trial, c in checkpoints.items())
+        return bool(states and latest) and max(states) > max(latest) and written
 
     try:
         # Killed once a trial has finished and another has reported a round, as soon as Tune has saved the
-        # experiment's state after the last report (rounds take seconds here: the next report is far off).
+        # experiment's state after the last checkpoint (rounds take seconds here: the next one is far off).
         deadline = time.monotonic() + 240
         while not one_finished_one_under_way() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
         assert one_finished_one_under_way(), "no finished trial beside one under way within 240 s"
         deadline = time.monotonic() + 30
-        while not state_saved_after_last_report() and time.monotonic() < deadline and proc.poll() is None:
+        while not state_saved_after_last_checkpoint() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
-        assert state_saved_after_last_report(), "Tune saved no experiment state after the last report"
+        assert state_saved_after_last_checkpoint(), "Tune saved no experiment state after the last checkpoint"
         assert proc.poll() is None, proc.communicate()[0]
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=30)
@@ -228,7 +234,7 @@ def test_a_killed_sweep_resumes_without_redoing_finished_rounds_or_trials(tmp_pa
                          cwd=REPO, env=private_ray_env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     after = {p.parent.name: [json.loads(line)["round"] for line in p.read_text().splitlines()] for p in results()}
-    assert len(after) == 3 and all(rounds[-1] == ROUNDS for rounds in after.values()), after
+    assert len(after) == 3 and all(rounds[-1:] == [ROUNDS] for rounds in after.values()), (before, after, out.stdout)
     for trial, rounds in before.items():
         # A finished trial is not run again, and a trial goes on from its last reported round.
         assert after[trial][:len(rounds)] == rounds
