@@ -59,16 +59,16 @@ def commit_of(log: Path) -> str:
     return found[0] if found else "unknown"
 
 
-def finished(results_csv: Path) -> int:
+def finished_records(results_csv: Path) -> list[dict]:
     with open(results_csv) as f:
-        return sum(r["status"] == "finished" for r in csv.DictReader(f))
+        return [r for r in csv.DictReader(f) if r["status"] == "finished"]
 
 
 def publish(out: Path, job: str, force: bool) -> None:
     status(out / job)
     folder = DEST / job
     if (folder / "results.csv").is_file() and not force:
-        before, now = finished(folder / "results.csv"), finished(out / job / "results.csv")
+        before, now = (len(finished_records(path)) for path in (folder / "results.csv", out / job / "results.csv"))
         if now < before:
             print(f"{job}: kept what is committed ({before} trials finished, against {now} in {out / job}; "
                   "--force replaces it)", flush=True)
@@ -86,16 +86,11 @@ def publish(out: Path, job: str, force: bool) -> None:
 SEEDS = ("main_a0.3", "seeds_a0.3")
 
 
-def finished_records(job: str) -> list[dict]:
-    with open(DEST / job / "results.csv") as f:
-        return [r for r in csv.DictReader(f) if r["status"] == "finished"]
-
-
 def seeds_table() -> str:
     """SEEDS' rows over all their seeds' finished trials, mean ± std, each seed's job and commit named."""
     if not all((DEST / job / "results.csv").is_file() for job in SEEDS):
         return ""
-    records = {job: finished_records(job) for job in SEEDS}
+    records = {job: finished_records(DEST / job / "results.csv") for job in SEEDS}
     rows = list(dict.fromkeys(r["row"] for r in records[SEEDS[-1]]))
     lines = ["| method | " + " | ".join(map(title, COLUMNS)) + " | seeds |",
              "|---|" + "|".join("---:" for _ in COLUMNS) + "|---|"]
@@ -149,8 +144,8 @@ def readme_block() -> str:
                      + table)
         if job in CURVES:
             parts.append(f"![{heading}: G-FL (GM) and P-FL (PM) by round](bench/results/fmnist/{job}/curves.png)")
-        if job == SEEDS[0] and seeds_table():
-            parts.append(seeds_table())
+        if job == SEEDS[0] and (seeds := seeds_table()):
+            parts.append(seeds)
     return "\n\n".join(parts)
 
 
