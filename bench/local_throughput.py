@@ -93,6 +93,7 @@ def worker(spec: dict) -> dict:
     from fedrod_ray.config import TrainConfig
     from fedrod_ray.local import RoundInput, local_update
     from fedrod_ray.models import build_model
+    from fedrod_ray.personalization import build_method
 
     torch.set_num_threads(1)
     parts = set(spec["technique"].split("+"))
@@ -106,7 +107,8 @@ def worker(spec: dict) -> dict:
     arch, data, mean, std, augment = client_data(spec["shape"], spec["data_dir"])
     cfg = TrainConfig(head=spec["head"], local_epochs=EPOCHS, batch_size=BATCH,
                       step="compiled" if "compiled" in parts else "eager")
-    model = build_model(arch, 10, tuple(data.x.shape[1:]), cfg.variant, 32 if arch == "cifar_cnn" else 16, seed=0)
+    variant = build_method(cfg.head).variant
+    model = build_model(arch, 10, tuple(data.x.shape[1:]), variant, 32 if arch == "cifar_cnn" else 16, seed=0)
     message = RoundInput({k: v.detach().clone() for k, v in model.state_dict().items() if k in model.shared_keys()})
     rule = build_rule(cfg.generic_rule, cfg.rule_params)
 

@@ -9,7 +9,7 @@ circle exists (tests/test_layering.py reads this list and checks every import of
 
 1. base: config, plugins, storage, aggregate, scheduling, server, losses, metric_schema, plotting, results, tracking, faults
 2. pieces: data, models, partition, metrics, algorithms, export
-3. local math: step, objectives, local, batched
+3. local math: step, objectives, local, batched, personalization
 4. clients: client, actors
 5. federation state: setup, state, checkpoint, final
 6. executors and evaluation: executors, evaluation
@@ -17,7 +17,7 @@ circle exists (tests/test_layering.py reads this list and checks every import of
 8. drivers: runner, ray_runtime
 9. command line: cli
 
-A package (data, models, algorithms, objectives, executors) stands for all its modules. The HTTP service (``api/``)
+A package (data, models, algorithms, objectives, personalization, executors) stands for all its modules. The HTTP service (``api/``)
 imports only the first two layers; ``api/`` and ``tune/`` import the library, never the other way round.
 """
 

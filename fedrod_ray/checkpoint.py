@@ -3,7 +3,8 @@ incrementally.
 
 Layout under ``<run_dir>/checkpoints/``:
 
-    round_000007/global.safetensors   global weights and the generic rule's server state
+    round_000007/global.safetensors   global weights, the generic rule's and the personalization method's
+                                      server state
     round_000007/manifest.json        config, round, rule, and for every client the file holding its state
     clients/<save>.safetensors        the states of the clients that changed since the save before
     latest                            the name of the newest complete round folder
@@ -103,6 +104,8 @@ class CheckpointWriter:
         rule = snap.config.train.generic_rule
         global_tensors = {f"global/{k}": v.contiguous() for k, v in snap.global_shared.items()}
         global_tensors.update({f"server/{rule}/{k}": v.contiguous() for k, v in snap.server_state.items()})
+        head = snap.config.train.head
+        global_tensors.update({f"method/{head}/{k}": v.contiguous() for k, v in snap.method_state.items()})
         manifest = {
             "format_version": FORMAT_VERSION,
             "round": snap.rounds_done,
@@ -245,6 +248,9 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
     global_shared = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("global/")}
     server_prefix = f"server/{manifest['rule']}/"
     server = {k[len(server_prefix):]: v for k, v in tensors.items() if k.startswith(server_prefix)}
+    config = config_from_record(manifest["config"])
+    method_prefix = f"method/{config.train.head}/"
+    method = {k[len(method_prefix):]: v for k, v in tensors.items() if k.startswith(method_prefix)}
     # Format 2 kept every client's state in the round folder; format 3 names a shared file per client.
     if version == 2:
         source = {cid: f"checkpoints/{name}/clients.safetensors" for cid in manifest["clients"]}
@@ -262,5 +268,5 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
         for cid, meta in manifest["clients"].items()
     }
     # A checkpoint of a version before the estimate's offset holds none: the next exact evaluation sets it.
-    return Snapshot(manifest["round"], config_from_record(manifest["config"]), global_shared, server, clients,
-                    {str(k): float(v) for k, v in manifest.get("estimate_offset", {}).items()})
+    return Snapshot(manifest["round"], config, global_shared, server, clients,
+                    {str(k): float(v) for k, v in manifest.get("estimate_offset", {}).items()}, method)

@@ -11,6 +11,7 @@ The in-process runtime uses one host for every client; the Ray runtime wraps the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import traceback
 from dataclasses import dataclass, field
 
@@ -27,12 +28,12 @@ from .local import (
     RoundInput,
     class_distribution,
     derived_seed,
-    load_client_weights,
     local_update,
 )
 from .metrics import TestSet, personal_class_correct, stratified_sample
 from .models import FedModel, build_model
-from .objectives import OBJECTIVES, get_objective, model_parts
+from .objectives import OBJECTIVES, get_objective
+from .personalization import UpdateContext, build_method, method_model
 
 FINETUNE_TAG = 2  # seeds fine-tuning's data order apart from every training round's
 ESTIMATE_TAG = 3  # seeds the estimate's test sample
@@ -49,7 +50,7 @@ def estimate_test_set(cfg: ExperimentConfig, test: TestSet) -> TestSet:
 class ClientState:
     """What a client keeps between rounds (never sent to the server's average)."""
 
-    personal: StateDict | None = None  # linear head: phi_m
+    personal: StateDict | None = None  # the personalization method's (linear head: phi_m; Ditto: v_m; ...)
     local_model: StateDict | None = None  # shared weights after its last local update, for P-FL (PM)
     rule_state: StateDict = field(default_factory=dict)  # owned by the generic rule (empty: its initial state)
     rounds_trained: int = 0
@@ -165,9 +166,11 @@ class ClientHost:
             self.meta_set = ClientData(x=context.train_x[idx], y=y,
                                        counts=torch.bincount(y, minlength=context.num_classes))
         self.rule = build_rule(cfg.train.generic_rule, cfg.train.rule_params)
-        self.model: FedModel = build_model(cfg.model.arch, context.num_classes, tuple(context.train_x.shape[1:]),
-                                           cfg.train.variant, cfg.hyper_hidden, cfg.seed, model_parts(cfg.train),
-                                           cfg.model.init).to(self.device)
+        self.method = build_method(cfg.train.head, cfg.train.head_params)
+        self.model: FedModel = method_model(cfg, self.method, context.num_classes,
+                                            tuple(context.train_x.shape[1:])).to(self.device)
+        # A client that never trained starts from these (the methods whose clients keep whole models).
+        self.initial = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         self._finetune_model: FedModel | None = None
         self._estimate_test: TestSet | None = None
 
@@ -184,17 +187,17 @@ class ClientHost:
         """One local update and the client's new state; an error comes back as a ClientFailure (with its
         traceback) instead of raising, and then the caller's state stays as it was."""
         try:
-            outcome = local_update(
-                self.model, message, self.data(client_id), self.cfg.train, self.rule,
-                round_idx=round_idx, seed=self.cfg.seed, client_id=client_id, mean=self.mean, std=self.std,
-                augment=self.augment, personal=state.personal, rule_state=state.rule_state,
-                initial=state.local_model if self.rule.starts_from_local_model else None,
-                meta_set=self.meta_set, objectives=state.objectives, momentum_buffers=state.momentum,
-                device=self.device,
-            )
+            outcome = self.method.train(self.model, message, self.data(client_id), state.personal,
+                                        state.local_model, state.rule_state, state.objectives, state.momentum,
+                                        self.context_of(client_id, round_idx))
         except Exception as e:  # noqa: BLE001 - any client error is reported, never fatal to the round
             return ClientFailure.from_exception(client_id, e)
         return state.trained(outcome)
+
+    def context_of(self, client_id: int, round_idx: int) -> UpdateContext:
+        """What an update (or a PM's making) of ``client_id`` in round ``round_idx`` reads besides its state."""
+        return UpdateContext(self.cfg.train, self.rule, round_idx, self.cfg.seed, client_id, self.mean, self.std,
+                             self.augment, self.device, self.initial, self.meta_set)
 
     def evaluate(self, jobs: list[tuple[int, ClientState]], estimate: bool = False) -> EvalCounts:
         """Per-class test counts of trained clients' personalized models (FEDROD.md's PM), on the test set or,
@@ -216,7 +219,8 @@ class ClientHost:
             try:
                 if state.local_model is None:
                     raise ValueError("the client's state has no local model to evaluate")
-                load_client_weights(self.model, state.local_model, state.personal)
+                self.method.load_pm(self.model, state, functools.partial(self.data, cid),
+                                    self.context_of(cid, state.rounds_trained - 1))
                 dist = class_distribution(torch.as_tensor(self.context.counts[cid], dtype=torch.long))
                 out.correct[cid], out.total[cid] = personal_class_correct(
                     self.model, test, dist, self.cfg.eval.batch_size, personal, cid)
@@ -240,19 +244,22 @@ class ClientHost:
         t = self.cfg.train
         objective = get_objective(t.balanced_loss)
         loss = t.balanced_loss if objective is None else objective.fallback_loss
-        cfg = dataclasses.replace(t, head="none" if t.head == "none" else "linear", local_epochs=epochs,
-                                  momentum_buffers="reset",
-                                  generic_rule="fedavg", rule_params={}, balanced_loss="ce" if t.head == "none" else loss)
+        variant = self.model.variant
+        # Tuned as the one-head model (ERM) or as Fed-RoD's linear head, with plain SGD.
+        cfg = dataclasses.replace(t, head="none" if variant is None else "linear", head_params={},
+                                  local_epochs=epochs, momentum_buffers="reset",
+                                  generic_rule="fedavg", rule_params={},
+                                  balanced_loss="ce" if variant is None else loss)
         plain = build_rule("fedavg")
         own = model.state_dict()  # a tuned hyper model has no hypernetwork to load
         start = {k: v for k, v in message.weights.items() if k in own}
-        if t.head == "hyper":
+        if variant == "hyper":
             self.model.load_partial(message.weights)
         for cid, state in jobs:
             try:
                 data = self.data(cid)
-                personal = state.personal
-                if t.head == "hyper":
+                personal = state.personal if variant == "linear" else None
+                if variant == "hyper":
                     with torch.no_grad():
                         personal = {"personal_head.weight": self.model.personal_weight(data.class_dist.to(self.device))}
                 local_update(model, RoundInput(start), data, cfg, plain, round_idx=round_idx,

@@ -107,7 +107,6 @@ ARCHS = ("mnist_cnn", "cifar_cnn", "resnet20")  # fedrod_ray.models.BUILDERS
 DATASET_PLUGINS = "fedrod_ray.datasets"
 MODEL_PLUGINS = "fedrod_ray.models"
 LOSS_NAMES = ("ce", "bsm", "reweight", "ldam", "cdt")  # fedrod_ray.losses.BALANCED_LOSSES; meta_bsm is apart
-HEADS = ("none", "linear", "hyper")
 # model.init: "normal" is the paper's ("weights initialised from normal distributions"; it names no scale,
 # so He's, N(0, 2 / fan_in), which keeps a ReLU network's activations at one scale); "pytorch" is PyTorch's
 # default (Kaiming-uniform, a = sqrt(5)), what versions before 0.3 used.
@@ -150,6 +149,64 @@ class FedDynParams:
 # fedrod_ray.algorithms registers one rule under each name, with this Params.
 RULE_PARAMS: dict[str, type] = {"fedavg": NoParams, "fedprox": FedProxParams, "feddyn": FedDynParams,
                                 "scaffold": NoParams, "local": NoParams}
+
+
+# --- personalization methods: each one's name, hyperparameters (train.head_params) and constraints ---------
+
+
+@dataclass(config=_CLOSED)
+class DittoParams:
+    lam: NonNegativeFloat = 0.1  # lambda: the personal model's pull towards the global one
+
+
+@dataclass(config=_CLOSED)
+class PFedMeParams:
+    lam: PositiveFloat = 15.0  # lambda: the Moreau envelope's pull of theta~ towards w_m
+    personal_lr: PositiveFloat = 0.01  # eta_p: the step of the inner problem's SGD
+    inner_steps: PositiveInt = 5  # K: SGD steps on the inner problem per mini-batch
+
+
+@dataclass(config=_CLOSED)
+class PerFedAvgParams:
+    beta: PositiveFloat = 0.001  # beta^: the meta step (alpha, the inner step, is the round's lr)
+
+
+@dataclass(config=_CLOSED)
+class FedFomoParams:
+    models: PositiveInt = 4  # n: other clients' models a client receives per round
+    epsilon: Annotated[float, Field(strict=True, ge=0, le=1), BeforeValidator(_number)] = 0.3
+    epsilon_decay: NonNegativeFloat = 0.05  # subtracted from epsilon every round (floor 0)
+    val_fraction: Annotated[float, Field(strict=True, gt=0, lt=1), BeforeValidator(_number)] = 0.2
+
+
+@dataclass(config=_CLOSED)
+class MTLParams:
+    lam: NonNegativeFloat = 0.1  # lambda: the pull towards the mean of all clients' models
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    """What the config must know of a personalization method (``train.head``) without importing it (torch).
+
+    ``erm``: a personalized-FL baseline, trained with cross-entropy on one head (no balanced loss, no generic
+    rule); ``plain_steps``: its updates are its own formulas of plain gradient steps (no momentum, no weight
+    decay); ``global_model``: it has a global model (else its GM is the mean of the personalized models)."""
+
+    params: type = NoParams
+    erm: bool = True
+    plain_steps: bool = False
+    global_model: bool = True
+
+
+# fedrod_ray.personalization registers one method under each name, with this spec. The first three are Fed-RoD's
+# own: one head (FedAvg and the generic baselines), a linear personalized head, a hypernetwork.
+HEADS: dict[str, HeadSpec] = {
+    "none": HeadSpec(erm=False), "linear": HeadSpec(erm=False), "hyper": HeadSpec(erm=False),
+    "fedper": HeadSpec(global_model=False), "fedrep": HeadSpec(global_model=False),
+    "lg_fedavg": HeadSpec(global_model=False), "ditto": HeadSpec(DittoParams),
+    "pfedme": HeadSpec(PFedMeParams, plain_steps=True), "perfedavg": HeadSpec(PerFedAvgParams, plain_steps=True),
+    "fedfomo": HeadSpec(FedFomoParams, global_model=False), "mtl": HeadSpec(MTLParams, global_model=False),
+}
 
 
 # --- the experiment ---------------------------------------------------------------------------------------
@@ -201,8 +258,10 @@ class MetaBSMConfig:
 
 @dataclass(config=_CLOSED)
 class TrainConfig:
-    # personalized head: none (one-head model) | linear (phi_m) | hyper (H(a_m; nu))
-    head: Annotated[StrictStr, OneOf(HEADS)] = "linear"
+    # The personalization method: Fed-RoD's none (one-head model) | linear (phi_m) | hyper (H(a_m; nu)), or a
+    # personalized-FL baseline (fedper, fedrep, lg_fedavg, ditto, pfedme, perfedavg, fedfomo, mtl)
+    head: Annotated[StrictStr, OneOf(tuple(HEADS))] = "linear"
+    head_params: dict[StrictStr, Any] = field(default_factory=dict)  # the method's hyperparameters, e.g. {lam: 0.1}
     balanced_loss: Annotated[StrictStr, OneOf(LOSS_NAMES + ("meta_bsm",))] = "bsm"  # the generic head's loss
     gamma: NonNegativeFloat | None = None  # bsm, ldam, cdt, meta_bsm (gamma_m's initial value) only; None: 1.0
     meta_bsm: Annotated[MetaBSMConfig, BeforeValidator(_section)] = field(default_factory=MetaBSMConfig)
@@ -220,12 +279,6 @@ class TrainConfig:
     augment: StrictBool | None = None  # None: the dataset's default (on for CIFAR)
     # How a mini-batch's losses run (fedrod_ray.step): compiled is torch.compile, slower on CPU
     step: Annotated[StrictStr, OneOf(STEPS)] = "eager"
-
-    @property
-    def variant(self) -> str | None:
-        """The model's personalized part (``FedModel.variant``): None for the one-head model."""
-        return None if self.head == "none" else self.head
-
 
 
 @dataclass(config=_CLOSED)
@@ -388,6 +441,17 @@ def build_rule_params(rule: str, params: dict[str, Any] | None) -> Any:
         raise ConfigError(f"{e} (train.generic_rule={rule})") from None
 
 
+def build_head_params(head: str, params: dict[str, Any] | None) -> Any:
+    """The ``Params`` of personalization method ``head`` from ``train.head_params``; a ConfigError names the
+    field."""
+    if head not in HEADS:
+        raise _not_one_of("train.head", head, HEADS)
+    try:
+        return _build(HEADS[head].params, params or {}, "train.head_params.")
+    except ConfigError as e:
+        raise ConfigError(f"{e} (train.head={head})") from None
+
+
 def _check_choices(section: Any, prefix: str = "") -> None:
     for name, info in type(section).__pydantic_fields__.items():
         value = getattr(section, name)
@@ -415,8 +479,9 @@ def _validate(cfg: ExperimentConfig) -> ExperimentConfig:
         on_ray = cfg.runtime.address is not None or bool(env and not env.startswith(("http://", "https://")))
         cfg.runtime.mode = "ray" if on_ray else "local"
     _check_effective(cfg)
-    # Stored as the rule resolved them: typed, with its defaults, so config.yaml records what ran.
+    # Stored as the rule and the method resolved them: typed, with defaults, so config.yaml records what ran.
     cfg.train.rule_params = dataclasses.asdict(build_rule_params(cfg.train.generic_rule, cfg.train.rule_params))
+    cfg.train.head_params = dataclasses.asdict(build_head_params(cfg.train.head, cfg.train.head_params))
     return cfg
 
 
@@ -459,6 +524,7 @@ def _check_effective(cfg: ExperimentConfig) -> None:
         # c_m would take for this round's.
         raise ConfigError("train.momentum_buffers: keep cannot be used with train.generic_rule=scaffold, whose "
                           "control variate assumes each local update's momentum starts at zero; use reset")
+    _check_head(cfg)
     if t.generic_rule == "local" and t.head == "hyper":
         raise ConfigError("train.generic_rule: local (local-only training) cannot use train.head=hyper, whose "
                           "hypernetwork the server averages; use train.head=none or linear")
@@ -483,6 +549,33 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     if t.step == "compiled" and rt.batched_clients:
         raise ConfigError("train.step: compiled has no effect with runtime.batched_clients (the batched update "
                           "has a step of its own); remove one of them")
+
+
+def _check_head(cfg: ExperimentConfig) -> None:
+    """What a personalization method rules out (``HeadSpec``)."""
+    t, spec = cfg.train, HEADS[cfg.train.head]
+    why = f"train.head={t.head}"
+    if spec.erm:
+        if t.balanced_loss != "ce":
+            raise ConfigError(f"train.balanced_loss: {why} is a personalized-FL baseline trained with cross-entropy "
+                              "(ERM), which has no balanced loss; set train.balanced_loss=ce")
+        if t.generic_rule != "fedavg":
+            raise ConfigError(f"train.generic_rule: {why} has its own local update and server step, which a "
+                              f"generic rule ({t.generic_rule}) would not act on; set train.generic_rule=fedavg")
+        for key, value, what in (("train.momentum_buffers", t.momentum_buffers != "reset", "keep"),
+                                 ("train.step", t.step != "eager", t.step),
+                                 ("runtime.batched_clients", cfg.runtime.batched_clients != 0,
+                                  cfg.runtime.batched_clients)):
+            if value:
+                raise ConfigError(f"{key}: {what} is not supported with {why} (only Fed-RoD's heads none, linear "
+                                  "and hyper support it); remove it")
+    if spec.plain_steps:
+        for key, value in (("train.momentum", t.momentum), ("train.weight_decay", t.weight_decay)):
+            if value != 0:
+                raise ConfigError(f"{key}: has no effect with {why}, whose updates are its own plain gradient "
+                                  f"steps; set {key}=0")
+    if not spec.global_model and cfg.eval.finetune_epochs:
+        raise ConfigError(f"eval.finetune_epochs: {why} has no global model to fine-tune from; set it to 0")
 
 
 def _check_data(cfg: ExperimentConfig) -> None:
@@ -513,7 +606,7 @@ def check_resume(saved: ExperimentConfig, new: ExperimentConfig, rounds_done: in
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
-        if isinstance(v, dict) and k not in ("client_resources", "rule_params"):
+        if isinstance(v, dict) and k not in ("client_resources", "rule_params", "head_params"):
             out.update(_flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v

@@ -34,6 +34,7 @@ from .metrics import (
     pfl_accuracy,
 )
 from .models import FedModel
+from .personalization import Personalization, generic_weights
 from .setup import Setup
 
 PM_BATCH = 64  # clients whose global-reading PM is scored at once: (64, test size, classes) logits
@@ -43,11 +44,15 @@ class Evaluation:
     """Evaluates a federation's state; holds the PM counts of the last evaluation (``clear`` forgets them,
     as after a restore)."""
 
-    def __init__(self, setup: Setup, model: FedModel, log: Callable[[str], None]):
-        """``model`` is the federation's: its weights are overwritten with the GM's for each evaluation."""
+    def __init__(self, setup: Setup, model: FedModel, method: Personalization, initial: StateDict,
+                 log: Callable[[str], None]):
+        """``model`` is the federation's: its weights are overwritten with the GM's for each evaluation;
+        ``initial`` its initial weights (the personal part of a client that never trained)."""
         self.setup = setup
         self.cfg = setup.cfg
         self.model = model
+        self.method = method
+        self.initial = initial
         self.log = log
         # (rounds_trained, correct, total) of each PM's last evaluation, and of its last estimate.
         self._pm_counts: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
@@ -64,7 +69,8 @@ class Evaluation:
         """The metrics of the GM ``global_shared`` and the PMs of ``clients`` after round ``round_idx``
         (0-based); ``final`` adds the fine-tuned P-FL of ``eval.finetune_epochs``."""
         test, weights = self.setup.test, self.setup.pfl_weights
-        pm, stale, fresh_clients = self._pm_jobs(clients, self._pm_counts)
+        pm, stale, fresh_clients = self._pm_jobs(self._pm_states(clients, global_shared, round_idx + 1),
+                                                 self._pm_counts)
         ft_jobs = self._finetune_jobs(clients) if final else []
         message = RoundInput(global_shared)
         # The executor (on Ray, the client actors) evaluates the PMs that changed, and fine-tunes, while
@@ -72,13 +78,14 @@ class Evaluation:
         with ThreadPoolExecutor(1) as pool:
             pending = (pool.submit(self._executor_evaluation, executor, stale, ft_jobs, message, round_idx)
                        if stale or ft_jobs else None)
-            self.model.load_partial(global_shared)
+            generic = self.generic_model(global_shared, clients)
+            self.model.load_partial(generic)
             z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
             preds = logits.argmax(1)
             correct, total = class_correct(preds, test.y, test.num_classes)
             ids = self.setup.all_client_ids
             gm = _gm_counts(preds, test, ids, correct, total)
-            pm_global = self._global_reading_pms(clients, ids, z, logits, gm, test)
+            pm_global = self._global_reading_pms(clients, ids, global_shared, generic, z, logits, gm, test)
             # A client that never trained has no model of its own: its PM is the global reading.
             pm.correct.update({cid: pm_global.correct[cid] for cid in fresh_clients})
             pm.total.update({cid: pm_global.total[cid] for cid in fresh_clients})
@@ -93,6 +100,7 @@ class Evaluation:
         for cid, error in sorted(tuned.failed.items()):
             self.log(f"client {cid}: not fine-tuned: {error}")
         m = self.setup.num_clients
+        has_reading = self.method.global_reading is not None
         pfl_gm = pfl_accuracy(torch.stack([gm.correct[c] for c in ids]), torch.stack([gm.total[c] for c in ids]),
                               weights[ids])
         pfl_pm = _pfl(pm, weights)
@@ -102,13 +110,13 @@ class Evaluation:
             "pfl_gm": float(pfl_gm[:m].mean()),
             # Over the clients whose PM could be evaluated (pm_eval_failed counts the others).
             "pfl_pm": _mean([v for c, v in pfl_pm.items() if c < m]),
-            "pfl_pm_global": _mean([v for c, v in pfl_global.items() if c < m]),
+            "pfl_pm_global": _mean([v for c, v in pfl_global.items() if c < m and has_reading]),
             "pm_eval_failed": len(pm.failed),
         }
         if len(ids) > m:
             out["pfl_gm_new"] = float(pfl_gm[m:].mean())
             # New clients never train, so both readings of their PM are the global model (hyper: with H(a; nu)).
-            out["pfl_new_before"] = _mean([v for c, v in pfl_global.items() if c >= m])
+            out["pfl_new_before"] = _mean([v for c, v in pfl_global.items() if c >= m and has_reading])
         if ft_jobs:
             pfl_ft = _pfl(tuned, weights)
             if self.cfg.eval.finetune_train:
@@ -118,7 +126,8 @@ class Evaluation:
             out["finetune_failed"] = len(tuned.failed)
         return out
 
-    def estimate(self, executor: Executor, global_shared: StateDict, clients: dict[int, ClientState]) -> dict:
+    def estimate(self, executor: Executor, global_shared: StateDict, clients: dict[int, ClientState],
+                 rounds_done: int) -> dict:
         """The estimate of G-FL and of the training clients' P-FL of the GM and of their PMs (as
         ``evaluate``'s gfl_gm, pfl_gm and pfl_pm) on the sample ``estimate_test``: the same counts, from
         its images only."""
@@ -126,14 +135,16 @@ class Evaluation:
         dists = test.pfl_weights(self.setup.class_dists)
         m = self.setup.num_clients
         train_clients = {cid: clients[cid] for cid in range(m)}
-        pm, stale, fresh_clients = self._pm_jobs(train_clients, self._pm_estimates)
+        pm, stale, fresh_clients = self._pm_jobs(self._pm_states(train_clients, global_shared, rounds_done),
+                                                 self._pm_estimates)
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(executor.evaluate, stale, True) if stale else None
-            self.model.load_partial(global_shared)
+            generic = self.generic_model(global_shared, clients)
+            self.model.load_partial(generic)
             z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
             preds = logits.argmax(1)
             correct, total = class_correct(preds, test.y, test.num_classes)
-            pm_global = self._global_reading_pms(clients, fresh_clients, z, logits,
+            pm_global = self._global_reading_pms(clients, fresh_clients, global_shared, generic, z, logits,
                                                  _gm_counts(preds, test, fresh_clients, correct, total), test)
             evaluated = pending.result() if pending is not None else EvalCounts()
         pm.merge(pm_global)
@@ -146,6 +157,20 @@ class Evaluation:
             "pfl_gm_est": float(pfl_accuracy(correct, total, dists)[:m].mean()),
             "pfl_pm_est": _mean(list(_pfl(pm, dists).values())),
         }
+
+    def generic_model(self, global_shared: StateDict, clients: dict[int, ClientState]) -> StateDict:
+        """The GM's weights (``personalization.generic_weights``)."""
+        return generic_weights(self.method, self.model.personal_keys(), global_shared, clients, self.initial,
+                               self.setup.num_clients)
+
+    def _pm_states(self, clients: dict[int, ClientState], global_shared: StateDict,
+                   rounds_done: int) -> dict[int, ClientState]:
+        """What each client's PM is evaluated from (``Personalization.pm_job``), for the trained ones."""
+        if not self.method.pm_from_global:
+            return clients
+        m = self.setup.num_clients
+        return {cid: self.method.pm_job(st, global_shared, rounds_done) if cid < m else st
+                for cid, st in clients.items()}
 
     def _executor_evaluation(self, executor: Executor, stale: list[Job], ft_jobs: list[Job], message: RoundInput,
                              round_idx: int) -> tuple[EvalCounts, EvalCounts]:
@@ -178,19 +203,18 @@ class Evaluation:
         return cached, stale, fresh
 
     @torch.inference_mode()
-    def _global_reading_pms(self, clients: dict[int, ClientState], ids: list[int], z: torch.Tensor,
-                            logits: torch.Tensor, gm: EvalCounts, test: TestSet) -> EvalCounts:
+    def _global_reading_pms(self, clients: dict[int, ClientState], ids: list[int], global_shared: StateDict,
+                            generic: StateDict, z: torch.Tensor, logits: torch.Tensor, gm: EvalCounts,
+                            test: TestSet) -> EvalCounts:
         """Per-class correct counts on ``test`` (each client's own examples where it has some) of each client's
-        PM in the appendix's reading: the global theta and psi with the client's own head (phi_m, or H(a_m; nu)
-        for hyper). The GM's features z and logits of ``test`` serve every client; a head's logits are added a
-        batch of PM_BATCH clients at a time. With no P-head, or a linear head still at its initial zeros, that
-        PM is the GM, whose counts are ``gm``."""
-        heads = self.model.variant
+        PM in the appendix's reading: the global weights with the client's own head (phi_m, or H(a_m; nu)
+        for hyper, or FedPer's h_m in place of the generic head: ``Personalization.reading_heads``). The
+        global model's features z and logits of ``test`` (those of the GM ``generic``, unless the method has
+        no global model) serve every client; a head's logits are added a batch of PM_BATCH clients at a time.
+        With no such head, a linear head still at its initial zeros, or no global reading at all, that PM is
+        the GM, whose counts are ``gm``."""
         out = EvalCounts(total={cid: gm.total[cid] for cid in ids})
-        if heads is None:
-            out.correct = {cid: gm.correct[cid] for cid in ids}
-            return out
-        if heads == "linear":
+        if self.model.variant == "linear":
             shape = self.model.personal_head.weight.shape
             out.correct = {cid: gm.correct[cid] for cid in ids if clients[cid].personal is None}
             for cid in ids:
@@ -198,15 +222,23 @@ class Evaluation:
                 if cid not in out.correct and (head is None or head.shape != shape):
                     out.failed[cid] = f"ValueError: its personal head is not a {tuple(shape)} personal_head.weight"
             ids = [cid for cid in ids if cid not in out.correct and cid not in out.failed]
+        method = self.method
+        heads = (method.reading_heads(self.model, [clients[cid].personal for cid in ids[:1]],
+                                      self._dists(ids[:1]), self.initial) if ids else None)
+        if method.global_reading is None or heads is None:
+            out.correct.update({cid: gm.correct[cid] for cid in ids})
+            return out
+        if generic is not global_shared:
+            self.model.load_partial(global_shared)
+            z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
+        if method.reading_replaces_head:
+            logits = torch.zeros_like(logits)
         y, num_classes = test.y, test.num_classes
         onehot = torch.nn.functional.one_hot(y, num_classes).to(torch.float64)
         for start in range(0, len(ids), PM_BATCH):
             batch = ids[start:start + PM_BATCH]
-            if heads == "hyper":
-                counts = torch.as_tensor(self.setup.partition.counts[batch], dtype=torch.long)
-                phi = self.model.personal_weight(class_distribution(counts))
-            else:
-                phi = torch.stack([clients[cid].personal["personal_head.weight"] for cid in batch])
+            phi = method.reading_heads(self.model, [clients[cid].personal for cid in batch], self._dists(batch),
+                                       self.initial)
             if test.clients is None:
                 preds = (logits + torch.einsum("nd,mcd->mnc", z, phi)).argmax(-1)
                 hits = (preds == y).to(torch.float64) @ onehot
@@ -217,6 +249,9 @@ class Evaluation:
                 rows = test.rows(cid)
                 out.correct[cid] = class_correct((logits[rows] + z[rows] @ head.T).argmax(-1), y[rows], num_classes)[0]
         return out
+
+    def _dists(self, ids: list[int]) -> torch.Tensor:
+        return class_distribution(torch.as_tensor(self.setup.partition.counts[ids], dtype=torch.long))
 
 
 def _gm_counts(preds: torch.Tensor, test: TestSet, ids: list[int], correct: torch.Tensor,

@@ -19,6 +19,7 @@ from .client import ClientFailure, ClientState
 from .evaluation import Evaluation, anchored, estimate_offset
 from .executors.base import Executor
 from .local import LocalResult, RoundInput, round_lr
+from .personalization import build_method
 from .server import sample_clients
 from .setup import Setup
 from .state import Snapshot
@@ -46,16 +47,20 @@ class Federation:
         self.executor = executor
         self.log = log
         self.rule = build_rule(self.cfg.train.generic_rule, self.cfg.train.rule_params)
+        self.method = build_method(self.cfg.train.head, self.cfg.train.head_params)
         self.model = setup.build_model()
         state = self.model.state_dict()
+        # The initial weights: what a client that never trained has (the methods whose clients keep models).
+        self.initial: dict = {k: v.detach().clone() for k, v in state.items()}
         self.shared_keys = self.model.shared_keys()
         self.generic_keys = set(self.model.generic_keys())
         self.global_shared: StateDict = {k: state[k].detach().clone() for k in self.shared_keys}
         self.server_state: StateDict = self.rule.init_server_state(self._generic(self.global_shared))
+        self.method_state: StateDict = self.method.init_server_state(setup.num_clients)
         # Every client's committed state. It is only ever replaced, never written into, so a snapshot
         # is a shallow copy and stays valid while training goes on.
         self.clients: dict[int, ClientState] = {cid: ClientState() for cid in setup.all_client_ids}
-        self.evaluation = Evaluation(setup, self.model, log)
+        self.evaluation = Evaluation(setup, self.model, self.method, self.initial, log)
         self.estimate_offset: dict[str, float] = {}
         self.next_round = 0
 
@@ -64,7 +69,7 @@ class Federation:
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.next_round, self.cfg, dict(self.global_shared), dict(self.server_state),
-                        dict(self.clients), dict(self.estimate_offset))
+                        dict(self.clients), dict(self.estimate_offset), dict(self.method_state))
 
     def restore(self, snap: Snapshot) -> None:
         if set(snap.global_shared) != set(self.shared_keys):
@@ -72,6 +77,7 @@ class Federation:
                              f"{sorted(set(snap.global_shared) ^ set(self.shared_keys))}")
         self.global_shared = dict(snap.global_shared)
         self.server_state = dict(snap.server_state)
+        self.method_state = dict(snap.method_state) or self.method.init_server_state(self.setup.num_clients)
         unknown = sorted(set(snap.clients) - set(self.clients))
         if unknown:
             raise ValueError(f"the snapshot holds clients this federation does not have: {unknown[:10]}")
@@ -87,12 +93,14 @@ class Federation:
         cfg = self.cfg
         t0 = time.perf_counter()
         ids = sample_clients(cfg.seed, r, self.setup.num_clients, cfg.train.client_fraction)
-        jobs = [(cid, self.clients[cid].for_training(self.rule.starts_from_local_model)) for cid in ids]
-        message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state))
+        from_local = self.rule.starts_from_local_model or self.method.starts_from_local_model
+        jobs = [(cid, self.clients[cid].for_training(from_local)) for cid in ids]
+        message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state),
+                             self.method.messages(self.method_state, ids, self._uploads(), r, cfg.seed))
         # theta, psi under the rule's weights; nu (hyper) by sample count whatever the rule; the rule's
         # uploads unweighted. Each folds in the order of ``ids``, so the runtimes agree bitwise.
         generic, rest, uploads = (OrderedAverager(len(ids)) for _ in range(3))
-        results: list[LocalResult] = []
+        results: dict[int, LocalResult] = {}
         new_states: dict[int, ClientState] = {}
         failures: list[ClientFailure] = []
         self._report(r + 1, 0, len(ids))
@@ -109,31 +117,35 @@ class Federation:
                 generic.add(slot, self._generic(res.shared), self.rule.aggregation_weight(res.num_samples))
                 rest.add(slot, {k: v for k, v in res.shared.items() if k not in self.generic_keys}, res.num_samples)
                 uploads.add(slot, res.upload, 1.0)
-                results.append(res)
+                results[ids[slot]] = res
             self._report(r + 1, len(results) + len(failures), len(ids))
         self._check_failures(r, len(ids), failures)
         new_generic, self.server_state = self.rule.server_update(
             self._generic(self.global_shared), generic.result(), uploads.result(), generic.count,
             self.setup.num_clients, self.server_state)
         averaged = {**rest.result(), **new_generic}
-        self.global_shared = {k: averaged[k] for k in self.shared_keys}
         # Committed with the round, all at once: a round that raises leaves every client as it was.
         self.clients.update(new_states)
+        averaged, self.method_state = self.method.server_update(
+            {k: averaged[k] for k in self.shared_keys}, results, self._uploads(), self.method_state, self.initial,
+            self.setup.num_clients)
+        self.global_shared = {k: averaged[k] for k in self.shared_keys}
         self.next_round = r + 1
         train_seconds = time.perf_counter() - t0
 
-        weights = np.array([res.num_samples for res in results], dtype=np.float64)
+        done = list(results.values())
+        weights = np.array([res.num_samples for res in done], dtype=np.float64)
         record = {
             # 1-based, as everywhere users see a round: "round 3" is the third, after which 3 are done.
             "round": r + 1, "name": cfg.name, "lr": round_lr(cfg.train, r),
             "clients": len(ids), "clients_done": len(results), "clients_failed": len(failures),
             "failed_ids": [f.client_id for f in failures],
-            "train_loss": float(np.average([res.loss for res in results], weights=weights)),
-            "personal_loss": (float(np.average([res.personal_loss for res in results], weights=weights))
-                              if results[0].personal_loss is not None else None),
+            "train_loss": float(np.average([res.loss for res in done], weights=weights)),
+            "personal_loss": (float(np.average([res.personal_loss for res in done], weights=weights))
+                              if done[0].personal_loss is not None else None),
             "train_seconds": round(train_seconds, 4),
         }
-        sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients)
+        sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients, r + 1)
                   if cfg.eval.estimate_size else None)
         if (r + 1) % cfg.eval.eval_every == 0 or r + 1 == cfg.train.rounds:
             record.update(self.evaluate(final=r + 1 == cfg.train.rounds))
@@ -143,6 +155,10 @@ class Federation:
             record.update(anchored(sample, self.estimate_offset))
         record["seconds"] = round(time.perf_counter() - t0, 4)
         return record
+
+    def _uploads(self) -> dict[int, StateDict | None]:
+        """Every training client's last upload (None: it never trained)."""
+        return {cid: self.clients[cid].local_model for cid in range(self.setup.num_clients)}
 
     def _report(self, round_number: int, finished: int, sampled: int) -> None:
         self.round_progress = (round_number, finished, sampled)

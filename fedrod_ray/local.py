@@ -65,14 +65,18 @@ class LocalResult:
     # The optimiser's momentum buffers after the update, by parameter name (``train.momentum_buffers: keep``;
     # else empty), which the client keeps (``ClientState.momentum``); the server never reads them.
     momentum: StateDict = field(default_factory=dict)
+    # The personalization method's per-client message to the server (FedFOMO's affinities), never averaged.
+    method_upload: StateDict = field(default_factory=dict)
 
 
 @dataclass
 class RoundInput:
-    """What the server sends every client of a round: the global weights and the rule's broadcast."""
+    """What the server sends every client of a round: the global weights and the rule's broadcast, and
+    what the personalization method sends to each client in particular (by client id)."""
 
     weights: StateDict
     broadcast: StateDict = field(default_factory=dict)
+    per_client: dict[int, StateDict] = field(default_factory=dict)
 
 
 def derived_seed(*parts: int) -> int:

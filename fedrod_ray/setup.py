@@ -12,10 +12,11 @@ from .config import ARCHS, ConfigError, ExperimentConfig
 from .data import ImageDataset, declared_image_shape, load_dataset
 from .data.transforms import normalize
 from .metrics import TestSet
-from .models import FedModel, build_model, resolve_arch
+from .models import FedModel, resolve_arch
 from .models.extractors import check_arch
-from .objectives import meta_per_class, model_parts
+from .objectives import meta_per_class
 from .partition import Partition, make_partition
+from .personalization import build_method, method_model
 
 
 @dataclass
@@ -49,9 +50,9 @@ class Setup:
         return self.test.pfl_weights(self.class_dists)
 
     def build_model(self) -> FedModel:
-        ds = self.dataset
-        return build_model(self.cfg.model.arch, ds.num_classes, ds.image_shape, self.cfg.train.variant,
-                           self.cfg.hyper_hidden, self.cfg.seed, model_parts(self.cfg.train), self.cfg.model.init)
+        t = self.cfg.train
+        return method_model(self.cfg, build_method(t.head, t.head_params), self.dataset.num_classes,
+                            self.dataset.image_shape)
 
 
 def check_model_arch(cfg: ExperimentConfig) -> None:

@@ -22,3 +22,4 @@ class Snapshot:
     # With eval.estimate_size: exact minus sample estimate of each estimated metric at the last exact
     # evaluation (``evaluation.estimate_offset``); empty before the first one.
     estimate_offset: dict[str, float] = field(default_factory=dict)
+    method_state: StateDict = field(default_factory=dict)  # owned by config.train.head (empty if it keeps none)

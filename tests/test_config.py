@@ -74,7 +74,7 @@ def test_overrides():
         "runtime.client_resources={num_cpus: 2, num_gpus: 0.5}",
     ])
     assert cfg.train.lr == 0.1
-    assert cfg.train.head == "hyper" and cfg.train.variant == "hyper"
+    assert cfg.train.head == "hyper"
     assert cfg.data.dataset == "cifar10"
     assert cfg.seed == 7
     assert cfg.train.augment is True

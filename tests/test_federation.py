@@ -203,7 +203,8 @@ def test_global_reading_pm_is_the_global_model_with_the_clients_own_head(head):
     correct, total = class_correct(logits.argmax(1), fed.setup.test.y, fed.setup.test.num_classes)
     ids = fed.setup.all_client_ids
     gm = _gm_counts(logits.argmax(1), fed.setup.test, ids, correct, total)
-    counts = fed.evaluation._global_reading_pms(fed.clients, ids, z, logits, gm, fed.setup.test).correct
+    counts = fed.evaluation._global_reading_pms(fed.clients, ids, fed.global_shared, fed.global_shared, z, logits,
+                                                gm, fed.setup.test).correct
     for cid, state in fed.clients.items():
         model = fed.setup.build_model()
         model.load_partial(fed.global_shared)

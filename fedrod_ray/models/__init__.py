@@ -62,6 +62,16 @@ class FedModel(nn.Module):
         self.parts = tuple(parts or {})
         for name, build in (parts or {}).items():
             self.add_module(name, build())
+        # Parameters besides the personalized head that each client keeps and never sends (``keep``).
+        self.kept: frozenset[str] = frozenset()
+
+    def keep(self, keys) -> None:
+        """Make ``keys`` (parameter names) personal: kept by each client, never averaged (a personalization
+        method's split, e.g. FedPer's head)."""
+        unknown = sorted(set(keys) - set(self.state_dict()))
+        if unknown:
+            raise KeyError(f"{unknown} are not parameters of this model")
+        self.kept = frozenset(keys)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
@@ -98,11 +108,11 @@ class FedModel(nn.Module):
 
     def shared_keys(self) -> list[str]:
         """Parameters the server averages: theta, psi, (hyper) nu and the objective's parts. The linear P-head
-        stays local."""
-        return [k for k in self.state_dict() if not k.startswith(PERSONAL_HEAD)]
+        and the ``kept`` ones stay local."""
+        return [k for k in self.state_dict() if not k.startswith(PERSONAL_HEAD) and k not in self.kept]
 
     def personal_keys(self) -> list[str]:
-        return [k for k in self.state_dict() if k.startswith(PERSONAL_HEAD)]
+        return [k for k in self.state_dict() if k.startswith(PERSONAL_HEAD) or k in self.kept]
 
     def part_keys(self) -> list[str]:
         """The objective's parts: they only train, so a served model has none."""

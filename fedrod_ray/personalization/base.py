@@ -1,0 +1,137 @@
+"""The seam for personalization methods: what a client keeps, how it trains, how the server combines, and
+how the generic model (GM) and each client's personalized model (PM) are read for G-FL and P-FL.
+
+A method (``train.head``) is one module here, a ``Personalization`` subclass registered by name. Fed-RoD's
+own heads (none, linear, hyper) are methods like the personalized-FL baselines (docs/method.md,
+"Personalized-FL baselines"). A round, as the federation drives it:
+
+1. ``messages``: what each sampled client receives besides the global weights (FedFOMO: other clients'
+   models); the global weights and the generic rule's broadcast go to every client;
+2. on the client, ``train`` runs the local update from the client's state and returns the result for the
+   server, the personal state the client keeps (never sent) and the generic rule's client state;
+3. the server averages the shared weights (``FedModel.shared_keys``) as the generic rule says, then
+   ``server_update`` gives the new global weights and the method's server state.
+
+The method's client state is ``ClientState.personal`` (a flat ``StateDict`` whose keys it chooses: a head,
+Ditto's personal model, pFedMe's theta~) and ``ClientState.local_model`` (its last upload); its server state
+is a flat ``StateDict`` the checkpoint keeps under ``method/<name>/``. Every hook's default is Fed-RoD's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..aggregate import StateDict
+from ..algorithms import GenericRule
+from ..config import NoParams, TrainConfig
+from ..local import ClientData, LocalResult, Outcome, RoundInput
+from ..models import FedModel
+
+
+@dataclass
+class UpdateContext:
+    """Everything a client's update reads besides the model, the round's message, its data and its state."""
+
+    cfg: TrainConfig
+    rule: GenericRule
+    round_idx: int
+    seed: int
+    client_id: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    augment: bool
+    device: torch.device
+    initial: StateDict  # the model's initial weights (every parameter), which a client that never trained has
+    meta_set: ClientData | None = None
+
+
+class Personalization:
+    """Base class: hooks with Fed-RoD's behaviour; a method overrides what it changes."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type] = NoParams
+    # The model's personalized part (``FedModel.variant``): None, "linear" (phi_m) or "hyper" (H(a; nu)).
+    variant: ClassVar[str | None] = None
+    # The PM's global reading (``pfl_pm_global``): "model", the global weights with the client's personal
+    # part (``reading_heads``); None, no such reading (NaN), a client that never trained then reads the GM.
+    global_reading: ClassVar[str | None] = "model"
+    # The PM is made from the global model at evaluation (``pm_job``): it changes every round.
+    pm_from_global: ClassVar[bool] = False
+    # A client's calls carry its last local model (``ClientState.for_training``).
+    starts_from_local_model: ClassVar[bool] = False
+
+    def __init__(self, params=None):
+        self.params = params if params is not None else self.Params()
+
+    # --- the model ------------------------------------------------------------------------------------
+
+    def personal_keys(self, model: FedModel) -> list[str]:
+        """Parameters besides the personalized head that every client keeps and never sends."""
+        return []
+
+    # --- client ---------------------------------------------------------------------------------------
+
+    def train(self, model: FedModel, message: RoundInput, data: ClientData, personal: StateDict | None,
+              local_model: StateDict | None, rule_state: StateDict, objectives: dict[str, StateDict],
+              momentum: StateDict, ctx: UpdateContext) -> Outcome:
+        """One local update: (the result for the server, the personal state the client keeps, the rule's
+        client state). ``model`` is left holding the client's model."""
+        raise NotImplementedError
+
+    def load_pm(self, model: FedModel, state, data: Callable[[], ClientData], ctx: UpdateContext) -> None:
+        """Load the PM of the client whose ``ClientState`` is ``state`` (after ``pm_job``) into ``model``;
+        ``ctx.round_idx`` is its last round."""
+        model.load_partial(state.local_model)
+        if state.personal is not None:
+            model.load_partial(state.personal)
+
+    # --- server ---------------------------------------------------------------------------------------
+
+    def messages(self, server_state: StateDict, ids: list[int], uploads: dict[int, StateDict | None],
+                 round_idx: int, seed: int) -> dict[int, StateDict]:
+        """What each of the round's clients ``ids`` receives besides the global weights; ``uploads`` is every
+        client's last upload (None: it never trained)."""
+        return {}
+
+    def init_server_state(self, num_clients: int) -> StateDict:
+        return {}
+
+    def server_update(self, averaged: StateDict, results: dict[int, LocalResult],
+                      uploads: dict[int, StateDict | None], server_state: StateDict, initial: StateDict,
+                      num_clients: int) -> tuple[StateDict, StateDict]:
+        """(new global weights, new server state) from the participants' averaged shared weights, their
+        ``results`` and every client's last upload (``uploads``, the round's included)."""
+        return averaged, server_state
+
+    def generic_model(self, global_shared: StateDict, pms: Callable[[], list[StateDict]]) -> StateDict:
+        """The GM's weights (G-FL, P-FL (GM), ``final/``): the global weights, or (a method without a global
+        model) the mean of the training clients' PMs, which ``pms`` gives."""
+        return global_shared
+
+    # The PM's global reading replaces the global model's head by ``reading_heads`` instead of adding them.
+    reading_replaces_head: ClassVar[bool] = False
+
+    def reading_heads(self, model: FedModel, personal: list[StateDict | None], class_dists: torch.Tensor,
+                      initial: StateDict) -> torch.Tensor | None:
+        """The heads (clients x classes x features) that the PM's global reading adds to the global model's
+        logits on its features, for clients with these personal states (None: never trained) and class
+        distributions; None: the reading is the global model itself."""
+        return None
+
+    def pm_job(self, state, global_shared: StateDict, rounds_done: int):
+        """The ``ClientState`` that the client's PM is evaluated from (``load_pm``) after ``rounds_done``
+        rounds: its own (with ``pm_from_global``: one made of the global weights)."""
+        return state
+
+
+def mean_state(states: list[StateDict]) -> StateDict:
+    """The plain (unweighted) mean of state dicts, key by key, folded in list order in float64."""
+    out = {k: v.to(torch.float64).clone() for k, v in states[0].items()}
+    for state in states[1:]:
+        for k, v in state.items():
+            out[k].add_(v.to(torch.float64))
+    return {k: (v / len(states)).to(states[0][k].dtype) for k, v in out.items()}

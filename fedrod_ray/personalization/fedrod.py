@@ -1,0 +1,54 @@
+"""Fed-RoD's own personalization (docs/method.md): one head (FedAvg and the generic-FL rows), a linear
+personalized head phi_m kept by each client, or a hypernetwork H(a_m; nu) the server averages.
+
+All three train by ``local.local_update``: the balanced loss of the generic head, and with a personalized
+head the cross-entropy of the personalized logits on detached features; the generic rule and the local
+objective act as they say. The PM is the client's last local model (with its phi_m); its global reading is
+the global model with the client's head: phi_m, H(a_m; nu_bar), or none (the GM itself).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..local import load_client_weights, local_update
+from .base import Personalization
+from .registry import register
+
+
+class _FedRoD(Personalization):
+    def train(self, model, message, data, personal, local_model, rule_state, objectives, momentum, ctx):
+        return local_update(
+            model, message, data, ctx.cfg, ctx.rule, round_idx=ctx.round_idx, seed=ctx.seed,
+            client_id=ctx.client_id, mean=ctx.mean, std=ctx.std, augment=ctx.augment, personal=personal,
+            rule_state=rule_state, initial=local_model if ctx.rule.starts_from_local_model else None,
+            meta_set=ctx.meta_set, objectives=objectives, momentum_buffers=momentum, device=ctx.device)
+
+    def load_pm(self, model, state, data, ctx):
+        load_client_weights(model, state.local_model, state.personal)
+
+
+@register
+class OneHead(_FedRoD):
+    """The one-head model: FedAvg and the generic-FL rules, the PM is the client's local model w_m."""
+
+    name = "none"
+
+
+@register
+class LinearHead(_FedRoD):
+    name = "linear"
+    variant = "linear"
+
+    def reading_heads(self, model, personal, class_dists, initial):
+        shape = model.personal_head.weight.shape
+        return torch.stack([torch.zeros(shape) if p is None else p["personal_head.weight"] for p in personal])
+
+
+@register
+class HyperHead(_FedRoD):
+    name = "hyper"
+    variant = "hyper"
+
+    def reading_heads(self, model, personal, class_dists, initial):
+        return model.personal_weight(class_dists)

@@ -1,0 +1,18 @@
+"""The registry of personalization methods by name: each method module registers its class here on import."""
+
+from __future__ import annotations
+
+from ..config import HEADS
+from .base import Personalization
+
+METHODS: dict[str, type[Personalization]] = {}
+
+
+def register(cls: type[Personalization]) -> type[Personalization]:
+    if not cls.name or cls.name in METHODS:
+        raise ValueError(f"method {cls.__name__} needs a unique name, got {cls.name!r}")
+    spec = HEADS.get(cls.name)
+    if spec is None or spec.params is not cls.Params:
+        raise ValueError(f"method {cls.__name__}: fedrod_ray.config.HEADS must map {cls.name!r} to its Params")
+    METHODS[cls.name] = cls
+    return cls
