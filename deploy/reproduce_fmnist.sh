@@ -7,7 +7,10 @@
 #   FEDROD_DATA_DIR=/path/to/data bash deploy/reproduce_fmnist.sh OUT [JOB ...]
 #
 # JOB: main_a0.3 new_clients main_a0.1 init_a0.3 seeds_a0.3 normalize_a0.3 momentum_a0.3 (default: all, in
-# that order), or meta_bsm_a0.3 / meta_bsm_a0.1 (the main tables' Meta-BSM row alone).
+# that order), or meta_bsm_a0.3 / meta_bsm_a0.1 (the main tables' Meta-BSM row alone); the personalized-FL
+# baselines: the sweeps that select their parameters (sweep_lambda, sweep_perfedavg, sweep_pfedme: tune/pfl_*.yaml),
+# the rows without such a parameter (pfl_a0.3, pfl_a0.1), those with one, once the sweeps chose it
+# (pfl_tuned_a0.3, pfl_tuned_a0.1), and seeds 1, 2 at Dir(0.1) (seeds_a0.1).
 set -uo pipefail
 out=${1:?usage: reproduce_fmnist.sh OUT [JOB ...]}
 shift
@@ -19,6 +22,8 @@ base=configs/fmnist_paper.yaml
 main_rows=(--row FedAvg --row FedProx --row SCAFFOLD --row FedDyn --row "Fed-RoD (linear)"
            --row "Fed-RoD (hyper)" --row "Fed-RoD (hyper) + FedDyn" --row "Fed-RoD (Meta-BSM)")
 two_rows=(--row FedAvg --row "Fed-RoD (hyper)")
+pfl_rows=(--row LG-FedAvg --row FedPer --row FedFOMO --row FedRep)
+pfl_tuned_rows=(--row MTL --row Per-FedAvg --row Ditto --row pFedMe)
 
 job_args() {
   case $1 in
@@ -38,6 +43,12 @@ job_args() {
     normalize_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 --set data.normalize=false "${two_rows[@]}") ;;
     momentum_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 --set train.momentum_buffers=keep
                          "${two_rows[@]}") ;;
+    pfl_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 "${pfl_rows[@]}") ;;
+    pfl_a0.1) args=(--table main --seeds 0, "${pfl_rows[@]}") ;;
+    pfl_tuned_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 "${pfl_tuned_rows[@]}") ;;
+    pfl_tuned_a0.1) args=(--table main --seeds 0, "${pfl_tuned_rows[@]}") ;;
+    seeds_a0.1) args=(--table main --seeds 1,2 --row FedAvg --row FedDyn --row "Fed-RoD (hyper)" ${BEST_PFL:+--row "$BEST_PFL"}) ;;
+    sweep_lambda | sweep_perfedavg | sweep_pfedme) args=(--config "tune/pfl_${1#sweep_}.yaml") ;;
     *) echo "unknown job $1" >&2; return 2 ;;
   esac
 }
@@ -50,7 +61,13 @@ mkdir -p "$RAY_TMPDIR"
 for job in "${jobs[@]}"; do
   job_args "$job" || exit 2
   echo "=== $(date -u +%FT%TZ) $job (commit $(git rev-parse --short HEAD))" | tee -a "$out/$job.log"
-  if [ -f "$out/$job/reproduce.yaml" ] && [ -d "$out/$job/trials" ]; then
+  if [[ $job == sweep_* ]]; then
+    if [ -d "$out/$job" ]; then
+      fedrod-ray tune --resume "$out/$job" >>"$out/$job.log" 2>&1
+    else
+      fedrod-ray tune "${args[@]}" --sweep-dir "$out/$job" >>"$out/$job.log" 2>&1
+    fi
+  elif [ -f "$out/$job/reproduce.yaml" ] && [ -d "$out/$job/trials" ]; then
     fedrod-ray reproduce --resume "$out/$job" >>"$out/$job.log" 2>&1
   else
     fedrod-ray reproduce --config "$base" "${args[@]}" --out "$out/$job" >>"$out/$job.log" 2>&1

@@ -184,11 +184,12 @@ def cmd_list(args) -> int:
     from .config import ARCHS, DATASET_PLUGINS, DATASETS, GAMMA_LOSSES, HEADS, MODEL_PLUGINS, PARTITIONS
     from .losses import BALANCED_LOSSES
     from .objectives import OBJECTIVES
+    from .personalization import METHODS
     from .plugins import plugin_sources
 
-    def params(rule) -> str:
-        defaults = [f"{f}={v}" for f, v in vars(rule.Params()).items()]
-        return f" (train.rule_params: {', '.join(defaults)})" if defaults else ""
+    def params(plugin, key: str = "train.rule_params") -> str:
+        defaults = [f"{f}={v}" for f, v in vars(plugin.Params()).items()]
+        return f" ({key}: {', '.join(defaults)})" if defaults else ""
 
     def plugins(group: str) -> str:
         return ", ".join(f"{name} ({source})" for name, source in plugin_sources(group).items()) or "none installed"
@@ -200,7 +201,8 @@ def cmd_list(args) -> int:
     print("partitions (data.partition): " + ", ".join(PARTITIONS))
     print("feature extractors (model.arch): auto, " + ", ".join(ARCHS) + ", package.module:factory")
     print("model plug-ins (model.arch): " + plugins(MODEL_PLUGINS))
-    print("heads (train.head): " + ", ".join(HEADS))
+    print("personalization methods (train.head): " + ", ".join(
+        n + params(METHODS[n], "train.head_params") for n in HEADS))
     print("generic rules (train.generic_rule): " + ", ".join(n + params(r) for n, r in sorted(RULES.items())))
     def settings(name: str) -> list[str]:
         return (["train.gamma"] if name in GAMMA_LOSSES else []) + ([f"train.{name}"] if name in OBJECTIVES else [])

@@ -277,7 +277,12 @@ def test_version_and_list():
     assert rc == 0
     lines = dict(line.split(": ", 1) for line in out.splitlines())
     assert lines["datasets (data.dataset)"] == "mnist, fmnist, emnist, cifar10, cifar100, synthetic"
-    assert lines["heads (train.head)"] == "none, linear, hyper"
+    assert lines["personalization methods (train.head)"] == (
+        "none, linear, hyper, fedper, fedrep, lg_fedavg, ditto (train.head_params: lam=0.1), "
+        "pfedme (train.head_params: lam=15.0, personal_lr=0.01, inner_steps=5), "
+        "perfedavg (train.head_params: beta=0.001), "
+        "fedfomo (train.head_params: models=4, epsilon=0.3, epsilon_decay=0.05, val_fraction=0.2), "
+        "mtl (train.head_params: lam=0.1)")
     assert lines["generic rules (train.generic_rule)"] == (
         "fedavg, feddyn (train.rule_params: alpha=0.01), fedprox (train.rule_params: mu=0.01), local, scaffold")
     assert lines["balanced losses (train.balanced_loss)"] == (

@@ -33,8 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "synthetic_tiny.yaml"
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
-MAIN_ROWS = ["FedAvg", "FedProx", "SCAFFOLD", "FedDyn", "local-only", "Fed-RoD (linear)", "Fed-RoD (hyper)",
-             "Fed-RoD (hyper) + FedDyn", "Fed-RoD (Meta-BSM)"]
+GENERIC_ROWS = ["FedAvg", "FedProx", "SCAFFOLD", "FedDyn", "local-only", "Fed-RoD (linear)", "Fed-RoD (hyper)",
+                "Fed-RoD (hyper) + FedDyn", "Fed-RoD (Meta-BSM)"]
+# The paper's personalized-FL block, in its order.
+PFL_ROWS = ["MTL", "LG-FedAvg", "FedPer", "Per-FedAvg", "pFedMe", "Ditto", "FedFOMO", "FedRep"]
+MAIN_ROWS = GENERIC_ROWS + PFL_ROWS
 
 
 # --- the tables: every row a valid config -----------------------------------------------------------
@@ -46,7 +49,7 @@ def test_the_tables_have_the_papers_rows():
                                         "Fed-RoD (hyper)"]
     assert list(TABLES["losses"]) == ["CE", "IR", "LDAM", "CDT", "BSM"]
     assert list(TABLES["new-clients"]) == ["FedAvg", "FedDyn", "Fed-RoD (linear)", "Fed-RoD (hyper)"]
-    assert list(TABLES["imbalanced"]) == [f"{r}, IM {im}" for im in (10, 100) for r in MAIN_ROWS]
+    assert list(TABLES["imbalanced"]) == [f"{r}, IM {im}" for im in (10, 100) for r in GENERIC_ROWS]
 
 
 @pytest.mark.parametrize("base", [TINY, QUICKSTART], ids=lambda p: p.name)
@@ -62,14 +65,23 @@ def test_every_row_of_every_table_is_a_valid_config(table, base):
             assert (flat["seed"], flat["train.rounds"], flat["eval.eval_every"]) == (seed, 2, 1)
             assert cfg.runtime.mode == "ray"
             for key, value in overrides.items():
-                if key != "train.rule_params":  # {}: the rule's defaults, filled in by validation
+                if key not in ("train.rule_params", "train.head_params"):  # {}: defaults, filled in by validation
                     assert flat[key] == value, (label, key)
 
 
 def test_the_rows_say_what_the_contract_says():
     main, ablation, losses = TABLES["main"], TABLES["ablation"], TABLES["losses"]
     assert main["FedAvg"] == {"train.head": "none", "train.balanced_loss": "ce", "train.generic_rule": "fedavg",
-                              "train.rule_params": {}}
+                              "train.rule_params": {}, "train.head_params": {}}
+    # The personalized-FL baselines: each its method, with cross-entropy, no generic rule, and plain steps
+    # where its updates are its own formulas.
+    methods = {"MTL": "mtl", "LG-FedAvg": "lg_fedavg", "FedPer": "fedper", "Per-FedAvg": "perfedavg",
+               "pFedMe": "pfedme", "Ditto": "ditto", "FedFOMO": "fedfomo", "FedRep": "fedrep"}
+    for label, head in methods.items():
+        row = main[label]
+        assert (row["train.head"], row["train.balanced_loss"], row["train.generic_rule"]) == (head, "ce", "fedavg")
+        plain = head in ("pfedme", "perfedavg")
+        assert (row.get("train.momentum"), row.get("train.weight_decay")) == ((0, 0) if plain else (None, None))
     assert main["local-only"]["train.generic_rule"] == "local" and main["local-only"]["train.head"] == "none"
     assert main["Fed-RoD (hyper) + FedDyn"]["train.generic_rule"] == "feddyn"
     assert (main["Fed-RoD (Meta-BSM)"]["train.head"], main["Fed-RoD (Meta-BSM)"]["train.balanced_loss"]) == (

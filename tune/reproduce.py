@@ -50,10 +50,27 @@ IMBALANCE_RATIOS = (10, 100)
 TRIAL_OWNED = ("seed", "runtime.mode", "runtime.address", "runtime.clients_per_actor", "runtime.client_resources")
 
 
-def _method(head: str, loss: str, rule: str = "fedavg") -> dict[str, Any]:
-    # Every row names all three axes and resets the rule's parameters to the rule's defaults, so a row
-    # is the same method whatever the base config says.
-    return {"train.head": head, "train.balanced_loss": loss, "train.generic_rule": rule, "train.rule_params": {}}
+def _method(head: str, loss: str, rule: str = "fedavg", **head_params) -> dict[str, Any]:
+    # Every row names all three axes and sets the rule's and the method's parameters (the defaults, unless
+    # given), so a row is the same method whatever the base config says.
+    return {"train.head": head, "train.balanced_loss": loss, "train.generic_rule": rule, "train.rule_params": {},
+            "train.head_params": head_params}
+
+
+# pFedMe's and Per-FedAvg's updates are their own formulas of plain gradient steps.
+PLAIN_STEPS = {"train.momentum": 0, "train.weight_decay": 0}
+# The personalized-FL baselines (FEDROD.md's second block of Table 1, the paper's order), with the values of
+# the parameters the paper selected from a list, selected the same way (tune/pfl_*.yaml sweeps, docs/results).
+PFL = {
+    "MTL": _method("mtl", "ce"),
+    "LG-FedAvg": _method("lg_fedavg", "ce"),
+    "FedPer": _method("fedper", "ce"),
+    "Per-FedAvg": {**_method("perfedavg", "ce"), **PLAIN_STEPS},
+    "pFedMe": {**_method("pfedme", "ce"), **PLAIN_STEPS},
+    "Ditto": _method("ditto", "ce"),
+    "FedFOMO": _method("fedfomo", "ce"),
+    "FedRep": _method("fedrep", "ce"),
+}
 
 
 FEDAVG = _method("none", "ce")
@@ -72,6 +89,7 @@ MAIN = {
     "Fed-RoD (hyper)": HYPER,
     "Fed-RoD (hyper) + FedDyn": _method("hyper", "bsm", "feddyn"),
     "Fed-RoD (Meta-BSM)": _method("linear", "meta_bsm"),
+    **PFL,
 }
 TABLES: dict[str, dict[str, dict[str, Any]]] = {
     "main": MAIN,
@@ -94,7 +112,7 @@ TABLES: dict[str, dict[str, dict[str, Any]]] = {
     },
     # The main rows with long-tailed global training data.
     "imbalanced": {f"{label}, IM {ratio}": {**overrides, "data.imbalance_ratio": ratio}
-                   for ratio in IMBALANCE_RATIOS for label, overrides in MAIN.items()},
+                   for ratio in IMBALANCE_RATIOS for label, overrides in MAIN.items() if label not in PFL},
 }
 
 # The table's columns (fractions in the records, % in the table).
