@@ -4,12 +4,15 @@ GM and PM read, checkpointed and resumed bitwise, and its ``final/`` served."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from fedrod_ray_tune.space import load_sweep
 from test_federation import _same, make_federation
 from torch import nn
 
@@ -354,3 +357,21 @@ def test_final_serves_the_generic_model(name, tmp_path):
     gm = fed.evaluation.generic_model(fed.global_shared, fed.clients)
     state = served.model.state_dict()
     assert set(state) == set(gm) and all(torch.equal(state[k], gm[k]) for k in gm)
+
+
+@pytest.mark.parametrize("sweep", ["pfl_lambda", "pfl_perfedavg", "pfl_pfedme"])
+def test_the_selection_sweeps_search_the_papers_lists_on_another_seed(sweep):
+    """tune/pfl_*.yaml: every point of each grid is a valid trial of its method on Dir(0.3), at a seed that is
+    not the tables' (0)."""
+    spec = load_sweep(Path(__file__).resolve().parents[1] / "tune" / f"{sweep}.yaml")
+    grids = {k: v["grid"] for k, v in spec.search.items()}
+    lists = {("ditto", "lam"): [0.01, 0.1, 1.0], ("mtl", "lam"): [0.01, 0.1, 1.0],
+             ("perfedavg", "beta"): [0.01, 0.001, 0.0001], ("pfedme", "lam"): [15.0, 20.0, 30.0]}
+    seen = set()
+    for values in itertools.product(*grids.values()):
+        cfg = spec.trial_config(dict(zip(grids, values)))
+        assert cfg.seed != 0 and cfg.data.alpha == 0.3 and cfg.data.dataset == "fmnist"
+        (param, value), = [(k, v) for k, v in cfg.train.head_params.items() if k in ("lam", "beta")]
+        seen.add((cfg.train.head, param, value))
+    assert seen == {(head, param, v) for (head, param), vs in lists.items() for v in vs
+                    if any(head == h for h, _, _ in seen)}

@@ -192,6 +192,19 @@ def test_the_table_by_hand():
     assert "fine-tuning it on their own data for 3 epochs" in lines[6]
 
 
+def test_the_personalized_fl_rows_are_read_as_the_paper_reads_them():
+    spec = build_spec("main", TINY, [0], rounds=2, rows=["FedAvg", "FedPer", "Per-FedAvg", "Ditto"])
+    records = [record(row, 0, gfl_gm=0.5, pfl_gm=0.6, pfl_pm=0.8) for row in spec.rows]
+    lines = format_table(spec, records).splitlines()
+    assert lines[4] == "| FedAvg | 50.00 | 60.00 | 80.00 | - | - |"
+    # No global model: the GM is the mean of the personalized models (the paper's star).
+    assert lines[5] == "| FedPer | 50.00 ⋆ | 60.00 ⋆ | 80.00 | - | - |"
+    # Per-FedAvg's GM is made to be adapted: no P-FL (GM), as in the paper.
+    assert lines[6] == "| Per-FedAvg | 50.00 | - | 80.00 | - | - |"
+    assert lines[7] == "| Ditto | 50.00 | 60.00 | 80.00 | - | - |"
+    assert lines[9].startswith("⋆ no global model: the GM is the mean of the clients' final personalized models")
+
+
 def test_an_unfinished_row_says_how_far_it_got():
     spec = build_spec("main", TINY, [0, 1], rounds=100, rows=["FedAvg", "FedProx", "SCAFFOLD", "FedDyn"])
     records = [

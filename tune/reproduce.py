@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from fedrod_ray.config import (
+    HEADS,
     ConfigError,
     ExperimentConfig,
     apply_override,
@@ -38,6 +39,7 @@ from fedrod_ray.config import (
     load_config,
 )
 from fedrod_ray.metric_schema import ACCURACIES, BY_KEY, title, values_line
+from fedrod_ray.personalization import METHODS
 from fedrod_ray.plotting import figure, png, round_axis
 
 from .space import SweepSpec, check_models
@@ -455,6 +457,7 @@ def format_table(spec: ReproSpec, records: list[dict]) -> str:
              "|---|" + "|".join("---:" for _ in columns) + "|---:|"]
     footnotes = []
     for label, overrides in spec.rows.items():
+        method = METHODS[spec.row_config(label, spec.seeds[0]).train.head]
         mine = [r for r in records if r["row"] == label and r["status"] == "finished"]
         name = label if len(mine) == len(spec.seeds) else f"{label} ({len(mine)} of {len(spec.seeds)} seeds)"
         if not mine:  # how far it got: the metrics of its last evaluation, at the round they were measured
@@ -472,6 +475,15 @@ def format_table(spec: ReproSpec, records: list[dict]) -> str:
                             f"{_epochs(overrides['eval.finetune_epochs'])} (ERM) on each client's own data "
                             "at the last round.")
                 footnotes += [footnote] if footnote not in footnotes else []
+            if key in ("gfl_gm", "pfl_gm") and not HEADS[method.name].global_model:
+                mark = " ⋆"
+                footnote = ("⋆ no global model: the GM is the mean of the clients' final personalized models, as "
+                            "the paper reads these methods.")
+                footnotes += [footnote] if footnote not in footnotes else []
+            if key == "pfl_gm" and method.pm_from_global:
+                # Its GM is made to be adapted: the paper has no P-FL (GM) for it (results.csv has the value).
+                cells.append("-")
+                continue
             cells.append(mean_std([r[key] for r in mine]) + mark)
         walls = [r["wall_s"] for r in mine if not math.isnan(r["wall_s"])]
         cells.append(f"{statistics.fmean(walls) / 3600:.2f}" if walls else "-")
