@@ -203,7 +203,8 @@ class ModelInfo(BaseModel):
         "version_id": EXAMPLE_VERSION, "dataset": "mnist", "class_names": [str(i) for i in range(10)],
         "num_classes": 10,
         "input": {"shape": [1, 28, 28], "mean": [0.1307], "std": [0.3081], "png_mode": "L"},
-        "head": "hyper", "arch": "mnist_cnn", "hyper_hidden": 16, "rule": "fedavg", "balanced_loss": "bsm",
+        "head": "hyper", "method": "hyper", "generic_model": "global", "arch": "mnist_cnn", "hyper_hidden": 16,
+        "rule": "fedavg", "balanced_loss": "bsm",
         "round": 5, "metrics": {"gfl_gm": 0.9763, "pfl_pm": 0.9769}, "client_ids": [], "trained_client_ids": [],
         "limits": {"max_batch": 256, "max_body_bytes": 16777216, "body_timeout_s": 30.0,
                    "head_cache_size": 1024}}]})
@@ -216,6 +217,11 @@ class ModelInfo(BaseModel):
     head: Literal["none", "linear", "hyper"] = Field(
         description="hyper: zero-shot heads from a class distribution; linear: stored per-client heads; "
                     "none: generic predictions only")
+    method: str = Field(description="the personalization method that trained it (train.head): Fed-RoD's none, "
+                                    "linear or hyper, or a personalized-FL baseline such as ditto or fedper")
+    generic_model: Literal["global", "mean of personalized models"] = Field(
+        description="what the generic predictions come from: the method's global model, or (a method without "
+                    "one: FedPer, FedRep, LG-FedAvg, FedFOMO, MTL) the mean of the clients' personalized models")
     arch: str
     hyper_hidden: int | None = Field(description="hypernetwork width (hyper head only)")
     rule: str

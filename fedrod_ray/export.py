@@ -38,7 +38,8 @@ FINAL_DIR = "final"
 MODEL_FILE = "model.safetensors"
 PERSONAL_FILE = "personal.safetensors"
 META_FILE = "meta.json"
-HEADS = ("none", "linear", "hyper")
+HEADS = ("none", "linear", "hyper")  # the served model's personalized part (FedModel.variant, or none)
+GENERIC_MODELS = ("global", "mean of personalized models")
 
 
 class ExportError(ValueError):
@@ -59,6 +60,14 @@ class ModelMeta:
     balanced_loss: str
     round: int  # completed rounds when saved
     metrics: dict[str, float] = field(default_factory=dict)
+    # The personalization method that trained it (train.head; a final/ of an earlier version: its head) and
+    # what the served generic model is: the method's global model, or, for a method without one, the mean of
+    # the clients' personalized models.
+    method: str = ""  # "": the head's
+    generic_model: str = "global"
+
+    def __post_init__(self):
+        self.method = self.method or self.head
 
     @property
     def num_classes(self) -> int:
@@ -130,6 +139,9 @@ def _meta_from_doc(doc: dict, where: str) -> ModelMeta:
     need("hyper_hidden", lambda v: _is_int(v) and v > 0, "a positive integer")
     need("round", lambda v: _is_int(v) and v >= 0, "a non-negative integer")
     need("metrics", lambda v: isinstance(v, dict) and all(map(_is_num, v.values())), "an object of numbers")
+    doc = {"method": doc["head"], "generic_model": "global", **doc}  # written before these fields existed
+    need("method", lambda v: isinstance(v, str) and v, "a non-empty string")
+    need("generic_model", lambda v: v in GENERIC_MODELS, f"one of {GENERIC_MODELS}")
     values = {f.name: doc[f.name] for f in fields(ModelMeta)}
     values.update(mean=[float(x) for x in values["mean"]], std=[float(x) for x in values["std"]],
                   metrics={k: float(v) for k, v in values["metrics"].items()})

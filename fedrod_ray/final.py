@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from .aggregate import StateDict
-from .export import ModelMeta, save_final
+from .config import HEADS
+from .export import GENERIC_MODELS, ModelMeta, save_final
 from .metric_schema import EVALUATED
 from .models import resolve_arch
 from .objectives import model_parts
@@ -21,11 +22,13 @@ from .storage import RunStorage
 
 def model_meta(setup: Setup, rounds_done: int, metrics: dict[str, float], variant: str | None) -> ModelMeta:
     ds, cfg = setup.dataset, setup.cfg
+    has_global = HEADS[cfg.train.head].global_model
     return ModelMeta(
         dataset=ds.name, class_names=ds.class_names, image_shape=list(ds.image_shape),
         mean=list(ds.mean), std=list(ds.std), arch=resolve_arch(cfg.model.arch, ds.image_shape),
         head=variant or "none", hyper_hidden=cfg.hyper_hidden, rule=cfg.train.generic_rule,
-        balanced_loss=cfg.train.balanced_loss, round=rounds_done, metrics=metrics,
+        balanced_loss=cfg.train.balanced_loss, round=rounds_done, metrics=metrics, method=cfg.train.head,
+        generic_model=GENERIC_MODELS[0] if has_global else GENERIC_MODELS[1],
     )
 
 

@@ -109,6 +109,7 @@ def test_health_and_model(hyper, linear, runs, tmp_path):
         "version_id": version, "dataset": "mnist", "class_names": [str(i) for i in range(10)],
         "num_classes": 10,
         "input": {"shape": SHAPE, "mean": MEAN, "std": STD, "png_mode": "L"}, "head": "hyper",
+        "method": "hyper", "generic_model": "global",
         "arch": "mnist_cnn", "hyper_hidden": 16, "rule": "fedavg", "balanced_loss": "bsm", "round": 5,
         "metrics": {"gfl_gm": 0.5, "pfl_pm": 0.75}, "client_ids": [], "trained_client_ids": [],
         "limits": {"max_batch": 4, "max_body_bytes": 2**16, "body_timeout_s": 30.0, "head_cache_size": 2},

@@ -19,7 +19,7 @@ from torch import nn
 from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import ConfigError, ExperimentConfig, config_from_dict
-from fedrod_ray.export import load_final
+from fedrod_ray.export import _version_id, load_final
 from fedrod_ray.final import write_final
 from fedrod_ray.local import LocalResult
 from fedrod_ray.models import build_model
@@ -375,3 +375,20 @@ def test_the_selection_sweeps_search_the_papers_lists_on_another_seed(sweep):
         seen.add((cfg.train.head, param, value))
     assert seen == {(head, param, v) for (head, param), vs in lists.items() for v in vs
                     if any(head == h for h, _, _ in seen)}
+
+
+def test_final_and_the_service_say_what_the_generic_model_is(tmp_path):
+    """meta.json names the method and whether the served GM is its global model or the mean of the PMs;
+    a final/ written before those fields loads as a global model of its head."""
+    for name, generic in (("fedper", "mean of personalized models"), ("ditto", "global")):
+        fed = make_federation(*overrides(name))
+        fed.step(0)
+        write_final(RunStorage(str(tmp_path / name)), fed.setup, fed.snapshot(), {})
+        meta = load_final(str(tmp_path / name)).meta
+        assert (meta.method, meta.generic_model) == (name, generic)
+    doc = json.loads((tmp_path / "ditto" / "final" / "meta.json").read_text())
+    del doc["method"], doc["generic_model"]
+    doc["version_id"] = _version_id(doc)
+    (tmp_path / "ditto" / "final" / "meta.json").write_text(json.dumps(doc))
+    meta = load_final(str(tmp_path / "ditto")).meta
+    assert (meta.method, meta.generic_model) == ("none", "global")
