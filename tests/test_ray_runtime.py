@@ -344,6 +344,10 @@ KILL_CASES = {
     # One actor per client: the victim's client finished in the rounds before; no checkpoint is ever
     # written, so its state can only come from the coordinator's committed copy.
     "one_actor_per_client": ("data.num_clients=4", "train.client_fraction=1.0", *ONE_ACTOR_PER_CLIENT),
+    # A personalized-FL baseline whose clients keep whole models and receive each other's: the lost client
+    # keeps its model, the others train on what they would have received without the fault.
+    "pooled_fedfomo": ("data.num_clients=8", "train.client_fraction=1.0", "train.head=fedfomo",
+                       "train.balanced_loss=ce"),
 }
 
 
