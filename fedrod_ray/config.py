@@ -292,6 +292,11 @@ class EvalConfig:
     # from the global model (hyper: with its zero-shot head), then its P-FL (pfl_new_after); 0: none.
     finetune_epochs: NonNegativeInt = 0
     finetune_train: StrictBool = False  # fine-tune every training client that way too (pfl_ft: the FT baseline)
+    # P-FL over a sample of this many training clients, fixed by the seed, with 95% intervals (pfl_*_ci), for
+    # federations too large to evaluate every client's PM; 0: every client (exact)
+    clients: NonNegativeInt = 0
+    # false: no evaluation after the last round unless eval_every falls on it (a sweep trial, a benchmark)
+    at_end: StrictBool = True
 
 
 @dataclass(config=_CLOSED)
@@ -512,6 +517,13 @@ def _check_effective(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"eval.estimate_size: has no effect when every round is evaluated exactly "
                           f"(eval.eval_every={ev.eval_every}, train.rounds={t.rounds}); remove it or raise "
                           "eval.eval_every")
+    if ev.clients and ev.clients >= cfg.data.num_clients:
+        raise ConfigError(f"eval.clients: {ev.clients} is not a sample of the {cfg.data.num_clients} training "
+                          "clients (data.num_clients); remove it to evaluate every client")
+    if not ev.at_end and ev.finetune_epochs and t.rounds % ev.eval_every:
+        raise ConfigError("eval.finetune_epochs: fine-tuning happens at the last round's evaluation, which "
+                          f"eval.at_end=false skips (train.rounds={t.rounds} is not a multiple of "
+                          f"eval.eval_every={ev.eval_every}); remove one of them")
     if ev.finetune_epochs > 0 and not ev.finetune_train and cfg.data.new_clients == 0:
         raise ConfigError("eval.finetune_epochs: has no effect without held-out clients (data.new_clients) or "
                           "eval.finetune_train=true")

@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from .aggregate import StateDict
@@ -37,6 +38,7 @@ from .models import FedModel
 from .personalization import Personalization, generic_weights
 from .setup import Setup
 
+EVAL_SAMPLE_TAG = 5  # seeds eval.clients' sample of the training clients
 PM_BATCH = 64  # clients whose global-reading PM is scored at once: (64, test size, classes) logits
 
 
@@ -60,6 +62,17 @@ class Evaluation:
         self.estimate_test: TestSet | None = (estimate_test_set(self.cfg, setup.test)
                                               if self.cfg.eval.estimate_size else None)
 
+    @property
+    def client_ids(self) -> list[int]:
+        """The clients an evaluation scores: every one, or (``eval.clients``) a sample of the training clients,
+        fixed by the run's seed, with every held-out new client."""
+        k, m = self.cfg.eval.clients, self.setup.num_clients
+        ids = self.setup.all_client_ids
+        if not k or k >= m:
+            return ids
+        sample = np.random.default_rng([self.cfg.seed, EVAL_SAMPLE_TAG]).choice(m, size=k, replace=False)
+        return sorted(int(c) for c in sample) + ids[m:]
+
     def clear(self) -> None:
         self._pm_counts.clear()
         self._pm_estimates.clear()
@@ -69,7 +82,9 @@ class Evaluation:
         """The metrics of the GM ``global_shared`` and the PMs of ``clients`` after round ``round_idx``
         (0-based); ``final`` adds the fine-tuned P-FL of ``eval.finetune_epochs``."""
         test, weights = self.setup.test, self.setup.pfl_weights
-        pm, stale, fresh_clients = self._pm_jobs(self._pm_states(clients, global_shared, round_idx + 1),
+        ids = self.client_ids
+        scored = {cid: clients[cid] for cid in ids}
+        pm, stale, fresh_clients = self._pm_jobs(self._pm_states(scored, global_shared, round_idx + 1),
                                                  self._pm_counts)
         ft_jobs = self._finetune_jobs(clients) if final else []
         message = RoundInput(global_shared)
@@ -83,7 +98,6 @@ class Evaluation:
             z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
             preds = logits.argmax(1)
             correct, total = class_correct(preds, test.y, test.num_classes)
-            ids = self.setup.all_client_ids
             gm = _gm_counts(preds, test, ids, correct, total)
             pm_global = self._global_reading_pms(clients, ids, global_shared, generic, z, logits, gm, test)
             # A client that never trained has no model of its own: its PM is the global reading.
@@ -101,27 +115,27 @@ class Evaluation:
             self.log(f"client {cid}: not fine-tuned: {error}")
         m = self.setup.num_clients
         has_reading = self.method.global_reading is not None
-        pfl_gm = pfl_accuracy(torch.stack([gm.correct[c] for c in ids]), torch.stack([gm.total[c] for c in ids]),
-                              weights[ids])
+        pfl_gm = _pfl(gm, weights)
         pfl_pm = _pfl(pm, weights)
-        pfl_global = _pfl(pm_global, weights)
-        out = {
-            "gfl_gm": accuracy(correct, total),
-            "pfl_gm": float(pfl_gm[:m].mean()),
-            # Over the clients whose PM could be evaluated (pm_eval_failed counts the others).
-            "pfl_pm": _mean([v for c, v in pfl_pm.items() if c < m]),
-            "pfl_pm_global": _mean([v for c, v in pfl_global.items() if c < m and has_reading]),
-            "pm_eval_failed": len(pm.failed),
-        }
-        if len(ids) > m:
-            out["pfl_gm_new"] = float(pfl_gm[m:].mean())
+        pfl_global = _pfl(pm_global, weights) if has_reading else {}
+        train = {"pfl_gm": [v for c, v in pfl_gm.items() if c < m],
+                 # Over the clients whose PM could be evaluated (pm_eval_failed counts the others).
+                 "pfl_pm": [v for c, v in pfl_pm.items() if c < m],
+                 "pfl_pm_global": [v for c, v in pfl_global.items() if c < m]}
+        out = {"gfl_gm": accuracy(correct, total), **{key: _mean(values) for key, values in train.items()},
+               "pm_eval_failed": len(pm.failed)}
+        if self.cfg.eval.clients:
+            # A sample of the training clients: the 95% interval of each mean over all of them.
+            out.update({f"{key}_ci": confidence_halfwidth(values, m) for key, values in train.items()})
+        if len(ids) > len(train["pfl_gm"]):
+            out["pfl_gm_new"] = _mean([v for c, v in pfl_gm.items() if c >= m])
             # New clients never train, so both readings of their PM are the global model (hyper: with H(a; nu)).
-            out["pfl_new_before"] = _mean([v for c, v in pfl_global.items() if c >= m and has_reading])
+            out["pfl_new_before"] = _mean([v for c, v in pfl_global.items() if c >= m])
         if ft_jobs:
             pfl_ft = _pfl(tuned, weights)
             if self.cfg.eval.finetune_train:
                 out["pfl_ft"] = _mean([v for c, v in pfl_ft.items() if c < m])
-            if len(ids) > m:
+            if len(ids) > len(train["pfl_gm"]):
                 out["pfl_new_after"] = _mean([v for c, v in pfl_ft.items() if c >= m])
             out["finetune_failed"] = len(tuned.failed)
         return out
@@ -180,11 +194,12 @@ class Evaluation:
         return evaluated, tuned
 
     def _finetune_jobs(self, clients: dict[int, ClientState]) -> list[Job]:
-        """Held-out new clients, and every training client with ``eval.finetune_train``, when fine-tuning is on."""
+        """Held-out new clients, and every (sampled: ``eval.clients``) training client with ``eval.finetune_train``,
+        when fine-tuning is on."""
         ev = self.cfg.eval
         if ev.finetune_epochs == 0:
             return []
-        ids = self.setup.all_client_ids if ev.finetune_train else self.setup.all_client_ids[self.setup.num_clients:]
+        ids = [cid for cid in self.client_ids if ev.finetune_train or cid >= self.setup.num_clients]
         return [(cid, clients[cid].for_training()) for cid in ids]
 
     @staticmethod
@@ -279,6 +294,18 @@ def anchored(sample: dict[str, float], offset: dict[str, float]) -> dict[str, fl
     """The estimates of a round: its sample estimates corrected by the offset of the last exact evaluation
     (none before the first)."""
     return {key: value + offset.get(key, 0.0) for key, value in sample.items()}
+
+
+def confidence_halfwidth(values: list[float], population: int) -> float:
+    """Half the width of the normal 95% interval of the mean of ``population`` values from a simple random
+    sample of them, ``values`` (drawn without replacement: the finite population correction, 0 when the
+    sample is the whole population)."""
+    k = len(values)
+    if k < 2:
+        return math.nan
+    mean = sum(values) / k
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (k - 1))
+    return 1.96 * sd / math.sqrt(k) * math.sqrt(max(population - k, 0) / max(population - 1, 1))
 
 
 def _pfl(counts: EvalCounts, dists: torch.Tensor) -> dict[int, float]:

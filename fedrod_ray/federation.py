@@ -147,8 +147,11 @@ class Federation:
         }
         sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients, r + 1)
                   if cfg.eval.estimate_size else None)
-        if (r + 1) % cfg.eval.eval_every == 0 or r + 1 == cfg.train.rounds:
-            record.update(self.evaluate(final=r + 1 == cfg.train.rounds))
+        last = r + 1 == cfg.train.rounds
+        # Exact: every eval_every rounds and after the last; with the estimate, after round 1 too, which
+        # anchors it from the start (cheap: only the first round's clients have PMs of their own).
+        if (r + 1) % cfg.eval.eval_every == 0 or (last and cfg.eval.at_end) or (r == 0 and sample is not None):
+            record.update(self.evaluate(final=last))
             if sample is not None:
                 self.estimate_offset = estimate_offset(record, sample)
         if sample is not None:

@@ -14,12 +14,14 @@ EVERY_ROUND = "every round"
 EVALUATION = "evaluation rounds"
 LAST_EVALUATION = "last evaluation"
 ESTIMATED = "every round, with `eval.estimate_size`"
+SAMPLED = "evaluation rounds, with `eval.clients` (P-FL over a sample of the training clients)"
 
 
 @dataclass(frozen=True)
 class Metric:
     key: str
-    # EVERY_ROUND, EVALUATION (every eval.eval_every and the last), LAST_EVALUATION (fine-tuning) or ESTIMATED
+    # EVERY_ROUND, EVALUATION (every eval.eval_every and the last), SAMPLED, LAST_EVALUATION (fine-tuning) or
+    # ESTIMATED
     when: str
     description: str
     label: str = ""  # as the console prints it ("" for a field it does not print)
@@ -63,6 +65,10 @@ METRICS = (
     Metric("pfl_ft", LAST_EVALUATION, "P-FL of the global model fine-tuned on each training client's own data "
            "(the FT baseline, with `eval.finetune_train`)",
            label="FT", title="P-FL (FT)", accuracy=True),
+    Metric("pfl_gm_ci", SAMPLED, "half the width of the 95% confidence interval of `pfl_gm` over every "
+           "training client, from the sample's spread (finite population correction)"),
+    Metric("pfl_pm_ci", SAMPLED, "the same for `pfl_pm`"),
+    Metric("pfl_pm_global_ci", SAMPLED, "the same for `pfl_pm_global`"),
     Metric("pm_eval_failed", EVALUATION, "clients whose PM could not be evaluated"),
     Metric("finetune_failed", LAST_EVALUATION, "clients that could not be fine-tuned"),
     Metric("seconds", EVERY_ROUND, "the whole round with evaluation, in seconds"),

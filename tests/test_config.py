@@ -340,3 +340,14 @@ def test_momentum_buffers_default_to_reset_and_keep_refuses_scaffold():
     saved = config_from_dict({}, ["train.rounds=10"])
     with pytest.raises(ConfigError, match=r"^train\.momentum_buffers: the checkpoint was trained with 'reset'"):
         check_resume(saved, config_from_dict({}, ["train.rounds=10", "train.momentum_buffers=keep"]), rounds_done=3)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["data.num_clients=10", "eval.clients=10"], "eval.clients"),
+    (["train.rounds=5", "eval.eval_every=2", "eval.at_end=false", "eval.finetune_epochs=1", "data.new_clients=2"],
+     "eval.finetune_epochs"),
+])
+def test_evaluation_settings_that_cannot_work_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({}, overrides)
+    assert str(e.value).startswith(field), str(e.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from fedrod_ray.aggregate import weighted_average
 from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import config_from_dict
-from fedrod_ray.evaluation import _gm_counts, anchored, estimate_offset
+from fedrod_ray.evaluation import _gm_counts, anchored, confidence_halfwidth, estimate_offset
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.export import load_final
 from fedrod_ray.federation import Federation, RoundFailedError
@@ -107,11 +108,11 @@ def test_the_estimate_on_the_whole_test_set_is_the_exact_evaluation(head):
     # synthetic_test_per_class 10, 10 classes: a sample of 100 is the whole test set, in the same order.
     fed = make_federation(f"train.head={head}", "train.rounds=3", "eval.eval_every=2", "eval.estimate_size=100",
                           *(["train.balanced_loss=ce"] if head == "none" else []))
-    first = fed.step(0)
-    assert {"gfl_gm_est", "pfl_gm_est", "pfl_pm_est"} <= set(first) and "gfl_gm" not in first
-    for r in (1, 2):
+    for r in (0, 1, 2):
         record = fed.step(r)
-        # Exact rounds (2: eval_every; 3: the last) carry both, each computed from its own counts.
+        assert {"gfl_gm_est", "pfl_gm_est", "pfl_pm_est"} <= set(record)
+        # Exact rounds (1: the estimate's first anchor; 2: eval_every; 3: the last) carry both, each computed
+        # from its own counts.
         for key in ("gfl_gm", "pfl_gm", "pfl_pm"):
             assert record[f"{key}_est"] == record[key], (r, key)
 
@@ -136,8 +137,9 @@ def test_the_estimate_is_a_fixed_class_balanced_sample_and_reads_only_changed_pm
     assert torch.bincount(sample.y, minlength=10).tolist() == [3] * 10
     ids = [sample_clients(3, r, fed.setup.num_clients, 0.5) for r in range(2)]
     records = [fed.step(0), fed.step(1)]
-    assert fed.executor.asked == [(sorted(ids[0]), True), (sorted(ids[1]), True)]
-    assert all("pfl_pm" not in record for record in records)
+    # Round 1 is also evaluated exactly (the estimate's first anchor); round 2 only estimated.
+    assert fed.executor.asked == [(sorted(ids[0]), True), (sorted(ids[0]), False), (sorted(ids[1]), True)]
+    assert "pfl_pm" in records[0] and "pfl_pm" not in records[1]
     # The same run again gives the same estimates, bitwise.
     again = make_federation(*overrides)
     assert torch.equal(again.evaluation.estimate_test.x, sample.x)
@@ -159,26 +161,32 @@ def test_offset_and_anchored_estimates_by_hand():
 
 def test_the_estimate_carries_the_last_exact_evaluations_offset_and_resumes_with_it(tmp_path):
     """Between exact rounds, an estimate is the sample's plus (exact - sample) of the last exact round:
-    checked against a twin federation that trains the same and is never evaluated exactly before the end
-    (its estimates are the sample's alone); the offset survives a checkpoint."""
+    checked against a twin federation that trains the same and is evaluated exactly only at round 1 (the
+    anchor every estimating run has) before the end; the offset survives a checkpoint."""
     sized = ("train.rounds=5", "eval.estimate_size=30")
     fed, twin = make_federation(*sized, "eval.eval_every=2"), make_federation(*sized, "eval.eval_every=4")
-    records, raw = [], []
+    records, raw, first = [], [], {}
     for r in range(3):
         records.append(fed.step(r))
         raw.append(twin.step(r))
-    assert ["gfl_gm" in record for record in records] == [False, True, False]
-    offset = {f"{k}_est": records[1][k] - raw[1][f"{k}_est"] for k in ("gfl_gm", "pfl_gm", "pfl_pm")}
-    assert any(abs(v) > 0.01 for v in offset.values())  # a 30-image sample is off: the test can fail
-    for k, v in offset.items():
-        assert records[0][k] == raw[0][k]  # before the first exact evaluation: the sample's
+        if r == 0:
+            first = dict(fed.estimate_offset)
+    assert ["gfl_gm" in record for record in records] == [True, True, False]
+    assert ["gfl_gm" in record for record in raw] == [True, False, False]
+    assert first == twin.estimate_offset and any(abs(v) > 0.01 for v in first.values())  # the test can fail
+    # Round 2: the sample's value is the twin's estimate less round 1's offset; the exact minus it is the
+    # offset that round 3 carries.
+    offset = {k: records[1][k.removesuffix("_est")] - (raw[1][k] - first[k]) for k in first}
+    for k in first:
+        assert records[0][k] == raw[0][k] == pytest.approx(records[0][k.removesuffix("_est")], abs=1e-12)
         assert records[1][k] == pytest.approx(records[1][k.removesuffix("_est")], abs=1e-12)
-        assert records[2][k] == raw[2][k] + v
+        assert records[2][k] == pytest.approx(raw[2][k] - first[k] + offset[k], abs=1e-12)
 
     save_checkpoint(RunStorage(str(tmp_path)), fed.snapshot())
     resumed = make_federation(*sized, "eval.eval_every=2")
     resumed.restore(load_checkpoint(RunStorage(str(tmp_path))))
-    assert resumed.estimate_offset == fed.estimate_offset == offset
+    assert resumed.estimate_offset == fed.estimate_offset
+    assert fed.estimate_offset == pytest.approx(offset, abs=1e-12)
     after = [resumed.step(3), fed.step(3)]
     assert [{k: v for k, v in record.items() if not k.endswith("seconds")} for record in after] == [
         {k: v for k, v in after[1].items() if not k.endswith("seconds")}] * 2
@@ -324,3 +332,31 @@ def test_run_local_writes_every_result_file(tmp_path):
     assert served.meta.head == "none" and served.meta.rule == "fedavg" and served.meta.num_classes == 10
     assert served.meta.round == 2 and served.meta.metrics["gfl_gm"] == last["gfl_gm"]
     assert served.personal_heads == {}
+
+
+def test_confidence_halfwidth_by_hand():
+    # Values 0.5, 0.7, 0.9: sample sd 0.2; 95% half-width 1.96 * 0.2 / sqrt(3), times sqrt((10 - 3) / (10 - 1)).
+    assert confidence_halfwidth([0.5, 0.7, 0.9], 10) == pytest.approx(1.96 * 0.2 / 3**0.5 * (7 / 9) ** 0.5)
+    assert confidence_halfwidth([0.5, 0.7, 0.9], 3) == 0.0  # the whole population: exact
+    assert math.isnan(confidence_halfwidth([0.5], 10))
+
+
+def test_evaluation_by_a_sample_of_clients_scores_only_them_with_intervals():
+    """eval.clients: a seeded sample of the training clients, the same every evaluation and on every run; its
+    PMs alone are evaluated, and each P-FL mean comes with its 95% half-width."""
+    fed = make_federation("eval.clients=4", "train.client_fraction=1.0")
+    fed.executor = EstimateCountingExecutor(fed.executor.host)
+    sample = fed.evaluation.client_ids
+    assert len([c for c in sample if c < 6]) == 4 and sample[4:] == [6, 7]  # and every new client
+    assert sample == make_federation("eval.clients=4").evaluation.client_ids
+    record = fed.step(0)
+    assert fed.executor.asked == [(sample[:4], False)]
+    assert all(record[f"{k}_ci"] >= 0 for k in ("pfl_gm", "pfl_pm", "pfl_pm_global"))
+    full = make_federation("train.client_fraction=1.0").step(0)
+    assert not any(k.endswith("_ci") for k in full) and full["gfl_gm"] == record["gfl_gm"]
+
+
+def test_a_run_can_skip_the_evaluation_after_its_last_round():
+    fed = make_federation("train.rounds=3", "eval.eval_every=2", "eval.at_end=false")
+    records = [fed.step(r) for r in range(3)]
+    assert ["gfl_gm" in record for record in records] == [False, True, False]

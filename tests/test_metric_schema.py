@@ -31,7 +31,7 @@ def test_a_round_with_everything_on_has_exactly_the_schemas_fields(tmp_path):
         "data": {"dataset": "synthetic", "num_clients": 4, "new_clients": 2, "synthetic_train_per_class": 12,
                  "synthetic_test_per_class": 5},
         "train": {"head": "linear", "rounds": 1, "client_fraction": 0.5, "batch_size": 16},
-        "eval": {"finetune_epochs": 1, "finetune_train": True},
+        "eval": {"finetune_epochs": 1, "finetune_train": True, "clients": 3},
     })
     (record,) = run_local(cfg, RunStorage(str(tmp_path)), log=lambda line: None)
     assert set(record) == {m.key for m in METRICS}
