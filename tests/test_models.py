@@ -1,4 +1,4 @@
-"""Model shapes and parameter counts (FEDROD.md, "Model")."""
+"""Model shapes and parameter counts (docs/method.md, "Model")."""
 
 from __future__ import annotations
 

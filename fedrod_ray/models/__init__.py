@@ -150,7 +150,7 @@ def build_model(arch: str, num_classes: int, image_shape: tuple[int, int, int], 
         torch.manual_seed(seed)
         model = FedModel(resolve_arch(arch, image_shape), num_classes, image_shape[0], variant, hyper_hidden,
                          parts, init, tuple(image_shape[1:]))
-    # channels_last convolutions train about 1.5x faster on CPU (oneDNN) for these small ConvNets.
+    # channels_last convolutions train faster on CPU (oneDNN) for these small ConvNets (docs/benchmarks.md).
     return model.to(memory_format=torch.channels_last)
 
 
