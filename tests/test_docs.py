@@ -9,7 +9,6 @@ import importlib.util
 import re
 from pathlib import Path
 
-import pytest
 from markdown.extensions.toc import slugify
 from test_deploy import cluster_section
 
@@ -112,7 +111,6 @@ def test_the_cli_reference_has_every_command_and_option():
                     assert f"`{flag}`" in text, (name, flag)
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_the_http_api_reference_has_every_operation():
     hook = _hook()
     doc = hook.openapi_document()

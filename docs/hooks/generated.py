@@ -214,7 +214,7 @@ def cli_reference() -> str:
     """Markdown: ``fedrod-ray`` and each of its subcommands, as the parser defines them."""
     from fedrod_ray.cli import build_parser
 
-    with _columns(100):
+    with _columns(80):
         parser = build_parser()
         (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         about = {a.dest: a.help for a in sub._choices_actions}
