@@ -1,5 +1,5 @@
 """Publish the Fashion-MNIST reproduction (``deploy/reproduce_fmnist.sh OUT``) into the repository: each job's
-small result files into ``bench/results/fmnist/<job>/`` and its table into README's "Where it stands".
+small result files into ``bench/results/fmnist/<job>/`` and its tables into docs/results.md's "Where it stands".
 
 Each job in OUT is read as ``fedrod-ray reproduce --status`` reads it (from Tune's trial files, without Ray,
 so a job still running is published as far as it got) and its ``table.md``, ``results.csv``, ``rounds.csv``,
@@ -8,7 +8,7 @@ earlier publication committed (a reproduction that had to start again on another
 rows it has not reached yet), nor does a job in OUT with fewer finished trials than the committed one.
 
     python bench/fmnist_results.py /path/to/out                  # every job found in OUT
-    python bench/fmnist_results.py --readme-only                 # the README block from what is committed
+    python bench/fmnist_results.py --page-only                   # the page's tables from what is committed
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from fedrod_ray.metric_schema import title
 
 ROOT = Path(__file__).resolve().parent.parent
 DEST = ROOT / "bench" / "results" / "fmnist"
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "results.md"
 FILES = ("table.md", "results.csv", "rounds.csv", "curves.png", "reproduce.yaml")
 MARK = ("<!-- fmnist-status -->", "<!-- /fmnist-status -->")
-# deploy/reproduce_fmnist.sh's jobs, in its order, with what README calls them; main_a0.3_rest ran at 31c8cab
+# deploy/reproduce_fmnist.sh's jobs, in its order, with what the page calls them; main_a0.3_rest ran at 31c8cab
 # (Meta-BSM before its fix) and is kept as the record of the collapse.
 JOBS = {
     "main_a0.3": "Main table, Dir(0.3)",
@@ -43,10 +43,10 @@ JOBS = {
     "momentum_a0.3": "Protocol audit: `train.momentum_buffers=keep`, Dir(0.3)",
 }
 
-# The jobs whose curves.png README shows under their table (G-FL and P-FL (PM) by evaluated round).
+# The jobs whose curves.png the page shows under their table (G-FL and P-FL (PM) by evaluated round).
 CURVES = ("main_a0.3", "main_a0.1")
-# A row README shows from another job: the main tables' Fed-RoD (Meta-BSM) ran before its fix (aaf1586) and
-# was rerun alone; README's table names where the row comes from, and that job keeps its own table.
+# A row the page shows from another job: the main tables' Fed-RoD (Meta-BSM) ran before its fix (aaf1586) and
+# was rerun alone; the page's table names where the row comes from, and that job keeps its own table.
 ROW_FROM = {"main_a0.3": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.3"), "main_a0.1": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.1")}
 
 
@@ -82,7 +82,7 @@ def publish(out: Path, job: str, force: bool) -> None:
     print(f"{job}: {folder.relative_to(ROOT)}", flush=True)
 
 
-# The rows run with more seeds, each seed in one job: README shows them together as mean ± std.
+# The rows run with more seeds, each seed in one job: the page shows them together as mean ± std.
 SEEDS = ("main_a0.3", "seeds_a0.3")
 
 
@@ -129,7 +129,7 @@ def with_row_from(table: str, job: str) -> str:
     return "\n".join(lines)
 
 
-def readme_block() -> str:
+def page_block() -> str:
     parts = []
     for job, heading in JOBS.items():
         folder = DEST / job
@@ -143,35 +143,36 @@ def readme_block() -> str:
         parts.append(f"**{heading}** (`{job}`; commit `{commit}`; files in `bench/results/fmnist/{job}/`)\n\n"
                      + table)
         if job in CURVES:
-            parts.append(f"![{heading}: G-FL (GM) and P-FL (PM) by round](bench/results/fmnist/{job}/curves.png)")
+            # Relative to docs/: the image shows on GitHub, and docs/hooks/generated.py publishes it in the site.
+            parts.append(f"![{heading}: G-FL (GM) and P-FL (PM) by round](../bench/results/fmnist/{job}/curves.png)")
         if job == SEEDS[0] and (seeds := seeds_table()):
             parts.append(seeds)
     return "\n\n".join(parts)
 
 
-def write_readme() -> None:
-    text = README.read_text()
+def write_page() -> None:
+    text = PAGE.read_text()
     start, end = text.index(MARK[0]) + len(MARK[0]), text.index(MARK[1])
-    README.write_text(text[:start] + "\n" + readme_block() + "\n" + text[end:])
+    PAGE.write_text(text[:start] + "\n" + page_block() + "\n" + text[end:])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, nargs="?", help="deploy/reproduce_fmnist.sh's OUT")
-    p.add_argument("--readme-only", action="store_true", help="only rewrite README's block")
+    p.add_argument("--page-only", action="store_true", help="only rewrite docs/results.md's tables")
     p.add_argument("--force", action="store_true",
                    help="replace a committed job even where it has more finished trials than OUT's")
     args = p.parse_args()
-    if not args.readme_only:
+    if not args.page_only:
         if args.out is None:
-            p.error("OUT is needed unless --readme-only")
+            p.error("OUT is needed unless --page-only")
         jobs = [job for job in JOBS if (args.out / job / "reproduce.yaml").is_file()]
         if not jobs:
             raise SystemExit(f"{args.out}: holds none of the jobs {', '.join(JOBS)}")
         for job in jobs:
             publish(args.out, job, args.force)
-    write_readme()
-    print(f"README.md: {MARK[0]} block rewritten", flush=True)
+    write_page()
+    print(f"{PAGE.relative_to(ROOT)}: {MARK[0]} block rewritten", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Fashion-MNIST reproduction (README "Results"): every table of it, one `fedrod-ray reproduce` after
+# The Fashion-MNIST reproduction (docs/reproduce.md, docs/results.md): every table of it, one `fedrod-ray reproduce` after
 # another, in priority order. Run it from a clone of fedrod-ray at a fixed commit, with OUT outside any
 # work tree; run it again, with the same OUT, to continue: a table already in OUT is resumed (--resume),
 # a finished one only rewrites its results.
@@ -29,7 +29,7 @@ job_args() {
   case $1 in
     main_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 "${main_rows[@]}") ;;
     # The main tables' Meta-BSM row alone, as a table of its own (a table comes from one commit): the
-    # published main tables ran it before its fix (README "Meta-BSM"). Not in the default list, which runs
+    # published main tables ran it before its fix (docs/results.md, "Meta-BSM collapsed"). Not in the default list, which runs
     # the main tables whole.
     meta_bsm_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 --row "Fed-RoD (Meta-BSM)") ;;
     meta_bsm_a0.1) args=(--table main --seeds 0, --row "Fed-RoD (Meta-BSM)") ;;

@@ -200,7 +200,7 @@ class ClientHost:
                              self.augment, self.device, self.initial, self.meta_set)
 
     def evaluate(self, jobs: list[tuple[int, ClientState]], estimate: bool = False) -> EvalCounts:
-        """Per-class test counts of trained clients' personalized models (FEDROD.md's PM), on the test set or,
+        """Per-class test counts of trained clients' personalized models (docs/method.md, "Evaluation": the PM), on the test set or,
         where clients have test sets of their own, on the client's; ``estimate``: on the estimate's sample of
         the test set (``estimate_test_set``) instead of the whole of it.
 
@@ -231,7 +231,7 @@ class ClientHost:
     def finetune(self, jobs: list[tuple[int, ClientState]], message: RoundInput, epochs: int,
                  round_idx: int) -> EvalCounts:
         """Per-class test counts of each client's model after ``epochs`` epochs of fine-tuning on its own data,
-        starting from the global model ``message.weights`` (FEDROD.md, the FT baseline and new clients).
+        starting from the global model ``message.weights`` (docs/method.md, "Baselines": FT, and "Evaluation": new clients).
 
         One head (FedAvg and its kin): the whole model, with ERM (cross-entropy). Fed-RoD: its own local
         objective, from the global theta and psi and the client's head: its phi_m (zeros for a client that

@@ -490,46 +490,50 @@ def _validate(cfg: ExperimentConfig) -> ExperimentConfig:
     return cfg
 
 
+def _no_effect(key: str, why: str, instead: str = "", value: str = "") -> ConfigError:
+    """The error for ``key`` (at ``value``) having no effect ``why``: it says how to take the setting out, from
+    the file or from the command line over a base config (``--set key=null`` restores the default)."""
+    return ConfigError(f"{key}: {value + ' ' if value else ''}has no effect {why}; remove it, or --set {key}=null"
+                       + (f", or {instead}" if instead else ""))
+
+
 def _check_effective(cfg: ExperimentConfig) -> None:
     """A setting that would change nothing is an error: the user meant something else."""
     if cfg.tracking.mlflow_uri is not None and "mlflow" not in cfg.tracking.loggers:
-        raise ConfigError("tracking.mlflow_uri: has no effect without mlflow in tracking.loggers "
-                          "(--logger mlflow)")
+        raise _no_effect("tracking.mlflow_uri", "without mlflow in tracking.loggers", "add --logger mlflow")
     t = cfg.train
     if t.gamma is not None and t.balanced_loss not in GAMMA_LOSSES:
-        raise ConfigError(f"train.gamma: has no effect with train.balanced_loss={t.balanced_loss} "
-                          f"(gamma is used by {', '.join(sorted(GAMMA_LOSSES))}); remove it")
+        raise _no_effect("train.gamma", f"with train.balanced_loss={t.balanced_loss} "
+                                        f"(gamma is used by {', '.join(sorted(GAMMA_LOSSES))})")
     for key, (default, why) in _unused_settings(t.balanced_loss, cfg.data.partition).items():
         if functools.reduce(getattr, key.split("."), cfg) != default:
-            raise ConfigError(f"{key}: has no effect with {why}; remove it")
+            raise _no_effect(key, f"with {why}")
     if cfg.model.hyper_hidden is not None and t.head != "hyper":
-        raise ConfigError(f"model.hyper_hidden: has no effect with train.head={t.head} "
-                          "(only the hyper head has a hypernetwork); remove it")
+        raise _no_effect("model.hyper_hidden", f"with train.head={t.head} (only the hyper head has a hypernetwork)")
     _check_data(cfg)
     if cfg.data.min_per_client and cfg.data.partition != "dirichlet":
-        raise ConfigError(f"data.min_per_client: has no effect with data.partition={cfg.data.partition} "
-                          "(only the Dirichlet split is topped up); remove it")
+        raise _no_effect("data.min_per_client", f"with data.partition={cfg.data.partition} (only the Dirichlet "
+                                                "split is topped up)")
     ev = cfg.eval
     if ev.finetune_train and ev.finetune_epochs == 0:
-        raise ConfigError("eval.finetune_train: has no effect with eval.finetune_epochs=0; set the number of "
-                          "fine-tuning epochs")
+        raise _no_effect("eval.finetune_train", "with eval.finetune_epochs=0", "set eval.finetune_epochs")
     if ev.estimate_size and (ev.eval_every == 1 or t.rounds == 1):
-        raise ConfigError(f"eval.estimate_size: has no effect when every round is evaluated exactly "
-                          f"(eval.eval_every={ev.eval_every}, train.rounds={t.rounds}); remove it or raise "
-                          "eval.eval_every")
+        raise _no_effect("eval.estimate_size", f"when every round is evaluated exactly (eval.eval_every="
+                                               f"{ev.eval_every}, train.rounds={t.rounds})", "raise eval.eval_every")
     if ev.clients and ev.clients >= cfg.data.num_clients:
         raise ConfigError(f"eval.clients: {ev.clients} is not a sample of the {cfg.data.num_clients} training "
-                          "clients (data.num_clients); remove it to evaluate every client")
+                          "clients (data.num_clients); remove it, or --set eval.clients=null, to evaluate every "
+                          "client")
     if not ev.at_end and ev.finetune_epochs and t.rounds % ev.eval_every:
         raise ConfigError("eval.finetune_epochs: fine-tuning happens at the last round's evaluation, which "
                           f"eval.at_end=false skips (train.rounds={t.rounds} is not a multiple of "
                           f"eval.eval_every={ev.eval_every}); remove one of them")
     if ev.finetune_epochs > 0 and not ev.finetune_train and cfg.data.new_clients == 0:
-        raise ConfigError("eval.finetune_epochs: has no effect without held-out clients (data.new_clients) or "
-                          "eval.finetune_train=true")
+        raise _no_effect("eval.finetune_epochs", "without held-out clients (data.new_clients) or "
+                                                 "eval.finetune_train=true")
     if t.momentum_buffers == "keep" and t.momentum == 0:
-        raise ConfigError("train.momentum_buffers: keep has no effect with train.momentum=0 (plain SGD has no "
-                          "momentum buffers to keep); remove it or set train.momentum")
+        raise _no_effect("train.momentum_buffers", "with train.momentum=0 (plain SGD has no momentum buffers to "
+                                                   "keep)", "set train.momentum", value="keep")
     if t.momentum_buffers == "keep" and t.generic_rule == "scaffold":
         # Option II reads c_m from how far the K steps moved w, per unit of gradient, from buffers at zero
         # (local.effective_step_sum): a kept buffer moves w along earlier rounds' gradients as well, which
@@ -542,13 +546,13 @@ def _check_effective(cfg: ExperimentConfig) -> None:
                           "hypernetwork the server averages; use train.head=none or linear")
     rt = cfg.runtime
     if rt.mode == "local" and rt.address is not None:
-        raise ConfigError("runtime.address: has no effect with runtime.mode=local; set runtime.mode=ray")
+        raise _no_effect("runtime.address", "with runtime.mode=local", "set runtime.mode=ray")
     if rt.mode == "ray" and rt.device != "cpu":
-        raise ConfigError("runtime.device: has no effect with runtime.mode=ray (actors use a GPU when "
-                          "runtime.client_resources asks for num_gpus); remove it")
+        raise _no_effect("runtime.device", "with runtime.mode=ray (actors use a GPU when "
+                                           "runtime.client_resources asks for num_gpus)")
     if rt.batched_clients and rt.mode == "ray":
-        raise ConfigError("runtime.batched_clients: has no effect with runtime.mode=ray (each actor trains its "
-                          "clients one at a time); set runtime.mode=local or remove it")
+        raise _no_effect("runtime.batched_clients", "with runtime.mode=ray (each actor trains its clients one at a "
+                                                    "time)", "set runtime.mode=local")
     if rt.batched_clients and cfg.model.arch == "resnet20":
         raise ConfigError("runtime.batched_clients: the batched local update needs a model without buffers, and "
                           "model.arch=resnet20 has batch-norm statistics; set runtime.batched_clients=0")
@@ -556,11 +560,11 @@ def _check_effective(cfg: ExperimentConfig) -> None:
         raise ConfigError("runtime.batched_clients: the batched local update does not support "
                           "train.balanced_loss=meta_bsm; set runtime.batched_clients=0")
     if t.step == "compiled" and t.balanced_loss == "meta_bsm":
-        raise ConfigError("train.step: compiled has no effect with train.balanced_loss=meta_bsm (its meta step "
-                          "runs eagerly); remove it")
+        raise _no_effect("train.step", "with train.balanced_loss=meta_bsm (its meta step runs eagerly)",
+                         value="compiled")
     if t.step == "compiled" and rt.batched_clients:
-        raise ConfigError("train.step: compiled has no effect with runtime.batched_clients (the batched update "
-                          "has a step of its own); remove one of them")
+        raise _no_effect("train.step", "with runtime.batched_clients (the batched update has a step of its own)",
+                         "--set runtime.batched_clients=null", value="compiled")
 
 
 def _check_head(cfg: ExperimentConfig) -> None:
@@ -584,8 +588,9 @@ def _check_head(cfg: ExperimentConfig) -> None:
     if spec.plain_steps:
         for key, value in (("train.momentum", t.momentum), ("train.weight_decay", t.weight_decay)):
             if value != 0:
-                raise ConfigError(f"{key}: has no effect with {why}, whose updates are its own plain gradient "
-                                  f"steps; set {key}=0")
+                # Not "remove it": the default (momentum 0.9, weight decay 1e-5) is not 0 either.
+            raise ConfigError(f"{key}: has no effect with {why}, whose updates are its own plain gradient "
+                              f"steps; set {key}=0")
     if not spec.global_model and cfg.eval.finetune_epochs:
         raise ConfigError(f"eval.finetune_epochs: {why} has no global model to fine-tune from; set it to 0")
 
@@ -595,8 +600,7 @@ def _check_data(cfg: ExperimentConfig) -> None:
     if d.dataset in USER_DATASETS and d.path is None:
         raise ConfigError(f"data.path: data.dataset={d.dataset} reads the data from data.path; set it")
     if d.path is not None and d.dataset in DATASETS:
-        raise ConfigError(f"data.path: has no effect with data.dataset={d.dataset} (a built-in set, found under "
-                          "data.data_dir); remove it")
+        raise _no_effect("data.path", f"with data.dataset={d.dataset} (a built-in set, found under data.data_dir)")
     if d.partition == "natural" and cfg.train.balanced_loss == "meta_bsm":
         raise ConfigError("train.balanced_loss: meta_bsm takes its meta set out of the clients' examples, "
                           "which data.partition=natural keeps whole; use another loss or partition")
@@ -625,8 +629,10 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def apply_override(data: dict[str, Any], assignment: str) -> None:
-    """Apply one ``a.b.c=value`` override (value parsed as YAML) to a nested dict in place."""
+def apply_override(data: dict[str, Any], assignment: str) -> Any:
+    """Apply one ``a.b.c=value`` override (value parsed as YAML) to a nested dict in place and return the value.
+    A null value (``a.b.c=null``, or nothing after ``=``) removes the key, so that it takes its default: a
+    setting of a base config can be taken out from the command line."""
     if "=" not in assignment:
         raise ConfigError(f"--set expects key=value, got {assignment!r}")
     key, raw = assignment.split("=", 1)
@@ -644,14 +650,35 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"--set {key}: {part} is not a section")
         node = child
-    node[parts[-1]] = value
+    if value is None:
+        node.pop(parts[-1], None)
+    else:
+        node[parts[-1]] = value
+    return value
 
 
 def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     data = _deep_copy(data or {})
     for assignment in overrides:
-        apply_override(data, assignment)
+        if apply_override(data, assignment) is None:
+            _check_key(assignment.split("=", 1)[0].strip())
     return _validate(_build(ExperimentConfig, data))
+
+
+def _check_key(key: str) -> None:
+    """Refuse a dotted key that names no setting: a null override takes its key out, so nothing else would
+    notice a typo in it. Below a free mapping (``train.rule_params``, ``runtime.client_resources``) any key
+    goes, as its value's own check decides."""
+    cls, parts = ExperimentConfig, key.split(".")
+    for i, part in enumerate(parts):
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if part not in fields:
+            section = "".join(f"{p}." for p in parts[:i])
+            raise ConfigError(f"unknown config key {section}{part}{_did_you_mean(part, fields, section)}; "
+                              f"valid keys here: {', '.join(sorted(fields))}")
+        cls = typing.get_type_hints(cls)[part]
+        if not dataclasses.is_dataclass(cls):
+            return
 
 
 def _unused_settings(loss: str, partition: str) -> dict[str, tuple[Any, str]]:

@@ -1,4 +1,4 @@
-"""One client update: E local epochs of SGD on the client's shard (FEDROD.md, "One round", step 2).
+"""One client update: E local epochs of SGD on the client's shard (docs/method.md, "One round", step 2).
 
 Per mini-batch there is one forward and one backward of
 

@@ -1,5 +1,5 @@
 """Every field of a round's record (metrics.jsonl / metrics.csv), once: its key, how the console and the
-tables name it, and what it measures (FEDROD.md, "Evaluation"). The console lines, the metrics files'
+tables name it, and what it measures (docs/method.md, "Evaluation"). The console lines, the metrics files'
 documentation, the curves, Tune's reports and the sweep and reproduction tables take their names from here.
 
 Accuracies are fractions in the records and percentages wherever they are shown.
@@ -119,7 +119,7 @@ def values_line(record: dict, keys: Iterable[str]) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of the metrics files' columns (tests/test_metric_schema.py keeps them equal)."""
+    """docs/runs.md's table of the metrics files' columns (tests/test_metric_schema.py keeps them equal)."""
     lines = ["| column | in the record | console | tables, plots | what it is |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| `{m.key}` | {m.when} | {m.label} | {m.title} | {m.description} |"
               for m in (*METRICS, *ESTIMATE_METRICS)]

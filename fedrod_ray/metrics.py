@@ -1,4 +1,4 @@
-"""G-FL and P-FL accuracy (FEDROD.md, "Evaluation").
+"""G-FL and P-FL accuracy (docs/method.md, "Evaluation").
 
 Everything reduces to per-class (correct, total) counts on the test set. P-FL for client m is
 

@@ -15,8 +15,21 @@ __all__ = ["import_object", "load_plugin", "plugin_names", "plugin_sources"]
 
 
 def load_plugin(group: str, name: str, field: str, kind: str) -> Callable[..., Any]:
-    """The object that entry point ``name`` of ``group`` names; a ConfigError naming ``field`` (an unknown
-    ``kind``) when it is not registered or does not load."""
+    """The object an installed package registers as ``name`` under the entry-point group ``group``.
+
+    Args:
+        group: ``fedrod_ray.datasets`` (a callable ``(cfg: DataConfig, seed: int) -> ImageDataset``) or
+            ``fedrod_ray.models`` (a factory ``(C, H, W) -> nn.Module`` mapping N x C x H x W to N x d).
+        name: the name the config gives (``data.dataset``, ``model.arch``).
+        field: the config field to name in an error.
+        kind: what the error calls the plug-in ("dataset", "arch").
+
+    Returns:
+        The loaded object.
+
+    Raises:
+        ConfigError: naming ``field`` when no package registers ``name`` or its import fails.
+    """
     found = [ep for ep in entry_points(group=group) if ep.name == name]
     if not found:
         raise ConfigError(f"{field}: unknown {kind} {name!r}: not built in, and no installed package registers it "
@@ -29,7 +42,18 @@ def load_plugin(group: str, name: str, field: str, kind: str) -> Callable[..., A
 
 
 def import_object(path: str, field: str) -> Callable[..., Any]:
-    """``package.module:attr`` imported; a ConfigError naming ``field`` and what failed."""
+    """The callable a ``package.module:attr`` import path names (``model.arch: mypackage.nets:mynet``).
+
+    Args:
+        path: ``package.module:attr``, ``attr`` possibly dotted.
+        field: the config field to name in an error.
+
+    Returns:
+        The callable.
+
+    Raises:
+        ConfigError: naming ``field`` and what failed: the import, a missing attribute, not callable.
+    """
     module_name, _, attr = path.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -47,5 +71,12 @@ def import_object(path: str, field: str) -> Callable[..., Any]:
 
 
 def plugin_sources(group: str) -> dict[str, str]:
-    """name -> ``module:attr`` of each entry point of ``group`` (what ``fedrod-ray list`` shows)."""
+    """What ``fedrod-ray list`` shows of a group's plug-ins.
+
+    Args:
+        group: an entry-point group (``fedrod_ray.datasets``, ``fedrod_ray.models``).
+
+    Returns:
+        Each entry point's name and the ``module:attr`` it loads, sorted by name.
+    """
     return {ep.name: ep.value for ep in sorted(entry_points(group=group), key=lambda ep: ep.name)}

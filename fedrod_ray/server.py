@@ -1,4 +1,4 @@
-"""Which clients train in a round (FEDROD.md, "One round", step 1). How their results become the new
+"""Which clients train in a round (docs/method.md, "One round", step 1). How their results become the new
 global weights is the generic rule's (``fedrod_ray.algorithms``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One mini-batch of a client update (FEDROD.md, "One round", step 2): the losses, one backward, the
+"""One mini-batch of a client update (docs/method.md, "One round", step 2): the losses, one backward, the
 generic rule's gradient term and the optimizer's step.
 
 ``make_train_step`` takes the mini-batch's losses as a function, so that a loss with a procedure of its

@@ -1,4 +1,4 @@
-"""The generic-FL rules (FEDROD.md, "One round": FedProx, FedDyn, SCAFFOLD) on tiny problems.
+"""The generic-FL rules (docs/method.md, "Generic-FL rules": FedProx, FedDyn, SCAFFOLD) on tiny problems.
 
 Hand-made cases use 2-element tensors whose expected values are written as literals, worked out by
 hand in the comments; the real-model cases check local_update and Federation.step against the

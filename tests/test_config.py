@@ -197,6 +197,58 @@ def test_a_setting_without_effect_is_an_error(overrides, message):
 NATURAL = {"dataset": "arrays", "path": "x.npz", "partition": "natural"}
 
 
+def test_a_null_override_restores_the_default():
+    """``--set key=null`` takes a setting of a base config out: the key gets its default, whatever its type."""
+    base = {"data": {"alpha": 0.3, "min_per_client": 5}, "train": {"lr": 0.5, "meta_bsm": {"meta_lr": 0.2}},
+            "runtime": {"client_resources": {"num_cpus": 2, "num_gpus": 0.5}}}
+    defaults = ExperimentConfig()
+    cfg = config_from_dict(base, ["data.alpha=null", "train.lr=", "train.meta_bsm=null",
+                                  "runtime.client_resources.num_gpus=null", "train.gamma=null", "eval.batch_size=null"])
+    assert cfg.data.alpha == defaults.data.alpha and cfg.data.min_per_client == 5
+    assert cfg.train.lr == defaults.train.lr and cfg.train.meta_bsm == defaults.train.meta_bsm
+    assert cfg.runtime.client_resources == {"num_cpus": 2.0}
+    assert base["data"] == {"alpha": 0.3, "min_per_client": 5}  # the base is left as it was
+    # A key the base does not hold has nothing to take out; a key that names no setting is still an error.
+    with pytest.raises(ConfigError, match=r"unknown config key data\.alhpa \(did you mean data\.alpha\?\)"):
+        config_from_dict(base, ["data.alhpa=null"])
+    with pytest.raises(ConfigError, match=r"unknown config key train\.meta_bsm\.lr; valid keys here: gamma_lr"):
+        config_from_dict(base, ["train.meta_bsm.lr=null"])
+
+
+def test_a_base_configs_setting_without_effect_is_taken_out_from_the_command_line():
+    """The issue's case: quickstart.yaml sets data.alpha, which a natural partition does not use."""
+    quickstart = Path(CONFIGS[0]).parent / "quickstart.yaml"
+    with pytest.raises(ConfigError, match=r"^data\.alpha: has no effect .*; remove it, or --set data\.alpha=null$"):
+        load_config(quickstart, ["data.partition=natural"])
+    cfg = load_config(quickstart, ["data.partition=natural", "data.alpha=null"])
+    assert cfg.data.partition == "natural" and cfg.data.alpha == ExperimentConfig().data.alpha
+
+
+@pytest.mark.parametrize(("data", "overrides", "key"), [
+    ({}, ["train.balanced_loss=ce", "train.gamma=1"], "train.gamma"),
+    ({}, ["train.head=linear", "model.hyper_hidden=32"], "model.hyper_hidden"),
+    ({}, ["train.meta_bsm.hidden=7"], "train.meta_bsm.hidden"),
+    ({"data": NATURAL}, ["data.imbalance_ratio=10"], "data.imbalance_ratio"),
+    ({}, ["data.partition=iid", "data.min_per_client=5"], "data.min_per_client"),
+    ({}, ["data.path=x.npz"], "data.path"),
+    ({}, ["eval.finetune_train=true"], "eval.finetune_train"),
+    ({}, ["eval.finetune_epochs=2"], "eval.finetune_epochs"),
+    ({}, ["eval.estimate_size=100"], "eval.estimate_size"),
+    ({}, ["train.momentum=0", "train.momentum_buffers=keep"], "train.momentum_buffers"),
+    ({}, ["runtime.mode=local", "runtime.address=auto"], "runtime.address"),
+    ({}, ["runtime.mode=ray", "runtime.device=cuda"], "runtime.device"),
+    ({}, ["runtime.mode=ray", "runtime.batched_clients=2"], "runtime.batched_clients"),
+    ({}, ["train.balanced_loss=meta_bsm", "train.step=compiled"], "train.step"),
+    ({}, ["tracking.mlflow_uri=http://mlflow:5000"], "tracking.mlflow_uri"),
+])
+def test_every_setting_without_effect_says_how_to_take_it_out(data, overrides, key):
+    """Each "has no effect" error names --set <key>=null, and that override does take the setting out."""
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: .*has no effect .*; remove it, or "
+                                          rf"--set {re.escape(key)}=null"):
+        config_from_dict(data, overrides)
+    config_from_dict(data, [*overrides, f"{key}=null"])
+
+
 @pytest.mark.parametrize(("record", "key", "kept"), [
     # A record keeps every setting, defaults included, as the version that wrote it had them (up to b37490f,
     # train.meta_bsm.meta_lr defaulted to 1.0).

@@ -1,6 +1,6 @@
 """Deployment files: manifests that parse and agree with the CLI and with each other, job commands in
-the docs that the CLI accepts, and the README's ``ray job submit`` run as written against a private local
-head node."""
+the docs that the CLI accepts, and the documented ``ray job submit`` commands (docs/ray.md's cluster job,
+docs/data.md's example job) run as written against a private local head node."""
 
 from __future__ import annotations
 
@@ -68,20 +68,27 @@ def _parse_train(argv: list[str]):
 # Job commands in the docs
 
 # Where `ray job submit` commands are documented (in YAML and Dockerfile comments too).
-DOC_FILES = ("README.md", "deploy/README.md", "deploy/runtime_env.yaml", "deploy/cluster.yaml",
+# (docs/data.md's example job runs from examples/, with its paths: test_ray_job_submit_of_the_example_package.)
+DOC_FILES = ("README.md", "docs/ray.md", "deploy/README.md", "deploy/runtime_env.yaml", "deploy/cluster.yaml",
              "deploy/kuberay/raycluster.yaml", "deploy/kuberay/rayjob.yaml", "deploy/Dockerfile")
 
 
-def _readme_cluster_section() -> str:
-    """README.md's "### On a cluster" section (under "## Ray runtime")."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("\n### On a cluster\n"):]
-    return section[:section.index("\n## ")]
+def doc_section(rel: str, heading: str) -> str:
+    """The ``## heading`` section of a Markdown doc, up to the next ``## `` heading (subsections included)."""
+    text = (REPO / rel).read_text()
+    section = text[text.index(f"\n## {heading}\n"):]
+    end = section.find("\n## ", 1)
+    return section if end < 0 else section[:end]
+
+
+def cluster_section() -> str:
+    """docs/ray.md's "On a cluster" section: the cluster job that README.md shows too."""
+    return doc_section("docs/ray.md", "On a cluster")
 
 
 def _job_submit_commands(rel: str) -> list[str]:
     """The ``ray job submit`` commands of a doc file, backslash-continued lines joined into one."""
-    text = _readme_cluster_section() if rel == "README.md" else (REPO / rel).read_text()
+    text = (REPO / rel).read_text()
     if rel.endswith(".md"):
         text = "\n".join(re.findall(r"^```bash\n(.*?)^```", text, re.DOTALL | re.MULTILINE))
     else:
@@ -96,7 +103,7 @@ def test_documented_job_commands_are_plain_train_commands(monkeypatch):
     and inside a job, where the job supervisor sets RAY_ADDRESS, it trains on Ray."""
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # what a job's driver sees
     commands = {rel: _job_submit_commands(rel) for rel in DOC_FILES}
-    assert commands["README.md"] and commands["deploy/README.md"], commands
+    assert commands["README.md"] and commands["docs/ray.md"] and commands["deploy/README.md"], commands
     assert sum(map(len, commands.values())) >= 6, commands
     for rel, cmds in commands.items():
         assert "deploy/job.py" not in (REPO / rel).read_text(), f"{rel} mentions the removed deploy/job.py"
@@ -404,7 +411,7 @@ def _arg(command: str, flag: str) -> str:
 
 
 def _sub(text: str, old: str, new: str) -> str:
-    assert text.count(old) == 1, f"expected {old!r} once in the README's command:\n{text}"
+    assert text.count(old) == 1, f"expected {old!r} once in the documented command:\n{text}"
     return text.replace(old, new)
 
 
@@ -464,9 +471,10 @@ ERROR_LINE = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|\bE \d+ 
 
 @pytest.mark.slow
 def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
-    """README's "On a cluster" command, run as written against a private head node started here.
+    """docs/ray.md's "On a cluster" command (README.md's too), run as written against a private head node
+    started here.
 
-    The only changes to the README's text, each one asserted to apply exactly once:
+    The only changes to the documented text, each one asserted to apply exactly once:
     * its dashboard address -> this head's (an ``export RAY_ADDRESS=...`` would be set in the environment
       instead);
     * ``/mnt/data`` -> the real datasets (``shared_data_dir``, which holds ``mnist/``);
@@ -480,13 +488,13 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
     if ray_cli is None:
         pytest.skip("the `ray` CLI is not installed")
 
-    section = _readme_cluster_section()
+    section = cluster_section()
     block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
     exports = {}
     for line in block.splitlines():
         if line.startswith("export "):
             exports.update(w.split("=", 1) for w in shlex.split(line[len("export "):], comments=True))
-    # The README's own auth setting, the one this private head runs with (token auth needs a token on
+    # The documented auth setting, the one this private head runs with (token auth needs a token on
     # both sides).
     assert exports.get("RAY_AUTH_MODE") == "disabled", exports
     command = re.search(r"^ray job submit (?:.*\\\n)*.*$", block, re.MULTILINE).group(0)
@@ -507,7 +515,7 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
     head_cmd, address = _head_command(ray_cli, ray_tmp)
     head_log = tmp_path / "head.log"
 
-    # The README's command, with its substitutions.
+    # The documented command, with its substitutions.
     submit_env = {**base_env, **exports}
     if "RAY_ADDRESS" in exports:
         submit_env["RAY_ADDRESS"] = address
@@ -543,7 +551,7 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
     titles: set[str] = set()
 
     def submit(cmd: str, name: str, timeout: float) -> tuple[int, str, str]:
-        """Run a README command through bash from the repository root, noting every process the head
+        """Run the documented command through bash from the repository root, noting every process the head
         starts meanwhile (job supervisor, driver, actors); (exit status, its output, the job's id)."""
         out_path = tmp_path / f"{name}.log"
         with open(out_path, "w") as out:
@@ -568,7 +576,7 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
     try:
         _wait_for_head(ray_cli, address, env, head, head_log)
 
-        # 1. The README's command trains on this head.
+        # 1. The documented command trains on this head.
         rc, out, job = submit(good, "submit", 420)
         assert rc == 0 and f"Job '{job}' succeeded" in out, out[-5000:]
         assert f"Job '{job}' succeeded" in ray_job("status", job)
@@ -637,11 +645,9 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
     assert not leftover, f"Ray processes outlived their head: {leftover}"
 
 
-def _readme_example_submit() -> str:
-    """The ``ray job submit`` command of README.md's "Your own data and model" section."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("\n## Your own data and model\n"):]
-    section = section[:section.index("\n## ", 1)]
+def _example_submit() -> str:
+    """The ``ray job submit`` command of docs/data.md's "Your own data and model" section."""
+    section = doc_section("docs/data.md", "Your own data and model")
     blocks = re.findall(r"```bash\n(.*?)```", section, re.DOTALL)
     return next(re.search(r"^ray job submit (?:.*\\\n)*.*$", b, re.MULTILINE).group(0)
                 for b in blocks if "ray job submit" in b)
@@ -649,7 +655,7 @@ def _readme_example_submit() -> str:
 
 @pytest.mark.slow
 def test_ray_job_submit_of_the_example_package(tmp_path):
-    """README's example job, run as written from a copy of examples/ against a private head node: the
+    """docs/data.md's example job, run as written from a copy of examples/ against a private head node: the
     user's factory and data travel with the job's working_dir, the driver and the client actors import the
     factory, and the run's final/ names it. The only changes: the dashboard address, /mnt/runs, and this
     checkout's fedrod_ray in the runtime env's py_modules."""
@@ -676,7 +682,7 @@ def test_ray_job_submit_of_the_example_package(tmp_path):
     runtime_env["py_modules"] = [str(REPO / "fedrod_ray")]
     (example / "runtime_env.yaml").write_text(yaml.safe_dump(runtime_env))
     head_cmd, address = _head_command(ray_cli, ray_tmp)
-    command = _sub(_readme_example_submit(), "--address http://127.0.0.1:8265", f"--address {address}")
+    command = _sub(_example_submit(), "--address http://127.0.0.1:8265", f"--address {address}")
     command = _sub(command, "/mnt/runs", shlex.quote(str(tmp_path / "runs")))
     run_dir = Path(_arg(command, "--run-dir"))
     head_log = tmp_path / "head.log"

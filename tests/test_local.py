@@ -1,4 +1,4 @@
-"""local_update: the stop-gradients of FEDROD.md step 2, determinism, returned state, failures."""
+"""local_update: the stop-gradients of docs/method.md, "One round", step 2, determinism, returned state, failures."""
 
 from __future__ import annotations
 

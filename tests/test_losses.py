@@ -1,4 +1,4 @@
-"""Balanced risks (FEDROD.md, "Losses") against hand computations on tiny tensors."""
+"""Balanced risks (docs/method.md, "Losses") against hand computations on tiny tensors."""
 
 from __future__ import annotations
 

@@ -305,7 +305,7 @@ def test_the_default_meta_step_keeps_a_skewed_clients_weights_in_range(shared_da
     the default meta step sizes the Meta-Weight-Net still weighs every loss value within a factor of a few
     of the others, and gamma_m moves a little. With the earlier meta_lr = 1 the MWN's output layer grew
     ~20x and weighed a loss of 0.5 or more at exactly 0 after these 20 mini-batches (the Fashion-MNIST
-    collapse, README "Meta-BSM")."""
+    collapse, docs/results.md, "Meta-BSM collapsed, and its fix")."""
     data, meta, mean, std = skewed_fmnist_client(shared_data_dir)
     c = TrainConfig(balanced_loss="meta_bsm", local_epochs=2, batch_size=40, lr=0.01, momentum=0.9,
                     weight_decay=1e-5)

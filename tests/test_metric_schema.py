@@ -1,4 +1,4 @@
-"""The metric schema: the README's table is the generated one, a round's record has exactly the schema's
+"""The metric schema: docs/runs.md's table is the generated one, a round's record has exactly the schema's
 fields, labels in a line, and the trial-line callback (pickled by Tune with the experiment)."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from fedrod_ray.storage import RunStorage
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_readme_lists_the_metrics_files_columns_as_the_schema_does():
-    assert markdown_table() in (REPO / "README.md").read_text(), (
-        "README.md's metrics table differs from fedrod_ray.metric_schema; paste the output of "
+def test_the_docs_list_the_metrics_files_columns_as_the_schema_does():
+    assert markdown_table() in (REPO / "docs" / "runs.md").read_text(), (
+        "docs/runs.md's metrics table differs from fedrod_ray.metric_schema; paste the output of "
         "python -c 'from fedrod_ray.metric_schema import markdown_table; print(markdown_table())'")
 
 

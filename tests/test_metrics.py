@@ -1,4 +1,4 @@
-"""G-FL / P-FL accuracy (FEDROD.md, "Evaluation") against brute-force definitions."""
+"""G-FL / P-FL accuracy (docs/method.md, "Evaluation") against brute-force definitions."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""Model shapes and parameter counts (FEDROD.md, "Model")."""
+"""Model shapes and parameter counts (docs/method.md, "Model")."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from fedrod_ray.config import ConfigError
 from fedrod_ray.models import FedModel, HyperNetwork, build_model, count_parameters, resolve_arch
 
 MNIST = (1, 28, 28)
@@ -98,6 +99,39 @@ def test_resolve_arch():
     assert resolve_arch("auto", MNIST) == "mnist_cnn"
     assert resolve_arch("auto", CIFAR) == "cifar_cnn"
     assert resolve_arch("cifar_cnn", MNIST) == "cifar_cnn"
+    # Other sizes: mnist_cnn where it fits, cifar_cnn below 16 x 16, an error naming model.arch below 8 x 8.
+    assert resolve_arch("auto", (3, 16, 16)) == resolve_arch("auto", (1, 64, 40)) == "mnist_cnn"
+    assert resolve_arch("auto", (1, 15, 30)) == resolve_arch("auto", (3, 8, 8)) == "cifar_cnn"
+    with pytest.raises(ConfigError, match=r"^model\.arch: auto has no built-in ConvNet for 7 x 9 images"):
+        resolve_arch("auto", (1, 7, 9))
+
+
+@pytest.mark.parametrize(("arch", "shape", "fc_in"), [
+    ("mnist_cnn", (3, 16, 16), 64), ("mnist_cnn", (1, 40, 28), 64 * 7 * 4), ("mnist_cnn", (1, 31, 29), 64 * 4 * 4),
+    ("cifar_cnn", (1, 8, 8), 64), ("cifar_cnn", (3, 28, 64), 64 * 3 * 8),
+])
+def test_the_convnets_size_their_first_fc_layer_from_the_image(arch, shape, fc_in):
+    model = build_model(arch, 10, shape, "linear")
+    assert model.body[-2].in_features == fc_in
+    assert model(torch.zeros(2, *shape)).shape == (2, 10)
+
+
+def test_the_paper_sizes_keep_the_paper_models_exactly():
+    """28 x 28 and 32 x 32 give the networks the paper's sizes always gave: the same parameters and, seeded,
+    the same initial weights as a model built without an image size (the paper's by default)."""
+    for arch, shape, body in (("mnist_cnn", MNIST, MNIST_BODY), ("cifar_cnn", CIFAR, CIFAR_BODY)):
+        sized = build_model(arch, 10, shape, "hyper", seed=3).state_dict()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(3)
+            plain = FedModel(arch, 10, shape[0], "hyper").state_dict()
+        assert count_parameters(build_model(arch, 10, shape, None).body) == body
+        assert sized.keys() == plain.keys() and all(torch.equal(sized[k], plain[k]) for k in sized)
+
+
+@pytest.mark.parametrize(("arch", "shape"), [("mnist_cnn", (1, 15, 28)), ("cifar_cnn", (3, 32, 7))])
+def test_a_convnet_refuses_an_image_too_small_naming_model_arch(arch, shape):
+    with pytest.raises(ConfigError, match=rf"^model\.arch: {arch} takes images of at least"):
+        build_model(arch, 10, shape, None)
 
 
 def test_build_model_seeding_and_global_rng():

@@ -1,4 +1,4 @@
-"""Client sampling (FEDROD.md, "One round", step 1). The server updates are the rules': test_algorithms.py."""
+"""Client sampling (docs/method.md, "One round", step 1). The server updates are the rules': test_algorithms.py."""
 
 from __future__ import annotations
 

@@ -58,6 +58,13 @@ def test_a_bad_sweep_fails_before_any_trial_naming_the_key(tmp_path, fields, mes
         load_sweep(sweep_file(tmp_path, **fields))
 
 
+def test_a_sweep_files_setting_without_effect_is_taken_out_as_its_error_says(tmp_path):
+    path = sweep_file(tmp_path, scheduler="none", asha={"grace_period": 2})
+    with pytest.raises(ConfigError, match=r"asha: .*; remove it, or --set asha=null$"):
+        load_sweep(path)
+    assert load_sweep(path, ["asha=null"]).scheduler == "none"
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "tune").glob("*.yaml")), ids=lambda p: p.name)
 def test_the_shipped_sweep_files_load(path):
     spec = load_sweep(path)

@@ -247,7 +247,7 @@ def test_partition_command_and_training_on_natural_clients_with_resume(tmp_path)
     config.write_text(json.dumps({
         "name": "natural", "data": {"dataset": "folder", "path": str(root), "partition": "natural",
                                     "num_clients": 3, "new_clients": 1},
-        # The example's factory (examples/ is on sys.path): auto's mnist_cnn needs 28 x 28 images.
+        # The example's factory (examples/ is on sys.path).
         "model": {"arch": "fedrod_example.model:small_cnn"},
         "train": {"head": "linear", "rounds": 2, "client_fraction": 1.0, "local_epochs": 1, "batch_size": 10},
         "runtime": {"torch_threads": 1}}))
@@ -276,13 +276,42 @@ def test_partition_command_and_training_on_natural_clients_with_resume(tmp_path)
     assert heads == ["model.safetensors", "personal.safetensors"]
 
 
-def test_an_arch_that_cannot_take_the_images_is_refused_before_training(tmp_path):
-    root = write_folder(tmp_path / "d", clients=2, classes=2, size=8, per_client=4, test_per_class=1, natural=False)
+@pytest.mark.parametrize(("size", "arch", "message"), [
+    (8, "mnist_cnn", "model.arch: mnist_cnn takes images of at least 16 x 16, not 8 x 8"),
+    (6, "auto", "model.arch: auto has no built-in ConvNet for 6 x 6 images"),
+])
+def test_an_arch_that_cannot_take_the_images_is_refused_before_training(tmp_path, size, arch, message):
+    root = write_folder(tmp_path / "d", clients=2, classes=2, size=size, per_client=4, test_per_class=1,
+                        natural=False)
     (tmp_path / "empty.yaml").write_text("{}")
     rc, _out, err = run_main(["train", "--config", str(tmp_path / "empty.yaml"), "--run-dir", str(tmp_path / "run"),
-                             "--set", "data.dataset=folder", "--set", f"data.path={root}"])
-    assert rc == 2 and err.startswith("fedrod-ray: error: model.arch: the module mnist_cnn built fails on a "
-                                      "2 x 1 x 8 x 8 batch: RuntimeError"), err
+                             "--set", "data.dataset=folder", "--set", f"data.path={root}", "--set",
+                             f"model.arch={arch}"])
+    assert rc == 2 and err.startswith(f"fedrod-ray: error: {message}"), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_auto_fits_a_folder_of_16x16_rgb_images(tmp_path):
+    """The built-in ConvNets size their first FC layer from the image: auto trains on a size the paper never
+    used, and the served model is rebuilt for it."""
+    root = write_folder(tmp_path / "d", clients=2, classes=3, size=16, per_client=6, test_per_class=2,
+                        mode="RGB", natural=False)
+    (tmp_path / "empty.yaml").write_text("{}")
+    run = tmp_path / "run"
+    rc, _out, err = run_main(["train", "--config", str(tmp_path / "empty.yaml"), "--run-dir", str(run),
+                             "--set", "data.dataset=folder", "--set", f"data.path={root}",
+                             "--set", "data.num_clients=2", "--set", "data.partition=iid",
+                             "--set", "data.alpha=null", "--set", "train.rounds=1", "--set", "train.local_epochs=1",
+                             "--set", "train.client_fraction=1.0", "--set", "train.batch_size=8"])
+    assert rc == 0, err
+    meta = json.loads((run / "final" / "meta.json").read_text())
+    assert meta["arch"] == "mnist_cnn" and meta["image_shape"] == [3, 16, 16]
+    from fedrod_ray.export import load_final
+    from fedrod_ray.storage import RunStorage
+
+    served = load_final(RunStorage(str(run)))
+    assert served.model.body[-2].in_features == 64  # one 1 x 1 map of 64 channels
 
 
 def test_bad_data_is_one_line_on_the_command_line(tmp_path):

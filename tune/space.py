@@ -118,7 +118,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepSpe
     if "base" not in raw:
         raise ConfigError("base: the sweep file must name a base experiment config")
     if raw.get("scheduler") == "none" and raw.get("asha") is not None:
-        raise ConfigError("asha: has no effect with scheduler: none; remove it")
+        raise ConfigError("asha: has no effect with scheduler: none; remove it, or --set asha=null")
     base = (path.parent / raw["base"]).resolve()
     if not base.is_file():
         raise ConfigError(f"base: {base} does not exist")

@@ -1,4 +1,4 @@
-"""FedDyn (Acar et al., 2021), as FEDROD.md writes it and the authors' code runs it.
+"""FedDyn (Acar et al., 2021), as docs/method.md ("Generic-FL rules") writes it and the authors' code runs it.
 
 Client m keeps g_m (starts at 0) and minimises l_BR(w) - <g_m, w> + (alpha/2)||w - w_bar||^2, then
 g_m <- g_m - alpha (w_m - w_bar). The server keeps h (starts at 0):

@@ -9,6 +9,15 @@ RULES: dict[str, type[GenericRule]] = {}
 
 
 def register(cls: type[GenericRule]) -> type[GenericRule]:
+    """Class decorator: make a rule available as ``train.generic_rule: <cls.name>``.
+
+    Args:
+        cls: a ``GenericRule`` subclass with a unique ``name`` and the ``Params`` that
+            ``fedrod_ray.config.RULE_PARAMS`` maps its name to.
+
+    Returns:
+        ``cls``, registered.
+    """
     if not cls.name or cls.name in RULES:
         raise ValueError(f"rule {cls.__name__} needs a unique name, got {cls.name!r}")
     if RULE_PARAMS.get(cls.name) is not cls.Params:

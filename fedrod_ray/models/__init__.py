@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import INITS
+from ..config import INITS, ConfigError
+from .convnet import MIN_SIDE
 from .extractors import BUILDERS, feature_extractor
 from .heads import HyperNetwork
 
@@ -33,8 +34,8 @@ class FedModel(nn.Module):
     def __init__(self, arch: str, num_classes: int, in_channels: int, variant: str | None = None,
                  hyper_hidden: int = 16, parts: dict[str, Callable[[], nn.Module]] | None = None,
                  init: str = "normal", image_hw: tuple[int, int] | None = None):
-        """``image_hw`` (H, W) is needed only by an ``arch`` that is a factory (``models.extractors``): the
-        built-ins take the sizes they can."""
+        """``image_hw`` (H, W) is needed by an ``arch`` that is a factory (``models.extractors``); without it a
+        built-in is built for the paper's image size."""
         super().__init__()
         if image_hw is None and arch not in BUILDERS:
             raise ValueError(f"arch {arch!r} is not a built-in ({', '.join(BUILDERS)}): it needs image_hw")
@@ -45,7 +46,7 @@ class FedModel(nn.Module):
         self.arch = arch
         self.variant = variant
         self.num_classes = num_classes
-        self.body, self.feature_dim = feature_extractor(arch, (in_channels, *(image_hw or (0, 0))))
+        self.body, self.feature_dim = feature_extractor(arch, (in_channels, *(image_hw or ())))
         self.generic_head = nn.Linear(self.feature_dim, num_classes, bias=False)
         # Each part is re-drawn right after it is built, so that theta and psi start the same whatever
         # personalized part (or none) follows.
@@ -134,9 +135,20 @@ def _he_normal(*modules: nn.Module) -> None:
 
 
 def resolve_arch(arch: str, image_shape: tuple[int, int, int]) -> str:
+    """``auto``: the paper's ConvNet for 32 x 32 images (cifar_cnn), else mnist_cnn, else cifar_cnn where only it
+    takes the size (both size their first FC layer from the image); a ConfigError naming model.arch for images
+    smaller than any built-in takes."""
     if arch != "auto":
         return arch
-    return "cifar_cnn" if image_shape[1:] == (32, 32) else "mnist_cnn"
+    hw = tuple(image_shape[1:])
+    if hw == (32, 32):
+        return "cifar_cnn"
+    fits = [name for name in ("mnist_cnn", "cifar_cnn") if min(hw) >= MIN_SIDE[name]]
+    if not fits:
+        raise ConfigError(f"model.arch: auto has no built-in ConvNet for {' x '.join(map(str, hw))} images (the "
+                          f"smallest, cifar_cnn, takes {MIN_SIDE['cifar_cnn']} x {MIN_SIDE['cifar_cnn']}); set "
+                          "model.arch to a package.module:factory")
+    return fits[0]
 
 
 def build_model(arch: str, num_classes: int, image_shape: tuple[int, int, int], variant: str | None,
@@ -148,7 +160,7 @@ def build_model(arch: str, num_classes: int, image_shape: tuple[int, int, int], 
         torch.manual_seed(seed)
         model = FedModel(resolve_arch(arch, image_shape), num_classes, image_shape[0], variant, hyper_hidden,
                          parts, init, tuple(image_shape[1:]))
-    # channels_last convolutions train about 1.5x faster on CPU (oneDNN) for these small ConvNets.
+    # channels_last convolutions train faster on CPU (oneDNN) for these small ConvNets (docs/benchmarks.md).
     return model.to(memory_format=torch.channels_last)
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..config import ARCHS, MODEL_PLUGINS, ConfigError, check_registry, is_import_path
-from .convnet import cifar_cnn, mnist_cnn
+from .convnet import MIN_SIDE, cifar_cnn, mnist_cnn
 from .resnet import resnet20
 
 FEATURE_DIM = {"mnist_cnn": 50, "cifar_cnn": 64, "resnet20": 64}
@@ -18,9 +18,11 @@ check_registry(BUILDERS, ARCHS, "model.arch")
 
 
 def feature_extractor(arch: str, image_shape: tuple[int, int, int]) -> tuple[nn.Module, int]:
-    """(f, d) for ``arch`` and inputs of ``image_shape``; a ConfigError naming model.arch and what failed."""
+    """(f, d) for ``arch`` and inputs of ``image_shape``; a ConfigError naming model.arch and what failed. A
+    built-in takes (C,) alone for the paper's image size; the ConvNets size their first FC layer from H, W."""
     if arch in BUILDERS:
-        return BUILDERS[arch](image_shape[0], FEATURE_DIM[arch]), FEATURE_DIM[arch]
+        sized = {"image_hw": tuple(image_shape[1:])} if arch in MIN_SIDE and len(image_shape) == 3 else {}
+        return BUILDERS[arch](image_shape[0], FEATURE_DIM[arch], **sized), FEATURE_DIM[arch]
     # Only here: a served built-in model imports nothing it does not need (tests/test_export.py).
     from ..plugins import import_object, load_plugin
 

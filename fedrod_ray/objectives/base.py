@@ -1,7 +1,7 @@
 """The seam for local objectives: a generic-head loss with a procedure of its own (Meta-BSM's meta step).
 
 An objective, chosen by ``train.balanced_loss: <name>`` and configured by the section ``train.<name>``,
-replaces step 2's l_BR for one client update (FEDROD.md, "One round"); the personalized loss, the generic
+replaces step 2's l_BR for one client update (docs/method.md, "One round"); the personalized loss, the generic
 rule's correction, the optimizer and the server's average stay as they are. Besides its step it may own:
 
 - client state: a ``StateDict`` the client keeps between rounds, ``ClientState.objectives[name]`` (absent:
@@ -43,22 +43,55 @@ class LocalObjective:
 
     @classmethod
     def meta_per_class(cls, cfg: TrainConfig) -> int:
-        """Examples of every class in the server's meta set (0: none)."""
+        """The size of the server's meta set.
+
+        Args:
+            cfg: the run's training config (its section ``train.<name>`` holds the objective's settings).
+
+        Returns:
+            Examples of every class taken out of the training set before the split; 0: no meta set.
+        """
         return 0
 
     @classmethod
     def model_parts(cls, cfg: TrainConfig) -> dict[str, Callable[[], nn.Module]]:
-        """The model's extra modules by attribute name, each built (seeded) by calling its factory."""
+        """The model's extra modules, trained by the objective and averaged by the server.
+
+        Args:
+            cfg: the run's training config.
+
+        Returns:
+            Factories by attribute name (Meta-BSM: ``{"mwn": ...}``); each is called (seeded) after every
+            other weight is built.
+        """
         return {}
 
     def __init__(self, cfg: TrainConfig, meta: MetaSet, state: StateDict, device: torch.device):
+        """Start one client update.
+
+        Args:
+            cfg: the run's training config.
+            meta: the server's meta set on the training device, or None without one.
+            state: the client's objective state (empty: its initial state).
+            device: the training device.
+        """
         self.cfg = cfg
 
     def losses(self, model: FedModel, counts: torch.Tensor, dist: torch.Tensor, lr: float) -> LossesFn:
-        """Each mini-batch's (generic loss, personalized loss or None) for the client with class ``counts``
-        and distribution ``dist``, at the round's learning rate ``lr``."""
+        """The mini-batch loss function of this client update.
+
+        Args:
+            model: the client's model, with the objective's parts.
+            counts: the client's examples per class, N_m.
+            dist: its class distribution a_m.
+            lr: the round's learning rate.
+
+        Returns:
+            A function of (images, labels) giving (the generic loss, the personalized loss or None); the step
+            backpropagates their sum.
+        """
         raise NotImplementedError
 
     def state(self) -> StateDict:
-        """The client's state after the update."""
+        """The client's objective state after the update, kept by the client and in checkpoints."""
         return {}

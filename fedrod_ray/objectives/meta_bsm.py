@@ -1,69 +1,11 @@
 """Fed-RoD (Meta-BSM): balanced softmax with a meta-learned gamma_m and Meta-Weight-Net example weights.
 
-FEDROD.md, "One round", paragraph Meta-BSM (the paper's appendix, "Extension with meta-learning for the
-improved BSM loss"). ``train.balanced_loss: meta_bsm`` replaces step 2's l_BR; everything else in the
-round (the personalized loss, the generic rule, the server's average) is as for the other losses.
-
-The method
-----------
-The server holds D_meta: ``train.meta_bsm.meta_per_class`` (10) examples of every class, drawn (seeded)
-from the training set before it is split, so no client holds them (``Partition.meta_indices``; every
-host gets them, as it gets the clients' indices). Client m keeps gamma_m (``ClientState.objectives``'s
-``meta_bsm``, starting at ``train.gamma``, default 1). The Meta-Weight-Net zeta (the model part ``mwn``,
-``train.meta_bsm.hidden`` wide, Shu et al. 2019)
-maps an example's loss value to a weight in (0, 1): Linear(1 -> hidden) -> ReLU -> Linear(hidden -> 1)
--> sigmoid. With w = (theta, psi), eta the round's learning rate, beta = ``train.meta_bsm.meta_lr`` and
-beta_gamma = ``train.meta_bsm.gamma_lr``, per mini-batch B of D_m:
-
-1. l_i = l^BSM_{gamma_m}(x_i, y_i; w) = -log( N_{m,y_i}^gamma_m e^{g_{y_i}} / sum_c N_{m,c}^gamma_m e^{g_c} ),
-   g = h_G(f(x_i; theta); psi);  q_i = MWNet(l_i; zeta), the loss entering as a value.
-2. Virtual step: w~(gamma_m, zeta) = w - eta * grad_w sum_i q_i l_i / sum_i q_i, its graph kept.
-3. Meta loss: L_meta(gamma_m, zeta) = (1/|D_meta|) sum_{(x, y) in D_meta} l_CE(h_G(f(x; theta~); psi~), y);
-   gamma_m <- max(0, gamma_m - beta_gamma dL_meta/dgamma_m),  zeta <- zeta - beta grad_zeta L_meta.
-4. Real step: L = sum_i q'_i l'_i / sum_i q'_i + l_CE(h_G(z).detach() + h_P(z.detach()), y), with l'_i under
-   the new gamma_m and q'_i = MWNet(l'_i; new zeta) as constants. One backward; then, as for every
-   loss, the generic rule's correction and the optimizer's step (momentum, weight decay) on w and phi_m
-   (or nu). The forward pass of step 1 serves steps 2 and 4: w has not changed in between.
-
-After the local epochs the client returns theta*, psi*, (hyper) nu* and zeta*; the server averages zeta
-by sample count, like nu; the client keeps gamma_m* (and phi*_m).
-
-Choices where the paper leaves it open
---------------------------------------
-- The meta loss is plain cross-entropy of the generic logits, unweighted. The paper writes it with the
-  same example weights and gamma_m. BSM under gamma_m with the meta set's own class counts *is*
-  cross-entropy: the counts are all equal, so N^gamma_m shifts every logit by the same amount, which
-  cancels. With the client's counts N_m instead, the meta loss would score w~ on the client's skew, not
-  on the balanced distribution the generic model is for, and would reward gamma_m directly rather than
-  through w~. Weighting the meta examples by q would let zeta lower the meta loss by shrinking every
-  weight, whatever w~ does.
-- zeta is one network the server averages (by sample count, as nu): the meta set it learns from is the
-  same for every client and the map from a loss value to a weight does not depend on the client (the
-  loss value already carries gamma_m and the client's counts), so pooling every participant's meta
-  gradients trains it on far more steps than one client's rounds give. gamma_m stays the client's: it
-  is meant to fit the client's own label skew (the paper's subscript m; zeta has none).
-- beta and beta_gamma are plain SGD step sizes (the brief's "one gradient step", which also keeps the
-  update a pure function of the mini-batch), one for zeta and one for gamma_m, because their meta
-  gradients differ in scale and in what a step does. zeta's is a dot product of two gradients over
-  all of w, of order 1 for the paper's CNN even with the factor eta in it: at beta = 1 the MWN's output
-  layer grew from norm 0.6 to 7 within 10 mini-batches on Fashion-MNIST and its weights spread over
-  orders of magnitude (README, "Meta-BSM"); beta = 0.001 is Shu et al.'s step for it (with Adam). At
-  that step gamma_m would not move (0.002 in two epochs of a skewed client); at beta_gamma = 0.1 it
-  moves by ~0.2 in those epochs, steadily; at 1 it oscillates.
-- Per Shu et al., q enters as the weight of a loss, not as a function of w: MWNet reads the loss value
-  (detached), and the real step's weights are constants. The virtual step is plain SGD, without the
-  optimizer's momentum and weight decay or the generic rule's correction, none of which depends on
-  gamma_m or zeta.
-- The weighted loss is the weighted mean sum_i q_i l_i / sum_i q_i (FEDROD.md writes the sum; Shu et al.'s
-  code divides by the weights' sum), in the virtual and the real step, so that eta means what it means
-  for the other losses and zeta decides only how a batch's step is shared among its examples, not how
-  large it is. Unnormalised, every local step of a skewed client raises the balanced meta loss a little,
-  so the meta gradient shrinks every weight: at Dir(0.3) the weights fell below 1e-6 after one round and
-  froze the generic model (README, "Meta-BSM"). If every weight underflows to 0 the batch's step is 0.
-- gamma_m is kept >= 0: N^gamma with gamma < 0 would give a class the client lacks infinite weight. At
-  gamma_m = 0 the loss is plain cross-entropy, as ``train.gamma: 0`` is for ``bsm``.
-- ``train_loss`` reports the weighted loss of step 4 (what the real step minimises).
-- D_meta is used whole in every step, without augmentation: 10 examples per class, a few hundred rows.
+docs/method.md, "Meta-BSM" (the paper's appendix, "Extension with meta-learning for the improved BSM loss").
+``train.balanced_loss: meta_bsm`` replaces step 2's l_BR; the personalized loss, the generic rule and the
+server's average stay as for the other losses. Per mini-batch: a virtual SGD step on the weighted BSM loss,
+one SGD step of gamma_m and of the Meta-Weight-Net zeta on the meta set's cross-entropy through it, then the
+real step. What the paper leaves open (the meta loss, the step sizes, the weights normalised per batch, zeta
+shared by the server) is chosen as docs/design.md, "Meta-BSM: choices where the paper is silent" says, and why.
 """
 
 from __future__ import annotations

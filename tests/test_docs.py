@@ -1,0 +1,131 @@
+"""The README as the front page (short, its links into docs/ alive, its examples the ones the docs pages
+test) and the documentation site's generated references (docs/hooks/generated.py) covering what the code
+defines. The site itself is built with ``mkdocs build --strict`` in CI (.ci/run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+from pathlib import Path
+
+from markdown.extensions.toc import slugify
+from test_deploy import cluster_section
+
+from fedrod_ray.config import RULE_PARAMS, ExperimentConfig
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+MAX_README_LINES = 250
+
+
+def test_the_readme_stays_a_front_page():
+    assert len(README.splitlines()) <= MAX_README_LINES
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors MkDocs gives a page's headings (its default slugify), and explicit ``{#id}`` ones."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)
+    headings = re.findall(r"^#{1,6} (.+?)\s*$", text, re.MULTILINE)
+    anchors = set()
+    for heading in headings:
+        explicit = re.search(r"\{#([\w-]+)\}$", heading)
+        plain = re.sub(r"[`*]", "", heading)
+        anchors.add(explicit.group(1) if explicit else slugify(plain, "-"))
+    return anchors
+
+
+def test_every_link_from_the_readme_into_docs_exists():
+    links = re.findall(r"\]\((docs/[^)#\s]+)(?:#([^)\s]+))?\)", README)
+    assert len(links) >= 10, links
+    for path, anchor in links:
+        target = REPO / path
+        assert target.is_file(), f"README links to {path}, which does not exist"
+        if anchor:
+            assert anchor in _anchors(target), f"README links to {path}#{anchor}: no such heading"
+    assert (REPO / "CHANGELOG.md").is_file() and "](CHANGELOG.md)" in README
+
+
+def test_the_anchor_check_reads_headings_as_mkdocs_does(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("# Top\n\n## The paper's claims\n\n```bash\n# not a heading\n```\n\n### `GET /x` {#get-x}\n")
+    assert _anchors(page) == {"top", "the-papers-claims", "get-x"}
+
+
+def test_the_readmes_cluster_job_is_the_one_the_docs_page_runs():
+    """tests/test_deploy.py runs docs/ray.md's block against a head node; the README shows the same."""
+    block = re.search(r"```bash\n(.*?)```", cluster_section(), re.DOTALL).group(1)
+    assert f"```bash\n{block}```" in README
+
+
+def test_the_readmes_results_are_those_of_the_results_page():
+    results = (REPO / "docs" / "results.md").read_text()
+    section = README[README.index("\n## Results\n"):README.index("\n## Documentation\n")]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert len(rows) >= 7, rows
+    for row in rows:
+        method, *values = [cell.strip(" ‡§") for cell in row.strip("|").split("|")]
+        label = rf"\| {re.escape(method)}[ §‡]*(?=\|)"
+        assert values and all(re.search(rf"{label}[^\n]*\| {re.escape(v)} ", results) for v in values), row
+
+
+def _hook():
+    """docs/hooks/generated.py, the MkDocs hook that generates the reference pages."""
+    spec = importlib.util.spec_from_file_location("docs_hook", REPO / "docs" / "hooks" / "generated.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _keys(section, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        keys += _keys(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [prefix + f.name]
+    return keys
+
+
+def test_the_configuration_reference_lists_every_key_and_rule():
+    text = _hook().config_reference()
+    keys = _keys(ExperimentConfig())
+    assert len(keys) > 50
+    missing = [key for key in keys if f"| `{key}` |" not in text]
+    assert not missing, missing
+    assert all(f"| `{rule}` |" in text for rule in RULE_PARAMS)
+    # A field's comment in config.py is its description, "(see NAME)" expanded to NAME's comment.
+    assert re.search(r"\| `train\.momentum_buffers` \|.*\| what a client's SGD momentum buffers do", text)
+
+
+def test_the_cli_reference_has_every_command_and_option():
+    from fedrod_ray.cli import build_parser
+
+    text = _hook().cli_reference()
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if hasattr(a, "choices") and isinstance(a.choices, dict)]
+    assert {"train", "partition", "list", "schema", "serve", "tune", "reproduce"} <= set(sub.choices)
+    for name, command in sub.choices.items():
+        assert f"## `fedrod-ray {name}`" in text
+        for action in command._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help"):
+                    assert f"`{flag}`" in text, (name, flag)
+
+
+def test_the_http_api_reference_has_every_operation():
+    hook = _hook()
+    doc = hook.openapi_document()
+    text = hook.http_api_reference()
+    operations = [f"{method.upper()} {path}" for path, ops in doc["paths"].items() for method in ops]
+    assert "POST /v1/heads" in operations and "POST /v1/predict" in operations
+    assert all(f"### `{op}`" in text for op in operations)
+    assert all(f"#### `{name}`" in text for name in doc["components"]["schemas"])
+
+
+def test_the_results_page_holds_the_tables_the_publisher_writes():
+    """bench/fmnist_results.py writes docs/results.md's tables from bench/results/: they are what it writes."""
+    spec = importlib.util.spec_from_file_location("fmnist_results", REPO / "bench" / "fmnist_results.py")
+    publisher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(publisher)
+    text = publisher.PAGE.read_text()
+    start, end = text.index(publisher.MARK[0]) + len(publisher.MARK[0]), text.index(publisher.MARK[1])
+    assert text[start:end] == "\n" + publisher.page_block() + "\n", "run python bench/fmnist_results.py --page-only"
