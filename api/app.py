@@ -196,8 +196,10 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
         settings = Settings(model_dir=settings)
     service = ModelService(settings.model_dir, settings.head_cache_size)
     # /docs and /redoc with Swagger UI's and ReDoc's scripts served from the fastapi-offline package rather
-    # than a CDN: a federation's server often runs without internet.
-    app = FastAPIOffline(title="fedrod-ray", version=__version__, description=DESCRIPTION)
+    # than a CDN: a federation's server often runs without internet. Swagger UI's validator is off: served
+    # under any name but localhost, it would have the browser fetch a badge from validator.swagger.io.
+    app = FastAPIOffline(title="fedrod-ray", version=__version__, description=DESCRIPTION,
+                         swagger_ui_parameters={"validatorUrl": None})
     app.state.service = service
     app.state.settings = settings
     # Predictions run one at a time on their own thread, in arrival order, while the event loop parses and
