@@ -26,6 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="request body limit, 413 above (default %(default)s)")
     serve.add_argument("--body-timeout", type=float, default=Settings.model_fields["body_timeout_s"].default,
                        help="seconds a request body may take to arrive, 408 after (default %(default)s)")
+    serve.add_argument("--allow-factory", action="append", default=[], metavar="MODULE:CALLABLE",
+                       help="a package.module:factory arch a final/ may name (repeatable); built-in archs and "
+                            "installed fedrod_ray.models plug-ins need none. Only for code you trust: "
+                            "loading a final/ calls it")
     serve.add_argument("--ray", action="store_true",
                        help="run on Ray Serve: joins the Ray cluster running on this machine or starts one")
     serve.set_defaults(handler=serve_command)
@@ -37,16 +41,18 @@ def serve_command(args) -> int:
 
     from pydantic import ValidationError
 
-    from fedrod_ray.export import ExportError, load_final
+    from fedrod_ray.export import ExportError
 
+    from .service import load
     from .settings import ADMIN_TOKEN_ENV
 
     try:
         settings = Settings(model_dir=args.run_dir, max_batch=args.max_batch,
-                            max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout)
+                            max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+                            allow_factories=args.allow_factory)
     except ValidationError as e:
         err = e.errors()[0]
-        flags = {"model_dir": "RUN_DIR", "body_timeout_s": "--body-timeout"}
+        flags = {"model_dir": "RUN_DIR", "body_timeout_s": "--body-timeout", "allow_factories": "--allow-factory"}
         name = flags.get(err["loc"][0], "--" + str(err["loc"][0]).replace("_", "-"))
         raise ConfigError(f"{name}: {err['msg']}") from None
     if args.ray and args.port == 0:
@@ -54,7 +60,7 @@ def serve_command(args) -> int:
     try:
         if args.ray:
             # Checked here, so that a bad RUN_DIR stops at once rather than in every replica.
-            version = load_final(args.run_dir).version_id
+            version = load(args.run_dir, 1, settings.allow_factories).served.version_id
         else:
             from .app import create_app
 

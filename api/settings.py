@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from fedrod_ray.config import is_import_path
 
 # Reload is allowed only with this token, and is off when it is unset or empty.
 ADMIN_TOKEN_ENV = "FEDROD_ADMIN_TOKEN"
+
+
+def _import_path(value: str) -> str:
+    if not is_import_path(value):
+        raise ValueError(f"{value!r} is not a package.module:factory import path")
+    return value
+
+
+Factory = Annotated[str, AfterValidator(_import_path)]
 
 
 class Settings(BaseModel):
@@ -18,3 +31,6 @@ class Settings(BaseModel):
     body_timeout_s: float = Field(30.0, gt=0, le=3600, description="seconds a request body may take to "
                                                                   "arrive after its headers (408 after)")
     head_cache_size: int = Field(1024, ge=1, description="zero-shot heads kept for GET /v1/heads/{head_id}")
+    allow_factories: tuple[Factory, ...] = Field((), description="package.module:factory archs a final/ may "
+                                                                 "name, besides the built-ins and installed "
+                                                                 "plug-ins")
