@@ -58,7 +58,8 @@ def run_dir(tmp_path_factory):
     return run
 
 
-@pytest.fixture(scope="module", params=["uvicorn", "ray-serve"])
+# Ray Serve's header probes wait for HAProxy's default client timeout (10 s).
+@pytest.fixture(scope="module", params=["uvicorn", pytest.param("ray-serve", marks=pytest.mark.slow)])
 def server(request, run_dir, tmp_path_factory):
     marks = tmp_path_factory.mktemp("marks")
     # The server can import fedrodmarker: nothing but the arch check keeps a final/ from running it.
