@@ -44,6 +44,7 @@ class Server:
     header_timeout: float
     name: str
     marker: Path  # written by the package fedrodmarker, which the server can import, if any of it runs
+    env: dict[str, str]  # what lets it import fedrodmarker
 
     @property
     def address(self) -> tuple[str, int]:
@@ -69,7 +70,7 @@ def server(request, run_dir, tmp_path_factory):
         flags = ["--max-bodies-bytes", str(BUDGET), "--body-timeout", str(BODY_TIMEOUT), "--header-timeout",
                  str(HEADER_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS)]
         with uvicorn_server(run_dir, *flags, env={**env, "FEDROD_ADMIN_TOKEN": TOKEN}) as (proc, base, _):
-            yield Server(base, proc.pid, HEADER_TIMEOUT, "uvicorn", marks / "marker")
+            yield Server(base, proc.pid, HEADER_TIMEOUT, "uvicorn", marks / "marker", env)
         return
     ray = request.getfixturevalue("ray_session")
     from fedrod_ray_api.serve import FedRodAPI
@@ -85,7 +86,7 @@ def server(request, run_dir, tmp_path_factory):
         serve.run(FedRodAPI.options(ray_actor_options=options).bind(settings.model_dump()),
                   name="fedrod-limits", route_prefix="/")
         yield Server(f"http://127.0.0.1:{port}", None, Connections().header_timeout_s, "ray-serve",
-                     marks / "marker")
+                     marks / "marker", env)
     finally:
         serve.shutdown()
     assert ray.is_initialized()
@@ -315,14 +316,22 @@ def test_a_crafted_final_runs_nothing(server, tmp_path):
         from fedrod_ray_api.serve import FedRodAPI
         from ray import serve
 
-        env = {MARKER_ENV: str(server.marker), "PYTHONPATH": str(server.marker.parent / "marking")}
-        options = {"num_cpus": 0.1, "runtime_env": {"env_vars": env}}
-        app = FedRodAPI.options(ray_actor_options=options, max_constructor_retry_count=1).bind(
-            Settings(model_dir=str(crafted)).model_dump())
-        with pytest.raises(RuntimeError, match="fedrod-crafted failed"):
-            serve.run(app, name="fedrod-crafted", route_prefix="/crafted")
-        (status,) = serve.status().applications["fedrod-crafted"].deployments.values()
-        assert "arch 'fedrodmarker:net' is not one" in status.message, status.message
-        serve.delete("fedrod-crafted")
+        def deploy(**allowed):
+            options = {"num_cpus": 0.1, "runtime_env": {"env_vars": server.env}}
+            app = FedRodAPI.options(ray_actor_options=options, max_constructor_retry_count=1).bind(
+                Settings(model_dir=str(crafted), **allowed).model_dump())
+            with pytest.raises(RuntimeError, match="fedrod-crafted failed"):
+                serve.run(app, name="fedrod-crafted", route_prefix="/crafted")
+            (status,) = serve.status().applications["fedrod-crafted"].deployments.values()
+            serve.delete("fedrod-crafted")
+            return status.message
+
+        message = deploy()
+        assert "arch 'fedrodmarker:net' is not one" in message, message
+        assert not server.marker.exists(), server.marker.read_text()
+        # The control: allowed, the replica imports and runs it (its model does not fit the weights).
+        assert "does not fit the model" in deploy(allow_factories=["fedrodmarker:net"])
+        assert server.marker.read_text().split() == ["imported", "net"]
+        server.marker.unlink()
     assert not server.marker.exists(), server.marker.read_text()
     _healthy(server)
