@@ -60,7 +60,8 @@ DESCRIPTION = """\
 Generic and personalized predictions of a Fed-RoD model trained by fedrod-ray, and zero-shot personalized
 heads for brand-new clients described only by their class distribution (hyper head).
 
-Every error is `{"detail": "<field>: <what is wrong>", "field": "<field>"}` with a 4xx status.
+Every error is `{"detail": "<field>: <what is wrong>", "field": "<field>"}` with a 4xx status, or 503 (with
+Retry-After) while the request bodies in flight are at the server's memory budget.
 """
 
 
@@ -194,10 +195,12 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
     """
     if isinstance(settings, str):
         settings = Settings(model_dir=settings)
-    service = ModelService(settings.model_dir, settings.head_cache_size)
+    service = ModelService(settings.model_dir, settings.head_cache_size, settings.allow_factories)
     # /docs and /redoc with Swagger UI's and ReDoc's scripts served from the fastapi-offline package rather
-    # than a CDN: a federation's server often runs without internet.
-    app = FastAPIOffline(title="fedrod-ray", version=__version__, description=DESCRIPTION)
+    # than a CDN: a federation's server often runs without internet. Swagger UI's validator is off: served
+    # under any name but localhost, it would have the browser fetch a badge from validator.swagger.io.
+    app = FastAPIOffline(title="fedrod-ray", version=__version__, description=DESCRIPTION,
+                         swagger_ui_parameters={"validatorUrl": None})
     app.state.service = service
     app.state.settings = settings
     # Predictions run one at a time on their own thread, in arrival order, while the event loop parses and
@@ -205,7 +208,8 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
     # cores: on 2 cores this gave ~45% more requests/s at concurrency 8 than the default thread pool, and
     # less than half its p99 (bench/serve_latency.py). More traffic takes more processes (Ray Serve).
     inference = app.state.inference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrod-inference")
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
+                       budget_bytes=settings.max_bodies_bytes)
     errors.install(app)
     _document_bodies(app)
 
@@ -224,7 +228,7 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
         return _model_info(service.current, settings)
 
     @app.post("/v1/heads", response_model=HeadResponse, tags=["heads"],
-              responses=responses(408, 409, 413, 415, 422), openapi_extra=request_body(HeadRequest),
+              responses=responses(408, 409, 413, 415, 422, 503), openapi_extra=request_body(HeadRequest),
               summary="The zero-shot personalized head H(a; nu) of a new client's class distribution")
     async def make_head(req: Annotated[HeadRequest, HEADS_BODY]):  # microseconds of torch: cheaper than a hop to a thread
         loaded = service.current
@@ -240,7 +244,7 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
         return _head_response(loaded, head_id, a, head)
 
     @app.post("/v1/predict", response_model=PredictResponse, tags=["predict"],
-              responses=responses(404, 408, 409, 413, 415, 422), openapi_extra=request_body(PredictRequest),
+              responses=responses(404, 408, 409, 413, 415, 422, 503), openapi_extra=request_body(PredictRequest),
               summary="Generic class probabilities, and personalized ones when a head is named")
     async def predict(req: Annotated[PredictRequest, PREDICT_BODY]):
         loop = asyncio.get_running_loop()
@@ -263,7 +267,7 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
             raise Unauthorized("Authorization", f"needs 'Bearer <token>', the token in ${ADMIN_TOKEN_ENV}")
 
     @app.post("/v1/admin/reload", response_model=ReloadResponse, tags=["admin"],
-              dependencies=[Depends(admin)], responses=responses(401, 403, 408, 409, 413, 415, 422),
+              dependencies=[Depends(admin)], responses=responses(401, 403, 408, 409, 413, 415, 422, 503),
               openapi_extra=request_body(ReloadRequest, required=False),
               summary="Serve the final/ of model_dir (default: the served run's, e.g. after new training)")
     def reload(req: Annotated[ReloadRequest | None, RELOAD_BODY]):

@@ -1,11 +1,18 @@
 """ASGI middleware that reads a request's body within bounds, before any route parses it: 413 for a body
-over the size limit, 408 for one that does not arrive in time."""
+over the size limit, 408 for one that does not arrive in time, 503 while the bodies held by all requests
+together would go over their budget."""
 
 from __future__ import annotations
 
 import asyncio
 
 from .errors import error_response
+
+# Each refusal closes the connection: the rest of the body may still come, and would otherwise be read (and
+# thrown away) for as long as the client sends it, or be taken for the next request.
+CLOSE = {"Connection": "close"}
+# Seconds a client refused for the budget is told to wait: a body in flight takes about that long.
+RETRY_AFTER_S = 1
 
 
 class BodyLimit:
@@ -16,12 +23,19 @@ class BodyLimit:
     catches a chunked body, or one whose Content-Length lies. The time limit is for the whole body, not
     per read, so a client trickling a byte at a time cannot hold a connection either (uvicorn bounds only
     the idle time between requests).
+
+    ``budget_bytes`` bounds the bodies of all requests in flight together, so that memory does not grow
+    with the number of clients: a request takes its declared Content-Length from the budget before a byte
+    is read (a chunked one, what arrives), keeps it until its answer is sent, and is answered 503 with
+    Retry-After, at once, when the budget cannot cover it.
     """
 
-    def __init__(self, app, max_bytes: int, timeout_s: float):
+    def __init__(self, app, max_bytes: int, timeout_s: float, budget_bytes: int):
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.budget_bytes = budget_bytes
+        self.held_bytes = 0  # by the requests in flight (one event loop: no lock)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -29,41 +43,70 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(f"{int(declared)} bytes", scope, receive, send)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
-        chunks, size = [], 0
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), deadline - loop.time())
-            except asyncio.TimeoutError:
-                return await self._too_slow(size, declared, scope, receive, send)
-            if message["type"] == "http.disconnect":  # the client left: there is no one to answer
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                return await self._too_large(f"more than {self.max_bytes} bytes", scope, receive, send)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        replayed = False
+        held = 0
+        try:
+            if declared.isdigit():
+                if not self._take(int(declared)):
+                    return await self._over_budget(int(declared), scope, receive, send)
+                held = int(declared)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.timeout_s
+            chunks, size = [], 0
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), deadline - loop.time())
+                except asyncio.TimeoutError:
+                    return await self._too_slow(size, declared, scope, receive, send)
+                if message["type"] == "http.disconnect":  # the client left: there is no one to answer
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_bytes:
+                    return await self._too_large(f"more than {self.max_bytes} bytes", scope, receive, send)
+                if size > held:  # chunked, or more than declared (uvicorn refuses that as a bad request)
+                    if not self._take(size - held):
+                        return await self._over_budget(size, scope, receive, send)
+                    held = size
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            body = b"".join(chunks)
+            del chunks  # one copy of the body, not two, while the request is handled
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.held_bytes -= held
 
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()  # only a disconnect can come now
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+    def _take(self, n: int) -> bool:
+        if self.held_bytes + n > self.budget_bytes:
+            return False
+        self.held_bytes += n
+        return True
 
     async def _too_large(self, what: str, scope, receive, send):
         detail = f"body: {what} is over this server's limit of {self.max_bytes} bytes"
-        await error_response(413, "body", detail)(scope, receive, send)
+        await error_response(413, "body", detail, CLOSE)(scope, receive, send)
 
     async def _too_slow(self, size: int, declared: bytes, scope, receive, send):
         of = f" of the {int(declared)} declared" if declared.isdigit() else ""
         detail = f"body: {size} bytes{of} arrived in {self.timeout_s:g} s, this server's limit for a body"
-        # Closed after the answer: the rest of the body may still come, and would be read as a request.
-        await error_response(408, "body", detail, {"Connection": "close"})(scope, receive, send)
+        await error_response(408, "body", detail, CLOSE)(scope, receive, send)
+
+    async def _over_budget(self, size: int, scope, receive, send):
+        detail = (f"body: {size} bytes would take the request bodies held at once over this server's limit of "
+                  f"{self.budget_bytes} bytes ({self.held_bytes} held); retry in {RETRY_AFTER_S} s")
+        headers = {**CLOSE, "Retry-After": str(RETRY_AFTER_S)}
+        await error_response(503, "body", detail, headers)(scope, receive, send)
+
+
+def _replay(body: bytes, receive):
+    """The ``receive`` a route sees: the whole body at once, then whatever comes (only a disconnect can)."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay

@@ -10,7 +10,11 @@ import argparse
 
 from fedrod_ray.config import ConfigError
 
-from .settings import Settings
+from .settings import Connections, Settings
+
+# The flag of each setting whose name is not --setting-name.
+FLAGS = {"model_dir": "RUN_DIR", "body_timeout_s": "--body-timeout", "header_timeout_s": "--header-timeout",
+         "allow_factories": "--allow-factory"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,8 +28,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="images per /v1/predict request (default %(default)s)")
     serve.add_argument("--max-body-bytes", type=int, default=Settings.model_fields["max_body_bytes"].default,
                        help="request body limit, 413 above (default %(default)s)")
+    serve.add_argument("--max-bodies-bytes", type=int,
+                       default=Settings.model_fields["max_bodies_bytes"].default,
+                       help="bytes of request bodies held at once, all requests together; 503 with "
+                            "Retry-After above (default %(default)s)")
     serve.add_argument("--body-timeout", type=float, default=Settings.model_fields["body_timeout_s"].default,
                        help="seconds a request body may take to arrive, 408 after (default %(default)s)")
+    serve.add_argument("--header-timeout", type=float, default=None,
+                       help=f"seconds a request's line and headers may take to arrive, 408 after "
+                            f"(default {Connections.model_fields['header_timeout_s'].default}; with --ray, "
+                            f"HAProxy's client timeout)")
+    serve.add_argument("--max-connections", type=int, default=None,
+                       help=f"open connections; more are answered 503 and closed (default "
+                            f"{Connections.model_fields['max_connections'].default}; with --ray, HAProxy's "
+                            f"maxconn)")
+    serve.add_argument("--allow-factory", action="append", default=[], metavar="MODULE:CALLABLE",
+                       help="a package.module:factory arch a final/ may name (repeatable); built-in archs and "
+                            "installed fedrod_ray.models plug-ins need none. Only for code you trust: "
+                            "loading a final/ calls it")
     serve.add_argument("--ray", action="store_true",
                        help="run on Ray Serve: joins the Ray cluster running on this machine or starts one")
     serve.set_defaults(handler=serve_command)
@@ -37,24 +57,28 @@ def serve_command(args) -> int:
 
     from pydantic import ValidationError
 
-    from fedrod_ray.export import ExportError, load_final
+    from fedrod_ray.export import ExportError
 
+    from .service import load
     from .settings import ADMIN_TOKEN_ENV
 
+    given = {"header_timeout_s": args.header_timeout, "max_connections": args.max_connections}
     try:
-        settings = Settings(model_dir=args.run_dir, max_batch=args.max_batch,
-                            max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout)
+        settings = Settings(model_dir=args.run_dir, max_batch=args.max_batch, max_body_bytes=args.max_body_bytes,
+                            max_bodies_bytes=args.max_bodies_bytes, body_timeout_s=args.body_timeout,
+                            allow_factories=args.allow_factory)
+        connections = Connections(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as e:
         err = e.errors()[0]
-        flags = {"model_dir": "RUN_DIR", "body_timeout_s": "--body-timeout"}
-        name = flags.get(err["loc"][0], "--" + str(err["loc"][0]).replace("_", "-"))
+        field = err["loc"][0] if err["loc"] else "max_bodies_bytes"
+        name = FLAGS.get(field, "--" + str(field).replace("_", "-"))
         raise ConfigError(f"{name}: {err['msg']}") from None
     if args.ray and args.port == 0:
         raise ConfigError("--port 0 does not work with --ray: Ray Serve needs a fixed port")
     try:
         if args.ray:
             # Checked here, so that a bad RUN_DIR stops at once rather than in every replica.
-            version = load_final(args.run_dir).version_id
+            version = load(args.run_dir, 1, settings.allow_factories).served.version_id
         else:
             from .app import create_app
 
@@ -71,13 +95,16 @@ def serve_command(args) -> int:
         from .serve import run
 
         sock.close()  # only a check: the Serve proxy listens itself
-        run(settings, args.host, args.port)
+        run(settings, args.host, args.port, connections,
+            explicit=[FLAGS[k] for k, v in given.items() if v is not None])
         return 0
 
     import gc
 
     import torch
     import uvicorn
+
+    from .protocol import bounded_protocol
 
     # One core for the predictions (the app runs them one at a time), the others for the event loop and the
     # clients: for these small convolutions more torch threads mostly spin, badly on a loaded machine.
@@ -89,7 +116,8 @@ def serve_command(args) -> int:
     print(f"fedrod-ray: serving {args.run_dir} (model version {version}) at http://{host}:{port} "
           f"(API docs at /docs; Ctrl-C stops)", flush=True)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+        protocol = bounded_protocol(connections.header_timeout_s, connections.max_connections)
+        uvicorn.Server(uvicorn.Config(app, http=protocol, log_level="info")).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn has shut down gracefully, then re-raises Ctrl-C
         pass
     return 0

@@ -25,6 +25,7 @@ DESCRIPTIONS = {
     413: "request body over the size limit, or more JSON values than a request can need",
     415: "not a JSON body (Content-Type), or a compressed one (Content-Encoding)",
     422: "invalid input; the message names the field",
+    503: "the request bodies in flight are at this server's memory budget: retry after Retry-After seconds",
 }
 
 

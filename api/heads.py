@@ -16,12 +16,13 @@ def class_dist(values: Sequence[float], class_names: Sequence[str], field: str) 
     """The distribution a (float32, summing to 1) from non-negative weights or counts, one per class.
 
     Normalised in float64 and rounded once to float32, so counts and a distribution that are equal up to
-    scale give the same a (and the same head_id); for counts this is exactly training's counts / sum.
+    scale give the same a (and the same head_id); for counts this is exactly training's counts / sum. The
+    weights are >= 0 (the schema), so abs() changes only -0.0, into the 0.0 it weighs the same as.
     """
     if len(values) != len(class_names):
         raise ApiError(field, f"has {len(values)} entries; this model has {len(class_names)} classes "
                               f"({', '.join(class_names[:12])}{', ...' if len(class_names) > 12 else ''})")
-    a = torch.tensor(values, dtype=torch.float64)
+    a = torch.tensor(values, dtype=torch.float64).abs()
     total = a.sum()
     if total == 0:
         raise ApiError(field, "is all zero; a client needs at least one class")

@@ -9,14 +9,14 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from fedrod_ray.data.transforms import normalize
 from fedrod_ray.export import ModelMeta
 
+from . import png
 from .errors import ApiError
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_MODES = {1: "L", 3: "RGB"}
 # Normalised input may carry float rounding from the client's own normalisation: a thousandth of a
 # normalised unit is well under one 8-bit pixel step (1 / 255 / std).
@@ -84,16 +84,19 @@ def _decode_png(data: str, meta: ModelMeta, field: str) -> torch.Tensor:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(field, "is not valid base64") from None
-    if not raw.startswith(PNG_SIGNATURE):
-        raise ApiError(field, "is not a PNG (no PNG signature after base64 decoding)")
+    broken = png.structure_error(raw)
+    if broken:
+        raise ApiError(field, broken)
     c, h, w = meta.image_shape
     try:
         with Image.open(io.BytesIO(raw), formats=["PNG"]) as im:
             # Checked before decoding the pixels, so a small PNG of a huge image costs nothing.
             size, mode = im.size, im.mode
             pixels = im.tobytes() if (size, mode) == ((w, h), png_mode(meta)) else None
+    except UnidentifiedImageError:  # its message names the BytesIO object, at its memory address
+        raise ApiError(field, "is not an image Pillow can read (its IHDR names no supported PNG format)") from None
     except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, zlib.error... for a broken file
-        raise ApiError(field, f"cannot be decoded as PNG: {e}") from None
+        raise ApiError(field, f"cannot be decoded as PNG: its image data is corrupt ({e})") from None
     if size != (w, h):
         raise ApiError(field, f"is {size[0]}x{size[1]} pixels; this model takes {w}x{h}")
     if mode != png_mode(meta):

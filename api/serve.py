@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import os
 import time
 
@@ -17,9 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
+from fedrod_ray.config import ConfigError
+
 from .app import create_app
 from .service import batched_probabilities
-from .settings import Settings
+from .settings import Connections, Settings
 
 APP_NAME = "fedrod"
 
@@ -33,6 +36,18 @@ HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_O
 # a stopping replica need not stay up Ray's default 30 s for an external one to drop it (every Ctrl-C and
 # redeploy would wait 35 s).
 LOCAL_RAY_ENV = {**HIGH_THROUGHPUT_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+
+
+def haproxy_env(connections: Connections) -> dict[str, str]:
+    """HAProxy's settings for what uvicorn's protocol bounds (api/protocol.py), read by Ray's processes when
+    they start. HAProxy reads a request's headers before any replica sees them, and gives up on a client
+    idle for its client timeout (408): the header timeout, though per wait rather than for the whole headers
+    (HAProxy's buffer, tune.bufsize 16 KiB, bounds their size). Its maxconn holds further connections in the
+    kernel's queue instead of answering 503."""
+    return {"RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(math.ceil(connections.header_timeout_s)),
+            "RAY_SERVE_HAPROXY_MAXCONN": str(connections.max_connections)}
+
+
 # A replica's own variables (its runtime_env; deploy/serve_config.yaml sets the same). The high-throughput
 # mode buffers 1,000 access-log records and formats them all at once: a ~10 ms stall every 1,000 requests,
 # the p99 of /v1/heads at concurrency 8 (8-10 ms; 6.3-6.5 ms with 100, the same requests/s).
@@ -99,15 +114,25 @@ def app(args: dict) -> Application:
     return FedRodAPI.bind(Settings.model_validate(args).model_dump())
 
 
-def run(settings: Settings, host: str, port: int) -> None:
+def run(settings: Settings, host: str, port: int, connections: Connections, explicit: list[str]) -> None:
     """Deploy on the Ray cluster running on this machine (or a new local one) until Ctrl-C, then delete
-    the application."""
+    the application. ``explicit`` names the flags of ``connections`` given on the command line: they are
+    refused on a running cluster, whose HAProxy keeps the settings it was started with."""
     # For a Ray that ray.init starts here (no `ray start` cluster runs): its processes read these when they
     # start. A running cluster keeps the mode it was started in.
     for name, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(name, value)
+    for name, value in haproxy_env(connections).items():
+        if explicit:
+            os.environ[name] = value
+        else:
+            os.environ.setdefault(name, value)
     ray.init()
     try:
+        if explicit and not ray._private.worker._global_node.is_head():
+            names = ", ".join(explicit)
+            raise ConfigError(f"{names}: no effect on the running Ray cluster: its HAProxy reads "
+                              f"{', '.join(haproxy_env(connections))} when `ray start` starts it; set them there")
         serve.start(http_options={"host": host, "port": port})
         serve.run(app(settings.model_dump()), name=APP_NAME, route_prefix="/")
         print(f"fedrod-ray: serving {settings.model_dir} on Ray Serve at http://{host}:{port} "

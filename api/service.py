@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from fedrod_ray.export import ExportError, ServedModel, load_final
+from fedrod_ray.data.transforms import normalize
+from fedrod_ray.export import FINAL_DIR, ExportError, ServedModel, load_final
+from fedrod_ray.storage import RunStorage
 
 from .errors import ApiError, Conflict, NotFound
 from .heads import HeadCache, class_dist, head_id
@@ -38,15 +41,55 @@ class Personal:
     client_id: int | None = None
 
 
-def load(model_dir: str, head_cache_size: int) -> Loaded:
-    served = load_final(model_dir)
-    # A diverged run's NaN weights would make every prediction NaN, which JSON cannot carry.
+def load(model_dir: str, head_cache_size: int, allowed_factories: Collection[str] = ()) -> Loaded:
+    """The final/ of ``model_dir``, checked to give finite predictions; an ExportError saying why not.
+
+    Whatever loading raises becomes an ExportError, SystemExit and KeyboardInterrupt included: an allowed
+    factory is still code the directory chose to run, and it must not take the server down. Only opening
+    the storage (an unknown URI scheme: ValueError, OSError) is left to the caller."""
+    storage = RunStorage(model_dir)
+    where = storage.path(FINAL_DIR)
+    try:
+        served = load_final(storage, allowed_factories)
+        _check_finite(served, where)
+    except ExportError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - see the docstring
+        raise ExportError(f"{where}: loading it raised {type(e).__name__}: {e}") from None
+    trained = frozenset(cid for cid, head in served.personal_heads.items() if head.any())
+    return Loaded(served, HeadCache(head_cache_size), trained)
+
+
+@torch.inference_mode()
+def _check_finite(served: ServedModel, where: str) -> None:
+    """A diverged run's NaN weights, or a crafted final/, would make predictions NaN, which JSON cannot
+    carry (the response would say null): the normalisation, the tensors and a forward of a probe batch (black,
+    white and noise images) through every head the model serves must all be finite."""
+    meta = served.meta
+    for name, values in (("mean", meta.mean), ("std", meta.std)):
+        if not all(map(math.isfinite, values)) or (name == "std" and min(values) <= 0):
+            raise ExportError(f"{where}/meta.json: {name} is {values}; the normalisation needs finite values "
+                              f"and a std > 0 (it divides the pixels)")
     tensors = {**served.model.state_dict(), **{f"client {k}": v for k, v in served.personal_heads.items()}}
     for name, t in tensors.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
-            raise ExportError(f"{model_dir}/final: {name} has non-finite values (a diverged run?)")
-    trained = frozenset(cid for cid, head in served.personal_heads.items() if head.any())
-    return Loaded(served, HeadCache(head_cache_size), trained)
+            raise ExportError(f"{where}: {name} has non-finite values (a diverged run?)")
+    c, h, w = meta.image_shape
+    noise = torch.randint(0, 256, (1, c, h, w), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    probe = torch.cat([torch.zeros_like(noise), torch.full_like(noise, 255), noise])
+    model = served.model
+    z = model.features(normalize(probe, meta.mean, meta.std).contiguous(memory_format=torch.channels_last))
+    logits = {"generic head": model.generic_head(z)}
+    if meta.head == "hyper":
+        n = meta.num_classes
+        for a, what in [(torch.full((n,), 1 / n), "uniform"), *((row, f"class {i}") for i, row in enumerate(torch.eye(n)))]:
+            logits[f"hypernetwork's head for the {what} distribution"] = F.linear(z, served.zero_shot_head(a))
+    for cid, head in served.personal_heads.items():
+        logits[f"client {cid}'s head"] = F.linear(z, head)
+    for name, value in logits.items():
+        if not torch.isfinite(value).all():
+            raise ExportError(f"{where}: the {name} gives non-finite logits for a probe batch of black, white "
+                              f"and noise images (weights too large?)")
 
 
 def _need_head(loaded: Loaded, want: str, field: str) -> None:
@@ -152,10 +195,11 @@ def batched_probabilities(requests: Sequence[tuple[Loaded, torch.Tensor, torch.T
 class ModelService:
     """Holds the current ``Loaded`` and swaps it on reload; a failed reload leaves it as it was."""
 
-    def __init__(self, model_dir: str, head_cache_size: int):
+    def __init__(self, model_dir: str, head_cache_size: int, allowed_factories: Collection[str] = ()):
         self.model_dir = model_dir
         self.head_cache_size = head_cache_size
-        self.current = load(model_dir, head_cache_size)
+        self.allowed_factories = allowed_factories
+        self.current = load(model_dir, head_cache_size, allowed_factories)
         self._reload_lock = threading.Lock()
 
     def reload(self, model_dir: str | None) -> tuple[Loaded, Loaded]:
@@ -164,7 +208,7 @@ class ModelService:
             target = model_dir or self.model_dir
             previous = self.current
             try:
-                loaded = load(target, self.head_cache_size)
+                loaded = load(target, self.head_cache_size, self.allowed_factories)
             except ExportError as e:
                 still = f"still serving version {previous.served.version_id}"
                 raise Conflict("model_dir", f"{e}; {still}") from None

@@ -13,24 +13,30 @@ the rest of meta.json as canonical JSON (``sort_keys=True, separators=(",", ":")
 when what is served changes, so it can serve as a cache key or ETag.
 
 The HTTP service imports only this module and ``fedrod_ray.models``, never Ray or the training code:
-serving stays small and quick to start, and a refactor of training cannot break it. Tensors are read with
-safetensors only, never pickle, so a tampered final/ cannot run code.
+serving stays small and quick to start, and a refactor of training cannot break it. The hashes and
+``version_id`` catch accidental damage only: anyone who can write final/ can recompute them. What keeps a
+crafted final/ from running code is that tensors are read with safetensors (never pickle) and that
+``load_final`` builds only the archs its caller allows (``check_arch``): the built-ins, the
+``fedrod_ray.models`` plug-ins of installed packages, and the ``package.module:factory`` paths the caller
+names; any other ``arch`` is refused before anything is imported (docs/security.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
+from fedrod_ray.config import ARCHS, MODEL_PLUGINS, is_import_path, plugin_names
 from fedrod_ray.models import FedModel, build_model
 from fedrod_ray.storage import RunStorage
 
-__all__ = ["FORMAT_VERSION", "ExportError", "ModelMeta", "ServedModel", "load_final", "save_final"]
+__all__ = ["FORMAT_VERSION", "ExportError", "ModelMeta", "ServedModel", "check_arch", "load_final", "save_final"]
 
 FORMAT = "fedrod-ray/final"
 FORMAT_VERSION = 1
@@ -242,8 +248,26 @@ def _tensors(data: bytes, where: str) -> dict[str, torch.Tensor]:
         raise ExportError(f"{where} is not a valid safetensors file: {e}") from e
 
 
-def load_final(source: str | RunStorage) -> ServedModel:
-    """Load and verify the final/ of a run directory (a path or URI) or of its storage."""
+def check_arch(arch: str, allowed_factories: Collection[str], where: str) -> None:
+    """An ExportError unless building ``arch`` imports only code the caller allows: a built-in, a plug-in
+    that an installed package registers under ``fedrod_ray.models``, or one of ``allowed_factories``
+    (``package.module:factory`` paths). Checked before anything is imported: building an arch calls it."""
+    if is_import_path(arch):  # resolved as an import path even if a plug-in had that name (models.extractors)
+        if arch in allowed_factories:
+            return
+    elif arch in ARCHS or arch in plugin_names(MODEL_PLUGINS):
+        return
+    allowed = ", ".join(sorted(allowed_factories)) or "none"
+    raise ExportError(f"{where}: arch {arch!r} is not one this loader may build: not a built-in "
+                      f"({', '.join(ARCHS)}), not a plug-in an installed package registers under {MODEL_PLUGINS}, "
+                      f"and not an allowed factory (allowed: {allowed}; fedrod-ray serve --allow-factory)")
+
+
+def load_final(source: str | RunStorage, allowed_factories: Collection[str] = ()) -> ServedModel:
+    """Load and verify the final/ of a run directory (a path or URI) or of its storage.
+
+    Its arch must be one ``check_arch`` allows with ``allowed_factories``: the directory's contents choose
+    what is built, so only the caller may widen what that can import."""
     storage = source if isinstance(source, RunStorage) else RunStorage(source)
     where = storage.path(FINAL_DIR)
     raw = _read(storage, META_FILE, where)
@@ -259,6 +283,7 @@ def load_final(source: str | RunStorage) -> ServedModel:
     if doc.get("version_id") != _version_id(doc):
         raise ExportError(f"{where}/{META_FILE}: version_id does not match its contents (edited by hand?)")
     meta = _meta_from_doc(doc, f"{where}/{META_FILE}")
+    check_arch(meta.arch, allowed_factories, f"{where}/{META_FILE}")
 
     # Only the expected names are read, so meta.json cannot point the reader elsewhere.
     names = {MODEL_FILE, PERSONAL_FILE} if meta.head == "linear" else {MODEL_FILE}

@@ -116,12 +116,13 @@ def ray_session():
 
     if ray.is_initialized():
         pytest.fail("Ray was already initialised before the ray_session fixture")
-    from fedrod_ray_api.serve import LOCAL_RAY_ENV
+    from fedrod_ray_api.serve import LOCAL_RAY_ENV, haproxy_env
+    from fedrod_ray_api.settings import Connections
 
     temp_dir = tempfile.mkdtemp(prefix="frt-", dir="/tmp")
-    # Ray Serve in the mode `fedrod-ray serve --ray` starts (HAProxy ingress): Ray's processes read it when
-    # they start.
-    with mock.patch.dict(os.environ, LOCAL_RAY_ENV):
+    # Ray Serve in the mode `fedrod-ray serve --ray` starts (HAProxy ingress, with the default header timeout
+    # and connection limit): Ray's processes read it when they start.
+    with mock.patch.dict(os.environ, {**LOCAL_RAY_ENV, **haproxy_env(Connections())}):
         ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir,
                  log_to_driver=False, configure_logging=False)
         try:

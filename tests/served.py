@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fedrod_ray.export import ModelMeta, save_final
+from fedrod_ray.export import ModelMeta, _version_id, save_final
 from fedrod_ray.models import build_model
 from fedrod_ray.storage import RunStorage
 
@@ -52,6 +53,51 @@ def make_final(run_dir, head: str = "hyper", seed: int = 1, zero_clients: tuple[
                      std=STD, arch="mnist_cnn", head=head, hyper_hidden=16, rule="fedavg",
                      balanced_loss="bsm", round=5, metrics={"gfl_gm": 0.5, "pfl_pm": 0.75})
     return save_final(RunStorage(str(run_dir)), meta, weights, heads)
+
+
+def edit_meta(run_dir, **changes) -> None:
+    """Change final/meta.json's fields and recompute its version_id with the project's own helper, as anyone
+    who can write the directory can: the checks that remain are the loader's own."""
+    path = Path(run_dir) / "final" / "meta.json"
+    doc = {**json.loads(path.read_text()), **changes}
+    doc["version_id"] = _version_id(doc)
+    path.write_text(json.dumps(doc))
+
+
+# A package whose import and whose factories each write a marker file (MARKER_ENV names it) before doing
+# what their names say: a crafted final/'s arch that ran leaves the marker behind.
+MARKING_PACKAGE = """
+import os, pathlib, sys
+from torch import nn
+
+def _mark(what):
+    with open(os.environ["FEDROD_TEST_MARKER"], "a") as f:
+        f.write(what + "\\n")
+
+_mark("imported")
+
+def net(shape):
+    _mark("net")
+    return nn.Sequential(nn.Flatten(), nn.Linear(shape[0] * shape[1] * shape[2], 8))
+
+def exits(shape):
+    _mark("exits")
+    sys.exit(3)
+
+def interrupts(shape):
+    _mark("interrupts")
+    raise KeyboardInterrupt
+"""
+MARKER_ENV = "FEDROD_TEST_MARKER"
+
+
+def marking_package(root) -> Path:
+    """Write the package ``fedrodmarker`` (MARKING_PACKAGE) under ``root``; returns the folder to put on
+    sys.path / PYTHONPATH."""
+    folder = Path(root) / "marking"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "fedrodmarker.py").write_text(MARKING_PACKAGE)
+    return folder
 
 
 @contextlib.contextmanager

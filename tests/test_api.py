@@ -7,6 +7,7 @@ import base64
 import hashlib
 import io
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -178,6 +179,19 @@ def test_zero_shot_head_by_hand(hyper):
     assert hyper.get(f"/v1/heads/{body['head_id']}").json() == body
     other = hyper.post("/v1/heads", json={"class_counts": [1] * 10}).json()
     assert other["head_id"] != body["head_id"]
+
+
+def test_minus_zero_is_the_same_distribution_as_zero(hyper):
+    """-0.0 weighs what 0.0 does: the same head_id as 0.0 and as counts, and 0.0 echoed."""
+    minus = hyper.post("/v1/heads", json={"class_distribution": [0.5, -0.0, 0.25, 0.25] + [-0.0] * 6})
+    plus = hyper.post("/v1/heads", json={"class_distribution": [0.5, 0.0, 0.25, 0.25] + [0.0] * 6})
+    counts = hyper.post("/v1/heads", json={"class_counts": [2, 0, 1, 1] + [0] * 6})
+    assert minus.json()["head_id"] == plus.json()["head_id"] == counts.json()["head_id"]
+    assert minus.json() == plus.json()
+    assert all(math.copysign(1, x) == 1 for x in minus.json()["class_distribution"])
+    predict = hyper.post("/v1/predict", json={"images": [IMG], "class_distribution": [1.0] + [-0.0] * 9})
+    assert predict.json()["personalized"]["head_id"] == hyper.post(
+        "/v1/heads", json={"class_counts": [5] + [0] * 9}).json()["head_id"]
 
 
 def test_head_cache_is_bounded(hyper):
@@ -444,7 +458,7 @@ BAD_PREDICTS = [
     ({"images_png": [base64.b64encode(b"GIF89a...").decode()]}, "images_png[0]", "not a PNG"),
     ({"images_png": [EXAMPLE_PNG, _small_png()]}, "images_png[1]", "28x27 pixels"),
     ({"images_png": [_rgb_png()]}, "images_png[0]", "mode RGB"),
-    ({"images_png": [_truncated_png()]}, "images_png[0]", "cannot be decoded"),
+    ({"images_png": [_truncated_png()]}, "images_png[0]", "is truncated"),
     ({"images": [IMG], "top_k": 0}, "top_k", "greater than or equal to 1"),
     ({"images": [IMG], "top_k": 11}, "top_k", "only 10 classes"),
     # Strict numbers, as the schema's "integer" says: no strings, booleans or floats.
@@ -510,6 +524,52 @@ def test_not_a_plain_json_body_is_415(hyper, headers, field, words):
     assert r.json()["field"] == field and r.json()["detail"].startswith(field) and words in r.json()["detail"]
     ok = hyper.post("/v1/heads", content=body, headers={"content-type": "application/json; charset=UTF-8"})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("path,text,key", [
+    ("/v1/heads", '{"class_counts": [1,1,1,1,1,1,1,1,1,1], "class_counts": [2,1,1,1,1,1,1,1,1,1]}', "class_counts"),
+    ("/v1/predict", '{"images": [[[' + ",".join(["[" + ",".join(["0"] * 28) + "]"] * 28) + ']]], "top_k": 1, '
+                    '"top_k" : 2}', "top_k"),
+    ("/v1/heads", '{"class_counts": [1,1,1,1,1,1,1,1,1,1], "class_\\u0063ounts": [1,1,1,1,1,1,1,1,1,1]}',
+     "class_counts"),
+    ("/v1/admin/reload", '{"model_dir": "a", "model_dir": "b"}', "model_dir"),
+], ids=["heads", "predict", "escaped", "reload"])
+def test_duplicate_keys_are_422_naming_the_key(hyper, path, text, key):
+    r = hyper.post(path, content=text, headers={"content-type": "application/json", **ADMIN})
+    assert r.status_code == 422 and r.json()["field"] == key, r.text
+    assert r.json()["detail"] == f"{key}: is given more than once in the body; give each field once"
+    # A key inside a string value is no key: this reload looks for a directory of that name.
+    r = hyper.post("/v1/admin/reload", json={"model_dir": 'x", "model_dir": "y'}, headers=ADMIN)
+    assert r.status_code == 409 and "meta.json does not exist" in r.json()["detail"], r.text
+
+
+def _png_bytes():
+    return base64.b64decode(_png(_pixels(1)[0, 0]))
+
+
+def _bad_crc():
+    data = bytearray(_png_bytes())
+    data[30] ^= 0xFF  # a byte of IHDR's checksum
+    return bytes(data)
+
+
+@pytest.mark.parametrize("data,words", [
+    (lambda: _png_bytes()[:-20], "is truncated: its 'IDAT' chunk needs"),
+    (lambda: _png_bytes()[:-12], "is truncated: it ends before its IEND chunk"),
+    (_bad_crc, "has a bad checksum (CRC) in its 'IHDR' chunk"),
+    (lambda: _png_bytes()[:8], "is truncated: it holds only the PNG signature"),
+    (lambda: _png_bytes()[:8] + b"\0\0\0\0IEND\xaeB`\x82", "is not a PNG image: its first chunk is 'IEND'"),
+], ids=["cut-in-data", "no-iend", "bad-crc", "signature-only", "no-ihdr"])
+def test_broken_pngs_say_what_is_wrong(hyper, data, words):
+    r = hyper.post("/v1/predict", json={"images_png": [EXAMPLE_PNG, base64.b64encode(data()).decode()]})
+    assert r.status_code == 422 and r.json()["field"] == "images_png[1]", r.text
+    assert words in r.json()["detail"] and "0x" not in r.json()["detail"], r.json()
+
+
+def test_swagger_ui_fetches_nothing_from_outside(hyper):
+    page = hyper.get("/docs").text
+    assert '"validatorUrl": null' in page
+    assert not re.findall(r"https?://(?!127\.0\.0\.1|localhost)[\w.-]+", page.replace("http://testserver", ""))
 
 
 @pytest.mark.parametrize("text,words", [

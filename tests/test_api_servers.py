@@ -255,6 +255,12 @@ def test_serve_refuses_what_it_cannot_serve(capsys, tmp_path, run_dir):
     assert meta["head"] == "hyper"
     assert "--max-batch" in _error_of(capsys, str(run_dir), "--max-batch", "0")
     assert "--body-timeout" in _error_of(capsys, str(run_dir), "--body-timeout", "0")
+    assert "--max-bodies-bytes" in _error_of(capsys, str(run_dir), "--max-body-bytes", "4096",
+                                             "--max-bodies-bytes", "2048")
+    assert "--header-timeout" in _error_of(capsys, str(run_dir), "--header-timeout", "0")
+    assert "--max-connections" in _error_of(capsys, str(run_dir), "--max-connections", "0")
+    assert "--allow-factory: Value error, 'builtins' is not a package.module:factory" in _error_of(
+        capsys, str(run_dir), "--allow-factory", "builtins")
     assert "--port 0" in _error_of(capsys, str(run_dir), "--ray", "--port", "0")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

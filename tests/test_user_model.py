@@ -16,6 +16,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from fedrod_ray_api.app import create_app
+from fedrod_ray_api.settings import Settings
 from fedrod_ray_tune.reproduce import build_spec
 from fedrod_ray_tune.space import load_sweep
 from PIL import Image
@@ -233,7 +234,11 @@ def test_serve_a_model_trained_with_a_user_factory(package, tmp_path):
     assert meta["arch"] == "userfactories.nets:good" and meta["image_shape"] == [1, 8, 8]
     assert meta["class_names"] == ["red", "green", "blue"] and len(meta["mean"]) == 1
 
-    with TestClient(create_app(str(tmp_path / "run"))) as client:
+    # A factory is code the final/ names: served only when the operator allows it.
+    with pytest.raises(ExportError, match="arch 'userfactories.nets:good' is not one this loader may build"):
+        create_app(str(tmp_path / "run"))
+    allowed = Settings(model_dir=str(tmp_path / "run"), allow_factories=["userfactories.nets:good"])
+    with TestClient(create_app(allowed)) as client:
         info = client.get("/v1/model").json()
         assert info["arch"] == "userfactories.nets:good" and info["input"]["shape"] == [1, 8, 8]
         r = client.post("/v1/predict", json={"images_png": [_png(x[0]), _png(x[1])],
@@ -252,6 +257,6 @@ def test_serve_a_model_trained_with_a_user_factory(package, tmp_path):
     for name in [m for m in sys.modules if m.startswith("userfactories")]:
         del sys.modules[name]
     with pytest.raises(ExportError, match="final: model.arch: cannot import userfactories.nets"):
-        load_final(str(tmp_path / "run"))
+        load_final(str(tmp_path / "run"), allowed.allow_factories)
     with pytest.raises(ExportError, match="model.arch: cannot import userfactories.nets"):
-        create_app(str(tmp_path / "run"))
+        create_app(allowed)

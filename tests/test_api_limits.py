@@ -1,0 +1,337 @@
+"""The service's limits probed from outside, as a hostile client would (issue 33), against a real
+``fedrod-ray serve`` (uvicorn in a subprocess) and the Ray Serve deployment (HAProxy in front of a replica):
+the bodies of all requests in flight stay within their budget, headers that do not arrive in time and
+bodies over the size limit close their connection, a crafted final/ runs nothing, and the answers about
+-0.0, duplicate keys and broken PNGs are those of the in-process app (tests/test_api.py)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import math
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from fedrod_ray_api.schemas import EXAMPLE_PNG
+from fedrod_ray_api.settings import Connections, Settings
+from served import MARKER_ENV, edit_meta, make_final, marking_package, uvicorn_server
+
+MIB = 2**20
+LIMIT = 16 * MIB  # the default body limit
+BUDGET = 64 * MIB  # four bodies of the largest size
+# What the server's memory may grow by beyond the budget while bodies are in flight: uvicorn's own buffer of
+# each connection (up to 64 KiB plus one 256 KiB read), the allocator's slack, the requests' objects.
+MARGIN = 48 * MIB
+BODY_TIMEOUT = 30  # long enough that bodies stalled on purpose stay in flight while memory is measured
+HEADER_TIMEOUT = 3  # uvicorn's, for these tests; Ray Serve's HAProxy has the default (tests/conftest.py)
+MAX_CONNECTIONS = 32
+SLACK = 30  # seconds added to a timeout before a connection counts as held: generous, never a speed test
+TOKEN = "limits-token"
+JSON = {"content-type": "application/json"}
+
+
+@dataclass
+class Server:
+    base: str
+    pid: int | None  # the process holding the bodies (uvicorn's); None on Ray Serve
+    header_timeout: float
+    name: str
+    marker: Path  # written by the package fedrodmarker, which the server can import, if any of it runs
+    env: dict[str, str]  # what lets it import fedrodmarker
+
+    @property
+    def address(self) -> tuple[str, int]:
+        url = urlsplit(self.base)
+        return url.hostname, url.port
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("run")
+    make_final(run, "hyper")
+    return run
+
+
+# Ray Serve's header probes wait for HAProxy's default client timeout (10 s).
+@pytest.fixture(scope="module", params=["uvicorn", pytest.param("ray-serve", marks=pytest.mark.slow)])
+def server(request, run_dir, tmp_path_factory):
+    marks = tmp_path_factory.mktemp("marks")
+    # The server can import fedrodmarker: nothing but the arch check keeps a final/ from running it.
+    env = {MARKER_ENV: str(marks / "marker"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(marking_package(marks)), os.environ.get("PYTHONPATH")]))}
+    if request.param == "uvicorn":
+        flags = ["--max-bodies-bytes", str(BUDGET), "--body-timeout", str(BODY_TIMEOUT), "--header-timeout",
+                 str(HEADER_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS)]
+        with uvicorn_server(run_dir, *flags, env={**env, "FEDROD_ADMIN_TOKEN": TOKEN}) as (proc, base, _):
+            yield Server(base, proc.pid, HEADER_TIMEOUT, "uvicorn", marks / "marker", env)
+        return
+    ray = request.getfixturevalue("ray_session")
+    from fedrod_ray_api.serve import FedRodAPI
+    from ray import serve
+
+    settings = Settings(model_dir=str(run_dir), max_bodies_bytes=BUDGET, body_timeout_s=BODY_TIMEOUT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    options = {"num_cpus": 0.1, "runtime_env": {"env_vars": env}}
+    try:
+        serve.run(FedRodAPI.options(ray_actor_options=options).bind(settings.model_dump()),
+                  name="fedrod-limits", route_prefix="/")
+        yield Server(f"http://127.0.0.1:{port}", None, Connections().header_timeout_s, "ray-serve",
+                     marks / "marker", env)
+    finally:
+        serve.shutdown()
+    assert ray.is_initialized()
+
+
+def _connect(server: Server) -> socket.socket:
+    sock = socket.create_connection(server.address, timeout=60)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\0" * 8)
+    return sock
+
+
+def _until_closed(sock: socket.socket, within: float) -> bytes:
+    """What the server sends until it closes the connection; fails if it is still open ``within`` s on."""
+    received, deadline = b"", time.monotonic() + within
+    while True:
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return received
+        except TimeoutError:
+            pytest.fail(f"the connection is still open after {within:g} s; received {received[:300]!r}")
+        if not chunk:
+            return received
+        received += chunk
+
+
+def _healthy(server: Server) -> None:
+    with httpx.Client(base_url=server.base, timeout=60) as http:
+        assert http.get("/healthz").json() == {"status": "ok"}
+        assert http.post("/v1/heads", json={"class_counts": [1] * 10}).status_code == 200
+
+
+# --- headers ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/heads HTTP/1.1\r\nHost: test\r\n"], ids=["idle", "stalled"])
+def test_headers_that_do_not_arrive_in_time_close_the_connection(server, sent):
+    with _connect(server) as sock:
+        sock.sendall(sent)
+        started = time.monotonic()
+        received = _until_closed(sock, server.header_timeout + SLACK)
+        assert time.monotonic() - started > server.header_timeout - 1
+    if sent:
+        assert received.startswith(b"HTTP/1.1 408 "), received[:300]
+    if sent and server.name == "uvicorn":
+        assert b'"field":"headers"' in received and f"in {HEADER_TIMEOUT} s".encode() in received
+    _healthy(server)
+
+
+def test_headers_trickled_a_byte_at_a_time_close_the_connection(server):
+    """uvicorn's timeout is for the whole headers (HAProxy's for each wait: docs/security.md)."""
+    if server.name != "uvicorn":
+        pytest.skip("HAProxy's client timeout is per wait, not for the whole headers")
+    result: list[bytes] = []
+    with _connect(server) as sock:
+        t = threading.Thread(target=lambda: result.append(_until_closed(sock, HEADER_TIMEOUT + SLACK)))
+        t.start()
+        with contextlib.suppress(OSError):
+            for byte in b"POST /v1/heads HTTP/1.1\r\nHost: test\r\n" * 20:
+                sock.sendall(bytes([byte]))
+                time.sleep(0.25)
+                if result:
+                    break
+        t.join()
+    assert result[0].startswith(b"HTTP/1.1 408 "), result[0][:300]
+
+
+def test_headers_over_the_size_limit_are_431_and_closed(server):
+    if server.name != "uvicorn":
+        pytest.skip("HAProxy's own limit (tune.bufsize) answers these")
+    with _connect(server) as sock:
+        with contextlib.suppress(OSError):
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: test\r\n" + b"X-Pad: " + b"a" * 20000 + b"\r\n")
+        received = _until_closed(sock, SLACK)
+    assert received.startswith(b"HTTP/1.1 431 ") and b'"field":"headers"' in received, received[:300]
+
+
+def test_connections_over_the_limit_are_503_and_closed(server):
+    if server.name != "uvicorn":
+        pytest.skip("HAProxy's maxconn holds further connections in the kernel's queue")
+    held = [_connect(server) for _ in range(MAX_CONNECTIONS)]
+    try:
+        with _connect(server) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n")
+            received = _until_closed(sock, SLACK)
+        assert received.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in received.lower(), received[:300]
+        assert f"limit of {MAX_CONNECTIONS} connections".encode() in received
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + SLACK
+    while True:  # the server sees the held ones close
+        try:
+            _healthy(server)
+            break
+        except (AssertionError, httpx.HTTPError):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+
+# --- bodies -----------------------------------------------------------------------------------------------
+
+
+def test_a_body_over_the_limit_is_413_and_closed(server):
+    """Chunked, so no Content-Length warns the server: it must stop reading once over the limit, not read and
+    throw away what the client sends for as long as it sends."""
+    result: list[bytes] = []
+    chunk = b"%x\r\n" % (256 * 1024) + b" " * (256 * 1024) + b"\r\n"
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v1/heads HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        t = threading.Thread(target=lambda: result.append(_until_closed(sock, SLACK)))
+        t.start()
+        sent = 0
+        with contextlib.suppress(OSError):
+            while not result and sent < 40 * LIMIT:  # ~1 GiB at most, before the test gives up
+                sock.sendall(chunk)
+                sent += len(chunk)
+                time.sleep(0.002)
+        t.join()
+    head = result[0].partition(b"\r\n\r\n")[0]
+    assert head.startswith(b"HTTP/1.1 413 "), result[0][:300]
+    assert sent < 4 * LIMIT, f"{sent} bytes were read before the connection closed"
+    _healthy(server)
+
+
+def _send_all_but_the_last_byte(server: Server, size: int) -> socket.socket:
+    sock = _connect(server)
+    with contextlib.suppress(OSError):  # a refused body's connection is closed under the sender
+        sock.sendall(b"POST /v1/predict HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % size)
+        sock.sendall(memoryview(PAYLOAD)[: size - 1])
+    return sock
+
+
+PAYLOAD = b" " * LIMIT
+
+
+def _rss(pid: int | None) -> int:
+    """The resident memory of process ``pid`` in bytes (Linux's /proc), 0 for None."""
+    if pid is None:
+        return 0
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+
+def test_bodies_in_flight_stay_within_the_budget(server):
+    """N concurrent bodies of the largest size, each held one byte short of complete: the server holds as many
+    as its budget covers and answers the others 503 with Retry-After at once; its memory grows by the budget
+    at most (plus MARGIN), not by N bodies."""
+    n, held = 12, BUDGET // LIMIT
+    _healthy(server)
+    before = _rss(server.pid)
+    socks: list[socket.socket] = []
+    threads = [threading.Thread(target=lambda: socks.append(_send_all_but_the_last_byte(server, LIMIT)))
+               for _ in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        peak, deadline = 0, time.monotonic() + 3
+        while time.monotonic() < deadline:  # the server may still be reading what was sent
+            peak = max(peak, _rss(server.pid))
+            time.sleep(0.1)
+        answers = []
+        for sock in socks:
+            sock.settimeout(1)
+            try:
+                answers.append(sock.recv(65536))
+            except (TimeoutError, ConnectionResetError):
+                answers.append(b"")  # still in flight (or reset after its answer came)
+        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503 ")]
+        assert len(refused) >= n - held, [a[:100] for a in answers]
+        for answer in refused:
+            assert b"retry-after: 1" in answer.lower() and b'"field":"body"' in answer, answer[:400]
+        grown = (peak - before) / MIB
+        assert grown <= (BUDGET + MARGIN) / MIB, f"memory grew by {grown:.0f} MiB with {n} bodies in flight"
+    finally:
+        for sock in socks:
+            sock.close()
+    # Their budget is back once they are gone: a body of the largest size is read again (and refused for
+    # what it holds, not for memory).
+    deadline = time.monotonic() + SLACK
+    while True:
+        r = httpx.post(f"{server.base}/v1/predict", content=PAYLOAD, headers=JSON, timeout=60)
+        if r.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 422 and r.json()["field"] == "body", r.text
+
+
+# --- answers ----------------------------------------------------------------------------------------------
+
+
+def test_answers_over_http_are_the_in_process_ones(server):
+    with httpx.Client(base_url=server.base, timeout=60) as http:
+        minus = http.post("/v1/heads", json={"class_distribution": [1.0] + [-0.0] * 9}).json()
+        plus = http.post("/v1/heads", json={"class_counts": [3] + [0] * 9}).json()
+        assert minus["head_id"] == plus["head_id"]
+        assert all(math.copysign(1, x) == 1 for x in minus["class_distribution"])
+        twice = http.post("/v1/heads", content=b'{"class_counts": [1,1,1,1,1,1,1,1,1,1], "class_counts": '
+                                                b'[2,1,1,1,1,1,1,1,1,1]}', headers=JSON)
+        assert twice.status_code == 422 and twice.json()["field"] == "class_counts", twice.text
+        png = base64.b64decode(EXAMPLE_PNG)
+        for data, words in ((png[:-20], "is truncated"), (png[:8], "only the PNG signature"),
+                            (png[:29] + bytes([png[29] ^ 1]) + png[30:], "bad checksum")):
+            r = http.post("/v1/predict", json={"images_png": [base64.b64encode(data).decode()]})
+            assert r.status_code == 422 and words in r.json()["detail"], r.text
+
+
+# --- a crafted final/ ---------------------------------------------------------------------------------------
+
+
+def test_a_crafted_final_runs_nothing(server, tmp_path):
+    """Its arch names a factory of a package the server can import, which would write a marker file: refused
+    (a 409 on reload; on Ray Serve, the deployment fails), and the marker never appears."""
+    crafted = tmp_path / "crafted"
+    make_final(crafted, "hyper")
+    edit_meta(crafted, arch="fedrodmarker:net")
+    if server.name == "uvicorn":
+        r = httpx.post(f"{server.base}/v1/admin/reload", json={"model_dir": str(crafted)},
+                       headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+        assert r.status_code == 409 and "arch 'fedrodmarker:net' is not one" in r.json()["detail"], r.text
+    else:
+        from fedrod_ray_api.serve import FedRodAPI
+        from ray import serve
+
+        def deploy(**allowed):
+            options = {"num_cpus": 0.1, "runtime_env": {"env_vars": server.env}}
+            app = FedRodAPI.options(ray_actor_options=options, max_constructor_retry_count=1).bind(
+                Settings(model_dir=str(crafted), **allowed).model_dump())
+            with pytest.raises(RuntimeError, match="fedrod-crafted failed"):
+                serve.run(app, name="fedrod-crafted", route_prefix="/crafted")
+            (status,) = serve.status().applications["fedrod-crafted"].deployments.values()
+            serve.delete("fedrod-crafted")
+            return status.message
+
+        message = deploy()
+        assert "arch 'fedrodmarker:net' is not one" in message, message
+        assert not server.marker.exists(), server.marker.read_text()
+        # The control: allowed, the replica imports and runs it (its model does not fit the weights).
+        assert "does not fit the model" in deploy(allow_factories=["fedrodmarker:net"])
+        assert server.marker.read_text().split() == ["imported", "net"]
+        server.marker.unlink()
+    assert not server.marker.exists(), server.marker.read_text()
+    _healthy(server)
