@@ -589,8 +589,8 @@ def _check_head(cfg: ExperimentConfig) -> None:
         for key, value in (("train.momentum", t.momentum), ("train.weight_decay", t.weight_decay)):
             if value != 0:
                 # Not "remove it": the default (momentum 0.9, weight decay 1e-5) is not 0 either.
-            raise ConfigError(f"{key}: has no effect with {why}, whose updates are its own plain gradient "
-                              f"steps; set {key}=0")
+                raise ConfigError(f"{key}: has no effect with {why}, whose updates are its own plain gradient "
+                                  f"steps; set {key}=0")
     if not spec.global_model and cfg.eval.finetune_epochs:
         raise ConfigError(f"eval.finetune_epochs: {why} has no global model to fine-tune from; set it to 0")
 
