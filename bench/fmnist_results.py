@@ -41,6 +41,11 @@ JOBS = {
     "seeds_a0.3": "Seeds 1 and 2, Dir(0.3)",
     "normalize_a0.3": "Protocol audit: `data.normalize=false`, Dir(0.3)",
     "momentum_a0.3": "Protocol audit: `train.momentum_buffers=keep`, Dir(0.3)",
+    "pfl_a0.3": "Main table, Dir(0.3): personalized-FL baselines without a selected parameter",
+    "pfl_tuned_a0.3": "Main table, Dir(0.3): local-only and the personalized-FL baselines with a selected parameter",
+    "pfl_a0.1": "Main table, Dir(0.1): personalized-FL baselines without a selected parameter",
+    "pfl_tuned_a0.1": "Main table, Dir(0.1): local-only and the personalized-FL baselines with a selected parameter",
+    "seeds_a0.1": "Seeds 1 and 2, Dir(0.1)",
 }
 
 # The jobs whose curves.png the page shows under their table (G-FL and P-FL (PM) by evaluated round).
@@ -48,6 +53,9 @@ CURVES = ("main_a0.3", "main_a0.1")
 # A row the page shows from another job: the main tables' Fed-RoD (Meta-BSM) ran before its fix (aaf1586) and
 # was rerun alone; the page's table names where the row comes from, and that job keeps its own table.
 ROW_FROM = {"main_a0.3": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.3"), "main_a0.1": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.1")}
+# The main tables' other rows, run as jobs of their own (each from one commit): the page shows every row of the
+# paper's Table 1 in one table, each appended row marked ¶ with its job and commit.
+ROWS_FROM = {"main_a0.3": ("pfl_a0.3", "pfl_tuned_a0.3"), "main_a0.1": ("pfl_a0.1", "pfl_tuned_a0.1")}
 
 
 def commit_of(log: Path) -> str:
@@ -129,6 +137,23 @@ def with_row_from(table: str, job: str) -> str:
     return "\n".join(lines)
 
 
+def with_rows_from(table: str, job: str) -> str:
+    """``table`` (``job``'s table.md) with every row of ROWS_FROM's jobs appended, marked ¶ (their footnotes
+    too), and a note naming each job's commit; a job not published yet is named as such."""
+    lines = table.splitlines()
+    at = next(i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("|")) + 1
+    rows, notes = [], []
+    for source in ROWS_FROM[job]:
+        if not (DEST / source / "table.md").is_file():
+            notes.append(f"¶ `{source}`: not run yet.")
+            continue
+        theirs = [line for line in (DEST / source / "table.md").read_text().splitlines()[4:] if line]
+        rows += [line.replace("| ", "| ¶ ", 1) for line in theirs if line.startswith("|")]
+        notes += [line for line in theirs if not line.startswith("|") and line not in lines + notes]
+        notes.append(f"¶ from `{source}` (commit `{(DEST / source / 'COMMIT').read_text().strip()}`, below).")
+    return "\n".join(lines[:at] + rows + lines[at:] + ["", *notes])
+
+
 def page_block() -> str:
     parts = []
     for job, heading in JOBS.items():
@@ -140,6 +165,8 @@ def page_block() -> str:
         table = (folder / "table.md").read_text().strip()
         if job in ROW_FROM:
             table = with_row_from(table, job)
+        if job in ROWS_FROM:
+            table = with_rows_from(table, job)
         parts.append(f"**{heading}** (`{job}`; commit `{commit}`; files in `bench/results/fmnist/{job}/`)\n\n"
                      + table)
         if job in CURVES:

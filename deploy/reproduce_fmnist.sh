@@ -23,7 +23,7 @@ main_rows=(--row FedAvg --row FedProx --row SCAFFOLD --row FedDyn --row "Fed-RoD
            --row "Fed-RoD (hyper)" --row "Fed-RoD (hyper) + FedDyn" --row "Fed-RoD (Meta-BSM)")
 two_rows=(--row FedAvg --row "Fed-RoD (hyper)")
 pfl_rows=(--row LG-FedAvg --row FedPer --row FedFOMO --row FedRep)
-pfl_tuned_rows=(--row MTL --row Per-FedAvg --row Ditto --row pFedMe)
+pfl_tuned_rows=(--row local-only --row MTL --row Per-FedAvg --row Ditto --row pFedMe)
 
 job_args() {
   case $1 in

@@ -129,3 +129,24 @@ def test_the_results_page_holds_the_tables_the_publisher_writes():
     text = publisher.PAGE.read_text()
     start, end = text.index(publisher.MARK[0]) + len(publisher.MARK[0]), text.index(publisher.MARK[1])
     assert text[start:end] == "\n" + publisher.page_block() + "\n", "run python bench/fmnist_results.py --page-only"
+
+
+def test_the_main_tables_gather_the_rows_run_as_jobs_of_their_own(tmp_path, monkeypatch):
+    """A main table on the page holds the rows of its ROWS_FROM jobs, marked ¶ with their footnotes and each
+    job's commit; a job not published yet is said to be."""
+    spec = importlib.util.spec_from_file_location("fmnist_results", REPO / "bench" / "fmnist_results.py")
+    publisher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(publisher)
+    monkeypatch.setattr(publisher, "DEST", tmp_path)
+    (tmp_path / "pfl_a0.3").mkdir()
+    (tmp_path / "pfl_a0.3" / "COMMIT").write_text("abc1234\n")
+    (tmp_path / "pfl_a0.3" / "table.md").write_text(
+        "Table main: ...\n\n| method | G-FL (GM) |\n|---|---:|\n| FedPer | 50.00 ⋆ |\n"
+        "| FedRep (not finished: round 40 of 100; values at round 40) | 45.00 ⋆ |\n\n⋆ no global model: ...\n")
+    table = "Table main: ...\n\n| method | G-FL (GM) |\n|---|---:|\n| FedAvg | 60.00 |\n\n† a note"
+    lines = publisher.with_rows_from(table, "main_a0.3").splitlines()
+    assert lines[4:7] == ["| FedAvg | 60.00 |", "| ¶ FedPer | 50.00 ⋆ |",
+                          "| ¶ FedRep (not finished: round 40 of 100; values at round 40) | 45.00 ⋆ |"]
+    assert lines[-3:] == ["⋆ no global model: ...", "¶ from `pfl_a0.3` (commit `abc1234`, below).",
+                          "¶ `pfl_tuned_a0.3`: not run yet."]
+    assert "† a note" in lines
