@@ -13,7 +13,7 @@ import time
 from ..config import DittoParams
 from .base import Personalization
 from .registry import register
-from .sgd import client_batches, cpu_state, optimizer, prox_grad_, result, sgd_epochs
+from .sgd import client_batches, cpu_state, optimizer, prox_grad_, result, sgd_epochs, start
 
 PERSONAL_TAG = 11  # the personal pass draws its own batch order
 
@@ -34,9 +34,7 @@ class Ditto(Personalization):
 
     def train(self, model, message, data, personal, local_model, rule_state, objectives, momentum, ctx):
         t0 = time.perf_counter()
-        model.to(ctx.device)
-        model.load_partial(message.weights)
-        model.train()
+        start(model, message.weights, ctx)
         loss, steps = sgd_epochs(model, optimizer(model.parameters(), ctx), client_batches(data, ctx))
         out = result(model, num_samples=len(data), loss=loss, steps=steps, t0=t0)
         model.load_partial(ctx.initial if personal is None else personal)

@@ -15,7 +15,7 @@ import torch
 from ..models import GENERIC_HEAD
 from .base import Personalization, mean_state
 from .registry import register
-from .sgd import client_batches, cpu_state, optimizer, result, sgd_epochs
+from .sgd import client_batches, cpu_state, optimizer, result, sgd_epochs, start
 
 
 class SplitModel(Personalization):
@@ -23,16 +23,11 @@ class SplitModel(Personalization):
 
     reading_replaces_head = True
 
-    def start(self, model, message, personal, ctx) -> None:
-        """Load the global shared weights and the client's personal ones (a new client: the initial ones)."""
-        model.load_partial(message.weights)
-        model.load_partial(personal if personal is not None else {k: ctx.initial[k] for k in model.personal_keys()})
-
     def train(self, model, message, data, personal, local_model, rule_state, objectives, momentum, ctx):
         t0 = time.perf_counter()
-        model.to(ctx.device)
-        self.start(model, message, personal, ctx)
-        model.train()
+        # The global shared weights and the client's personal ones (a new client: the initial ones).
+        own = personal if personal is not None else {k: ctx.initial[k] for k in model.personal_keys()}
+        start(model, {**message.weights, **own}, ctx)
         loss, steps = self.fit(model, data, ctx)
         return (result(model, num_samples=len(data), loss=loss, steps=steps, t0=t0),
                 cpu_state(model, model.personal_keys()), {})

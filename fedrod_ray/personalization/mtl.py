@@ -15,7 +15,7 @@ from ..config import MTLParams
 from .base import Personalization, mean_state
 from .ditto import prox_fit
 from .registry import register
-from .sgd import result
+from .sgd import result, start
 
 
 class OwnModels(Personalization):
@@ -25,9 +25,8 @@ class OwnModels(Personalization):
     starts_from_local_model = True
 
     def start(self, model, local_model, ctx) -> None:
-        model.to(ctx.device)
-        model.load_partial(ctx.initial if local_model is None else local_model)
-        model.train()
+        """Its own model, or (a client that never trained) the initial weights."""
+        start(model, ctx.initial if local_model is None else local_model, ctx)
 
     def server_update(self, averaged, results, uploads, server_state, initial, num_clients):
         """The global weights become the plain mean of every training client's current model."""

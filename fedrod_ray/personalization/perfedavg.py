@@ -18,7 +18,7 @@ from ..config import PerFedAvgParams
 from ..local import round_lr
 from .base import Personalization
 from .registry import register
-from .sgd import ce_loss, check_finite, client_batches, result
+from .sgd import ce_loss, check_finite, client_batches, result, start
 
 PM_TAG = 12  # the evaluation's adaptation batch is drawn apart from training's
 
@@ -54,9 +54,7 @@ class PerFedAvg(Personalization):
 
     def train(self, model, message, data, personal, local_model, rule_state, objectives, momentum, ctx):
         t0 = time.perf_counter()
-        model.to(ctx.device)
-        model.load_partial(message.weights)
-        model.train()
+        start(model, message.weights, ctx)
         params = dict(model.named_parameters())
         alpha = round_lr(ctx.cfg, ctx.round_idx)
         batches = [b for epoch in client_batches(data, ctx) for b in epoch]

@@ -18,7 +18,7 @@ from ..config import PFedMeParams
 from ..local import round_lr
 from .base import Personalization
 from .registry import register
-from .sgd import ce_loss, check_finite, client_batches, cpu_state, result
+from .sgd import ce_loss, check_finite, client_batches, cpu_state, result, start
 
 
 def pfedme_batch(model, params: dict[str, torch.Tensor], w: StateDict, xb: torch.Tensor, yb: torch.Tensor, *,
@@ -47,9 +47,7 @@ class PFedMe(Personalization):
     def train(self, model, message, data, personal, local_model, rule_state, objectives, momentum, ctx):
         t0 = time.perf_counter()
         p = self.params
-        model.to(ctx.device)
-        model.load_partial(message.weights)
-        model.train()
+        start(model, message.weights, ctx)
         params = dict(model.named_parameters())
         w = {k: v.detach().clone() for k, v in params.items()}
         lr = round_lr(ctx.cfg, ctx.round_idx)

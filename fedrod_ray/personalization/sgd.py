@@ -40,6 +40,13 @@ def client_batches(data: ClientData, ctx, tag: int = 0, epochs: int | None = Non
         yield epoch
 
 
+def start(model: FedModel, weights: StateDict, ctx) -> None:
+    """Put the model on the update's device, load ``weights`` into it and set it training."""
+    model.to(ctx.device)
+    model.load_partial(weights)
+    model.train()
+
+
 def ce_loss(model: FedModel, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
     """Cross-entropy (ERM) of the one-head model's logits."""
     return F.cross_entropy(model(xb), yb)
