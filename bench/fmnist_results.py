@@ -42,9 +42,11 @@ JOBS = {
     "normalize_a0.3": "Protocol audit: `data.normalize=false`, Dir(0.3)",
     "momentum_a0.3": "Protocol audit: `train.momentum_buffers=keep`, Dir(0.3)",
     "pfl_a0.3": "Main table, Dir(0.3): personalized-FL baselines without a selected parameter",
-    "pfl_tuned_a0.3": "Main table, Dir(0.3): local-only and the personalized-FL baselines with a selected parameter",
+    "pfl_tuned_a0.3": "Main table, Dir(0.3): local-only, MTL and Ditto (λ selected by `sweep_lambda`)",
+    "pfl_plain_a0.3": "Main table, Dir(0.3): Per-FedAvg and pFedMe (parameters selected by their sweeps)",
     "pfl_a0.1": "Main table, Dir(0.1): personalized-FL baselines without a selected parameter",
-    "pfl_tuned_a0.1": "Main table, Dir(0.1): local-only and the personalized-FL baselines with a selected parameter",
+    "pfl_tuned_a0.1": "Main table, Dir(0.1): local-only, MTL and Ditto (λ selected by `sweep_lambda`)",
+    "pfl_plain_a0.1": "Main table, Dir(0.1): Per-FedAvg and pFedMe (parameters selected by their sweeps)",
     "seeds_a0.1": "Seeds 1 and 2, Dir(0.1)",
 }
 
@@ -55,7 +57,8 @@ CURVES = ("main_a0.3", "main_a0.1")
 ROW_FROM = {"main_a0.3": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.3"), "main_a0.1": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.1")}
 # The main tables' other rows, run as jobs of their own (each from one commit): the page shows every row of the
 # paper's Table 1 in one table, each appended row marked ¶ with its job and commit.
-ROWS_FROM = {"main_a0.3": ("pfl_a0.3", "pfl_tuned_a0.3"), "main_a0.1": ("pfl_a0.1", "pfl_tuned_a0.1")}
+ROWS_FROM = {"main_a0.3": ("pfl_a0.3", "pfl_tuned_a0.3", "pfl_plain_a0.3"),
+             "main_a0.1": ("pfl_a0.1", "pfl_tuned_a0.1", "pfl_plain_a0.1")}
 
 
 def commit_of(log: Path) -> str:

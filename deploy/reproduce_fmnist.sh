@@ -9,8 +9,9 @@
 # JOB: main_a0.3 new_clients main_a0.1 init_a0.3 seeds_a0.3 normalize_a0.3 momentum_a0.3 (default: all, in
 # that order), or meta_bsm_a0.3 / meta_bsm_a0.1 (the main tables' Meta-BSM row alone); the personalized-FL
 # baselines: the sweeps that select their parameters (sweep_lambda, sweep_perfedavg, sweep_pfedme: tune/pfl_*.yaml),
-# the rows without such a parameter (pfl_a0.3, pfl_a0.1), those with one, once the sweeps chose it
-# (pfl_tuned_a0.3, pfl_tuned_a0.1), and seeds 1, 2 at Dir(0.1) (seeds_a0.1).
+# the rows without such a parameter (pfl_a0.3, pfl_a0.1), local-only with those whose parameter sweep_lambda
+# chose (pfl_tuned_a0.3, pfl_tuned_a0.1), Per-FedAvg and pFedMe once their sweeps chose (pfl_plain_a0.3,
+# pfl_plain_a0.1), and seeds 1, 2 at Dir(0.1) (seeds_a0.1).
 set -uo pipefail
 out=${1:?usage: reproduce_fmnist.sh OUT [JOB ...]}
 shift
@@ -23,7 +24,8 @@ main_rows=(--row FedAvg --row FedProx --row SCAFFOLD --row FedDyn --row "Fed-RoD
            --row "Fed-RoD (hyper)" --row "Fed-RoD (hyper) + FedDyn" --row "Fed-RoD (Meta-BSM)")
 two_rows=(--row FedAvg --row "Fed-RoD (hyper)")
 pfl_rows=(--row LG-FedAvg --row FedPer --row FedFOMO --row FedRep)
-pfl_tuned_rows=(--row local-only --row MTL --row Per-FedAvg --row Ditto --row pFedMe)
+pfl_tuned_rows=(--row local-only --row MTL --row Ditto)
+pfl_plain_rows=(--row Per-FedAvg --row pFedMe)
 
 job_args() {
   case $1 in
@@ -47,6 +49,8 @@ job_args() {
     pfl_a0.1) args=(--table main --seeds 0, "${pfl_rows[@]}") ;;
     pfl_tuned_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 "${pfl_tuned_rows[@]}") ;;
     pfl_tuned_a0.1) args=(--table main --seeds 0, "${pfl_tuned_rows[@]}") ;;
+    pfl_plain_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 "${pfl_plain_rows[@]}") ;;
+    pfl_plain_a0.1) args=(--table main --seeds 0, "${pfl_plain_rows[@]}") ;;
     seeds_a0.1) args=(--table main --seeds 1,2 --row FedAvg --row FedDyn --row "Fed-RoD (hyper)" ${BEST_PFL:+--row "$BEST_PFL"}) ;;
     sweep_lambda | sweep_perfedavg | sweep_pfedme) args=(--config "tune/pfl_${1#sweep_}.yaml") ;;
     *) echo "unknown job $1" >&2; return 2 ;;

@@ -147,6 +147,6 @@ def test_the_main_tables_gather_the_rows_run_as_jobs_of_their_own(tmp_path, monk
     lines = publisher.with_rows_from(table, "main_a0.3").splitlines()
     assert lines[4:7] == ["| FedAvg | 60.00 |", "| ¶ FedPer | 50.00 ⋆ |",
                           "| ¶ FedRep (not finished: round 40 of 100; values at round 40) | 45.00 ⋆ |"]
-    assert lines[-3:] == ["⋆ no global model: ...", "¶ from `pfl_a0.3` (commit `abc1234`, below).",
-                          "¶ `pfl_tuned_a0.3`: not run yet."]
+    assert lines[-4:] == ["⋆ no global model: ...", "¶ from `pfl_a0.3` (commit `abc1234`, below).",
+                          "¶ `pfl_tuned_a0.3`: not run yet.", "¶ `pfl_plain_a0.3`: not run yet."]
     assert "† a note" in lines

@@ -64,12 +64,12 @@ PLAIN_STEPS = {"train.momentum": 0, "train.weight_decay": 0}
 # The personalized-FL baselines (FEDROD.md's second block of Table 1, the paper's order), with the values of
 # the parameters the paper selected from a list, selected the same way (tune/pfl_*.yaml sweeps, docs/results).
 PFL = {
-    "MTL": _method("mtl", "ce"),
+    "MTL": _method("mtl", "ce", lam=0.1),
     "LG-FedAvg": _method("lg_fedavg", "ce"),
     "FedPer": _method("fedper", "ce"),
     "Per-FedAvg": {**_method("perfedavg", "ce"), **PLAIN_STEPS},
     "pFedMe": {**_method("pfedme", "ce"), **PLAIN_STEPS},
-    "Ditto": _method("ditto", "ce"),
+    "Ditto": _method("ditto", "ce", lam=1.0),
     "FedFOMO": _method("fedfomo", "ce"),
     "FedRep": _method("fedrep", "ce"),
 }
