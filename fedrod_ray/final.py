@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .aggregate import StateDict
+from .dp_rounds import ClientLevelDP
 from .export import ModelMeta, save_final
 from .metric_schema import EVALUATED
 from .models import resolve_arch
@@ -26,6 +27,7 @@ def model_meta(setup: Setup, rounds_done: int, metrics: dict[str, float], varian
         mean=list(ds.mean), std=list(ds.std), arch=resolve_arch(cfg.model.arch, ds.image_shape),
         head=variant or "none", hyper_hidden=cfg.hyper_hidden, rule=cfg.train.generic_rule,
         balanced_loss=cfg.train.balanced_loss, round=rounds_done, metrics=metrics,
+        privacy=ClientLevelDP(cfg, setup.num_clients).guarantee(rounds_done) if cfg.privacy.enabled else None,
     )
 
 
