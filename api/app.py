@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import math
 from collections.abc import Awaitable, Callable
@@ -88,6 +89,7 @@ def _model_info(loaded: Loaded, settings: Settings) -> ModelInfo:
         # JSON has no NaN: a metric that could not be computed is null.
         metrics={k: v if math.isfinite(v) else None for k, v in meta.metrics.items()},
         client_ids=sorted(loaded.served.personal_heads), trained_client_ids=sorted(loaded.trained_clients),
+        privacy=dataclasses.asdict(meta.privacy) if meta.privacy else None,
         limits=Limits(max_batch=settings.max_batch, max_body_bytes=settings.max_body_bytes,
                       body_timeout_s=settings.body_timeout_s, head_cache_size=settings.head_cache_size),
     )

@@ -198,6 +198,21 @@ class Limits(BaseModel):
     head_cache_size: int
 
 
+class PrivacyInfo(BaseModel):
+    """The served model's client-level differential-privacy guarantee (``final/meta.json``'s ``privacy``)."""
+
+    epsilon: float | None = Field(description="the model is (epsilon, delta)-DP with respect to any one client's "
+                                              "whole data, after `round` rounds; null: no finite bound (no noise)")
+    delta: float
+    noise_multiplier: float = Field(description="sigma: the noise's standard deviation over the clip norm")
+    clip_norm: float | None = Field(description="S, each client's update's L2 bound (adaptive clipping: the "
+                                                "first); null: not clipped")
+    adaptive_clip: bool
+    sampling: str = Field(description="poisson (each client independently, at sampling_rate) or fixed")
+    sampling_rate: float
+    accountant: str = Field(description="rdp or pld, by Google's dp_accounting")
+
+
 class ModelInfo(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "version_id": EXAMPLE_VERSION, "dataset": "mnist", "class_names": [str(i) for i in range(10)],
@@ -231,6 +246,8 @@ class ModelInfo(BaseModel):
     client_ids: list[int] = Field(description="clients with a stored head (linear head only)")
     trained_client_ids: list[int] = Field(description="those of client_ids whose head is not all zero; the "
                                                       "others' personalized predictions are the generic ones")
+    privacy: PrivacyInfo | None = Field(None, description="client-level differential privacy of the training "
+                                                          "(docs/privacy.md); null: trained without it")
     limits: Limits
 
 

@@ -11,7 +11,8 @@
 # baselines: the sweeps that select their parameters (sweep_lambda, sweep_perfedavg, sweep_pfedme: tune/pfl_*.yaml),
 # the rows without such a parameter (pfl_a0.3, pfl_a0.1), local-only with those whose parameter sweep_lambda
 # chose (pfl_tuned_a0.3, pfl_tuned_a0.1), Per-FedAvg and pFedMe once their sweeps chose (pfl_plain_a0.3,
-# pfl_plain_a0.1), and seeds 1, 2 at Dir(0.1) (seeds_a0.1).
+# pfl_plain_a0.1), and seeds 1, 2 at Dir(0.1) (seeds_a0.1); client-level DP's privacy-utility table on
+# configs/fmnist_dp.yaml (privacy: 1,000 clients, docs/privacy.md).
 set -uo pipefail
 out=${1:?usage: reproduce_fmnist.sh OUT [JOB ...]}
 shift
@@ -53,6 +54,7 @@ job_args() {
     pfl_plain_a0.1) args=(--table main --seeds 0, "${pfl_plain_rows[@]}") ;;
     seeds_a0.1) args=(--table main --seeds 1,2 --row FedAvg --row FedDyn --row "Fed-RoD (hyper)" ${BEST_PFL:+--row "$BEST_PFL"}) ;;
     sweep_lambda | sweep_perfedavg | sweep_pfedme) args=(--config "tune/pfl_${1#sweep_}.yaml") ;;
+    privacy) args=(--table privacy --seeds 0,); job_base=configs/fmnist_dp.yaml ;;
     *) echo "unknown job $1" >&2; return 2 ;;
   esac
 }
@@ -63,6 +65,7 @@ jobs=("$@")
 export RAY_TMPDIR=${RAY_TMPDIR:-/tmp/fmnist-repro} RAY_USAGE_STATS_ENABLED=0
 mkdir -p "$RAY_TMPDIR"
 for job in "${jobs[@]}"; do
+  job_base=$base
   job_args "$job" || exit 2
   echo "=== $(date -u +%FT%TZ) $job (commit $(git rev-parse --short HEAD))" | tee -a "$out/$job.log"
   if [[ $job == sweep_* ]]; then
@@ -74,7 +77,7 @@ for job in "${jobs[@]}"; do
   elif [ -f "$out/$job/reproduce.yaml" ] && [ -d "$out/$job/trials" ]; then
     fedrod-ray reproduce --resume "$out/$job" >>"$out/$job.log" 2>&1
   else
-    fedrod-ray reproduce --config "$base" "${args[@]}" --out "$out/$job" >>"$out/$job.log" 2>&1
+    fedrod-ray reproduce --config "$job_base" "${args[@]}" --out "$out/$job" >>"$out/$job.log" 2>&1
   fi
   echo "=== $(date -u +%FT%TZ) $job exit $?" | tee -a "$out/$job.log"
 done

@@ -79,6 +79,12 @@ class OrderedAverager:
     def done(self) -> bool:
         return self._next == self.num_slots
 
+    def total(self) -> StateDict | None:
+        """sum_m w_m * state_m in float64 once every slot is in (None: every slot was skipped)."""
+        if not self.done:
+            raise RuntimeError(f"{self.num_slots - self._next} slot(s) still missing")
+        return self._acc
+
     def result(self) -> StateDict:
         if not self.done:
             raise RuntimeError(f"{self.num_slots - self._next} slot(s) still missing")

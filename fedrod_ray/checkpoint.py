@@ -3,8 +3,8 @@ incrementally.
 
 Layout under ``<run_dir>/checkpoints/``:
 
-    round_000007/global.safetensors   global weights, the generic rule's and the personalization method's
-                                      server state
+    round_000007/global.safetensors   global weights, the generic rule's, the personalization method's
+                                      and client-level DP's server state
     round_000007/manifest.json        config, round, rule, and for every client the file holding its state
     clients/<save>.safetensors        the states of the clients that changed since the save before
     latest                            the name of the newest complete round folder
@@ -51,6 +51,7 @@ READABLE = (2, 3)
 KEEP = 2
 COMPACT_RATIO = 3
 CLIENTS_DIR = "checkpoints/clients"
+PRIVACY = "privacy"  # client-level DP's server state, in global.safetensors (absent: it keeps none)
 
 
 class CheckpointFormatError(ValueError):
@@ -106,6 +107,7 @@ class CheckpointWriter:
         global_tensors.update({f"server/{rule}/{k}": v.contiguous() for k, v in snap.server_state.items()})
         head = snap.config.train.head
         global_tensors.update({f"method/{head}/{k}": v.contiguous() for k, v in snap.method_state.items()})
+        global_tensors.update({f"{PRIVACY}/{k}": v.contiguous() for k, v in snap.privacy_state.items()})
         manifest = {
             "format_version": FORMAT_VERSION,
             "round": snap.rounds_done,
@@ -251,6 +253,7 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
     config = config_from_record(manifest["config"])
     method_prefix = f"method/{config.train.head}/"
     method = {k[len(method_prefix):]: v for k, v in tensors.items() if k.startswith(method_prefix)}
+    privacy = {k[len(PRIVACY) + 1:]: v for k, v in tensors.items() if k.startswith(f"{PRIVACY}/")}
     # Format 2 kept every client's state in the round folder; format 3 names a shared file per client.
     if version == 2:
         source = {cid: f"checkpoints/{name}/clients.safetensors" for cid in manifest["clients"]}
@@ -269,4 +272,4 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
     }
     # A checkpoint of a version before the estimate's offset holds none: the next exact evaluation sets it.
     return Snapshot(manifest["round"], config, global_shared, server, clients,
-                    {str(k): float(v) for k, v in manifest.get("estimate_offset", {}).items()}, method)
+                    {str(k): float(v) for k, v in manifest.get("estimate_offset", {}).items()}, method, privacy)

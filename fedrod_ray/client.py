@@ -34,6 +34,7 @@ from .metrics import TestSet, personal_class_correct, stratified_sample
 from .models import FedModel, build_model
 from .objectives import OBJECTIVES, get_objective
 from .personalization import UpdateContext, build_method, method_model
+from .privacy import clip_update
 
 FINETUNE_TAG = 2  # seeds fine-tuning's data order apart from every training round's
 ESTIMATE_TAG = 3  # seeds the estimate's test sample
@@ -96,6 +97,18 @@ class ClientState:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+def clipped(outcome: Outcome, message: RoundInput) -> Outcome:
+    """A local update's outcome as it leaves the client: with client-level DP (``message.clip_norm``) its
+    shared weights become w_bar + clip(w_m - w_bar), before anything is sent, so that on Ray the unclipped
+    update never leaves the client's actor; the client keeps that clipped model as its local model too
+    (``ClientState.trained``). Its personal state is not clipped: it never leaves the client."""
+    result, personal, rule_state = outcome
+    if message.clip_norm is None:
+        return outcome
+    shared, was_clipped = clip_update(result.shared, message.weights, message.clip_norm)
+    return dataclasses.replace(result, shared=shared, clipped=was_clipped), personal, rule_state
 
 
 @dataclass
@@ -192,7 +205,7 @@ class ClientHost:
                                         self.context_of(client_id, round_idx))
         except Exception as e:  # noqa: BLE001 - any client error is reported, never fatal to the round
             return ClientFailure.from_exception(client_id, e)
-        return state.trained(outcome)
+        return state.trained(clipped(outcome, message))
 
     def context_of(self, client_id: int, round_idx: int) -> UpdateContext:
         """What an update (or a PM's making) of ``client_id`` in round ``round_idx`` reads besides its state."""

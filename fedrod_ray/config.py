@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import re
 import typing
@@ -119,6 +120,11 @@ STEPS = ("eager", "compiled")  # train.step (fedrod_ray.step)
 MOMENTUM_BUFFERS = ("reset", "keep")
 PARTITIONS = ("dirichlet", "iid", "natural")  # natural: the clients the data itself names
 MODES = ("auto", "local", "ray")
+# privacy.sampling: how a private run picks a round's clients, as its accountant assumes (docs/privacy.md).
+# poisson: each client joins with probability train.client_fraction, independently; fixed: exactly
+# round(client_fraction * clients) of them, drawn without replacement.
+SAMPLINGS = ("poisson", "fixed")
+ACCOUNTANTS = ("rdp", "pld")  # privacy.accountant: Renyi DP, or privacy loss distributions (Poisson only)
 
 
 def check_registry(registry: Iterable[str], names: tuple[str, ...], key: str) -> None:
@@ -318,6 +324,36 @@ class RuntimeConfig:
     progress_seconds: NonNegativeFloat = 30.0  # not on a terminal: a progress line inside a round at most this often
 
 
+@dataclass(config=_CLOSED)
+class AdaptiveClipConfig:
+    """Adaptive clipping (Andrew et al., 2021), ``privacy.adaptive_clip``: after every round the clip norm C
+    moves geometrically towards the ``target_quantile`` of the clients' update norms, read from a noised count
+    of the updates it did not clip: C <- C exp(-learning_rate (b~ - target_quantile))."""
+
+    target_quantile: Annotated[float, Field(strict=True, gt=0, lt=1), BeforeValidator(_number)] = 0.5
+    learning_rate: PositiveFloat = 0.2  # eta_C, the paper's geometric step
+    # sigma_b, the standard deviation of the count's noise; None: the paper's, expected clients per round / 20
+    count_noise: PositiveFloat | None = None
+
+
+@dataclass(config=_CLOSED)
+class PrivacyConfig:
+    """Client-level differential privacy, central model (DP-FedAvg, McMahan et al., 2018; docs/privacy.md):
+    each update to the shared weights clipped on its client, Gaussian noise on their sum on the server."""
+
+    enabled: StrictBool = False
+    noise_multiplier: NonNegativeFloat | None = None  # sigma: noise std over the clip norm; None: from target_epsilon
+    # The budget at privacy.delta. Without noise_multiplier, sigma is derived from it, the sampling rate and
+    # train.rounds before the run starts; with one, the run stops before the round that would exceed it.
+    target_epsilon: PositiveFloat | None = None
+    delta: Annotated[float, Field(strict=True, gt=0, lt=1), BeforeValidator(_number)] = 1e-5
+    clip_norm: PositiveFloat = 1.0  # S: the L2 norm each client's update is clipped to (adaptive: the first)
+    sampling: Annotated[StrictStr, OneOf(SAMPLINGS)] = "poisson"  # see SAMPLINGS
+    adaptive_clip: AdaptiveClipConfig | None = None  # None: the clip norm stays S
+    secure_rng: StrictBool = False  # noise from the OS's CSPRNG instead of the run's seed (not reproducible)
+    accountant: Annotated[StrictStr, OneOf(ACCOUNTANTS)] = "rdp"
+
+
 # Experiment trackers a run can log to (fedrod_ray.tracking; `pip install -e ".[tracking]"`).
 LOGGERS = ("tensorboard", "mlflow")
 
@@ -343,6 +379,7 @@ class ExperimentConfig:
     eval: Annotated[EvalConfig, BeforeValidator(_section)] = field(default_factory=EvalConfig)
     runtime: Annotated[RuntimeConfig, BeforeValidator(_section)] = field(default_factory=RuntimeConfig)
     tracking: Annotated[TrackingConfig, BeforeValidator(_section)] = field(default_factory=TrackingConfig)
+    privacy: Annotated[PrivacyConfig, BeforeValidator(_section)] = field(default_factory=PrivacyConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -424,6 +461,8 @@ def _message(cls: type, errors: list[Any], prefix: str) -> str:
 def _section_fields(cls: type, loc: list[str]) -> list[str]:
     for name in loc:
         cls = typing.get_type_hints(cls)[name]
+        # An optional section (privacy.adaptive_clip): the section's own class.
+        cls = next((a for a in typing.get_args(cls) if dataclasses.is_dataclass(a)), cls)
     return [f.name for f in dataclasses.fields(cls)]
 
 
@@ -541,6 +580,7 @@ def _check_effective(cfg: ExperimentConfig) -> None:
         raise ConfigError("train.momentum_buffers: keep cannot be used with train.generic_rule=scaffold, whose "
                           "control variate assumes each local update's momentum starts at zero; use reset")
     _check_head(cfg)
+    _check_privacy(cfg)
     if t.generic_rule == "local" and t.head == "hyper":
         raise ConfigError("train.generic_rule: local (local-only training) cannot use train.head=hyper, whose "
                           "hypernetwork the server averages; use train.head=none or linear")
@@ -595,6 +635,42 @@ def _check_head(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"eval.finetune_epochs: {why} has no global model to fine-tune from; set it to 0")
 
 
+def _check_privacy(cfg: ExperimentConfig) -> None:
+    """What client-level DP needs of its settings and rules out (docs/privacy.md)."""
+    p, t = cfg.privacy, cfg.train
+    if not p.enabled:
+        for f in dataclasses.fields(PrivacyConfig):
+            if getattr(p, f.name) != getattr(PrivacyConfig(), f.name):
+                raise ConfigError(f"privacy.{f.name}: has no effect without privacy.enabled=true")
+        return
+    for key in ("noise_multiplier", "target_epsilon"):
+        if getattr(p, key) is not None and math.isinf(getattr(p, key)):
+            raise ConfigError(f"privacy.{key}: must be finite, got {getattr(p, key)}")
+    if p.noise_multiplier is None and p.target_epsilon is None:
+        raise ConfigError("privacy.noise_multiplier: client-level DP needs its noise: set it (sigma) or "
+                          "privacy.target_epsilon (sigma is then derived from it)")
+    if math.isinf(p.clip_norm) and (p.noise_multiplier != 0 or p.adaptive_clip is not None):
+        raise ConfigError("privacy.clip_norm: an infinite clip norm bounds nothing, and its noise would be infinite; "
+                          "it is only for privacy.noise_multiplier=0 (no noise, no guarantee) without adaptive_clip")
+    if p.accountant == "pld" and p.sampling != "poisson":
+        raise ConfigError("privacy.accountant: pld (dp_accounting's) accounts for Poisson sampling only; use rdp "
+                          "with privacy.sampling=fixed")
+    why = {
+        "local": "local-only training sends nothing to the server, so there is nothing to protect",
+        "scaffold": "its clients upload control-variate increments besides their update, which the clip does not "
+                    "bound, and a client's c_m would drift from a noised server c",
+    }.get(t.generic_rule)
+    if why:
+        raise ConfigError(f"train.generic_rule: {t.generic_rule} cannot be used with privacy.enabled: {why}; "
+                          "use fedavg, fedprox or feddyn")
+    if not HEADS[t.head].global_model:
+        reads = (" and its server reads every client's own upload" if t.head in ("fedfomo", "mtl") else "")
+        raise ConfigError(f"train.head: {t.head} cannot be used with privacy.enabled: it has no global model, so "
+                          f"its generic model (G-FL, final/) is the mean of the clients' own models{reads}, which "
+                          "never pass through the clipped, noised aggregate; use none, linear, hyper, ditto, pfedme "
+                          "or perfedavg")
+
+
 def _check_data(cfg: ExperimentConfig) -> None:
     d = cfg.data
     if d.dataset in USER_DATASETS and d.path is None:
@@ -614,6 +690,9 @@ def check_resume(saved: ExperimentConfig, new: ExperimentConfig, rounds_done: in
             continue
         raise ConfigError(f"{key}: the checkpoint was trained with {before.get(key)!r}, not {after.get(key)!r}; "
                           "a resumed run may change only " + ", ".join(RESUMABLE))
+    if saved.privacy.enabled and saved.privacy.noise_multiplier is None and new.train.rounds != saved.train.rounds:
+        raise ConfigError(f"train.rounds: the run's noise multiplier was derived from privacy.target_epsilon over "
+                          f"{saved.train.rounds} rounds; a resumed run cannot change them")
     if new.train.rounds < rounds_done:
         raise ConfigError(f"train.rounds: the checkpoint has already completed {rounds_done} rounds, "
                           f"more than {new.train.rounds}")

@@ -32,7 +32,8 @@ class CoordinatorImpl:
         self.saves = BackgroundSaves()
 
     def info(self) -> dict:
-        return {"next_round": self.federation.next_round, "num_actors": self.layout.num_actors,
+        return {"next_round": self.federation.next_round, "rounds": self.federation.rounds,
+                "num_actors": self.layout.num_actors,
                 "clients_per_actor": self.layout.clients_per_actor, "max_in_flight": self.layout.max_in_flight}
 
     def step(self, round_idx: int) -> dict:

@@ -3,8 +3,9 @@
 ``final/`` holds
   model.safetensors     theta, psi and (hyper) nu, keyed as in ``FedModel.state_dict()``
   personal.safetensors  (linear head only) every client's phi_m, keyed by ``str(client_id)``, (C, feature_dim)
-  meta.json             format and format_version, the ``ModelMeta`` fields, num_classes, ``files`` (the
-                        sha256 of each file above) and ``version_id``
+  meta.json             format and format_version, the ``ModelMeta`` fields (``privacy``: the client-level DP
+                        guarantee, or null), num_classes, ``files`` (the sha256 of each file above) and
+                        ``version_id``
 
 The tensor files are written first and meta.json last, and meta.json pins every file by its hash, so a
 reader racing a writer, or finding a crashed save, gets either a consistent model or an ExportError (and
@@ -36,7 +37,8 @@ from fedrod_ray.config import ARCHS, MODEL_PLUGINS, is_import_path, plugin_names
 from fedrod_ray.models import FedModel, build_model
 from fedrod_ray.storage import RunStorage
 
-__all__ = ["FORMAT_VERSION", "ExportError", "ModelMeta", "ServedModel", "check_arch", "load_final", "save_final"]
+__all__ = ["FORMAT_VERSION", "ExportError", "ModelMeta", "Privacy", "ServedModel", "check_arch", "load_final",
+           "save_final"]
 
 FORMAT = "fedrod-ray/final"
 FORMAT_VERSION = 1
@@ -53,6 +55,21 @@ class ExportError(ValueError):
 
 
 @dataclass
+class Privacy:
+    """The client-level differential-privacy guarantee of a privately trained model (docs/privacy.md): it is
+    (epsilon, delta)-DP with respect to any one client's whole contribution, after ``ModelMeta.round`` rounds."""
+
+    epsilon: float | None  # None: no finite bound (trained without noise)
+    delta: float
+    noise_multiplier: float  # sigma: the noise's std over the clip norm
+    clip_norm: float | None  # S (adaptive clipping: the first); None: not clipped (only without noise)
+    adaptive_clip: bool
+    sampling: str  # "poisson" | "fixed": how each round's clients were drawn
+    sampling_rate: float  # q: poisson, each client's chance per round; fixed, the fraction drawn
+    accountant: str  # "rdp" | "pld" (Google's dp_accounting)
+
+
+@dataclass
 class ModelMeta:
     dataset: str
     class_names: list[str]
@@ -66,6 +83,7 @@ class ModelMeta:
     balanced_loss: str
     round: int  # completed rounds when saved
     metrics: dict[str, float] = field(default_factory=dict)
+    privacy: Privacy | None = None  # None: trained without client-level DP
     # The personalization method that trained it (train.head; a final/ of an earlier version: its head) and
     # what the served generic model is: the method's global model, or, for a method without one, the mean of
     # the clients' personalized models.
@@ -145,13 +163,28 @@ def _meta_from_doc(doc: dict, where: str) -> ModelMeta:
     need("hyper_hidden", lambda v: _is_int(v) and v > 0, "a positive integer")
     need("round", lambda v: _is_int(v) and v >= 0, "a non-negative integer")
     need("metrics", lambda v: isinstance(v, dict) and all(map(_is_num, v.values())), "an object of numbers")
-    doc = {"method": doc["head"], "generic_model": "global", **doc}  # written before these fields existed
+    # Written before these fields existed: the head's method, its global model, no client-level DP.
+    doc = {"method": doc["head"], "generic_model": "global", "privacy": None, **doc}
     need("method", lambda v: isinstance(v, str) and v, "a non-empty string")
     need("generic_model", lambda v: v in GENERIC_MODELS, f"one of {GENERIC_MODELS}")
     values = {f.name: doc[f.name] for f in fields(ModelMeta)}
     values.update(mean=[float(x) for x in values["mean"]], std=[float(x) for x in values["std"]],
-                  metrics={k: float(v) for k, v in values["metrics"].items()})
+                  metrics={k: float(v) for k, v in values["metrics"].items()},
+                  privacy=None if doc["privacy"] is None else _privacy_from_doc(doc["privacy"], where))
     return ModelMeta(**values)
+
+
+def _privacy_from_doc(doc, where: str) -> Privacy:
+    names = [f.name for f in fields(Privacy)]
+    if not isinstance(doc, dict) or sorted(doc) != sorted(names):
+        raise ExportError(f"{where}: privacy must be null or an object of {names}, got {doc!r}")
+    for name, ok in (("epsilon", lambda v: v is None or (_is_num(v) and v >= 0)), ("delta", _is_num),
+                     ("noise_multiplier", _is_num), ("clip_norm", lambda v: v is None or _is_num(v)),
+                     ("adaptive_clip", lambda v: isinstance(v, bool)), ("sampling", lambda v: isinstance(v, str)),
+                     ("sampling_rate", _is_num), ("accountant", lambda v: isinstance(v, str))):
+        if not ok(doc[name]):
+            raise ExportError(f"{where}: privacy.{name} is not valid, got {doc[name]!r}")
+    return Privacy(**doc)
 
 
 def _meta_to_doc(meta: ModelMeta) -> dict:

@@ -8,6 +8,7 @@ actors), through the protocol of ``executors.base`` only. The math lives in pure
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -16,6 +17,7 @@ import numpy as np
 from .aggregate import OrderedAverager, StateDict
 from .algorithms import build_rule
 from .client import ClientFailure, ClientState
+from .dp_rounds import ClientLevelDP, check_shared
 from .evaluation import Evaluation, anchored, estimate_offset
 from .executors.base import Executor
 from .local import LocalResult, RoundInput, round_lr
@@ -63,13 +65,27 @@ class Federation:
         self.evaluation = Evaluation(setup, self.model, self.method, self.initial, log)
         self.estimate_offset: dict[str, float] = {}
         self.next_round = 0
+        # Client-level DP (``privacy``): its sampling, clipping and noised aggregate replace the plain ones.
+        self.dp: ClientLevelDP | None = None
+        self.privacy_state: StateDict = {}
+        self.rounds = self.cfg.train.rounds  # the rounds this run trains: fewer where a DP budget runs out
+        if self.cfg.privacy.enabled:
+            check_shared(self.global_shared)
+            self.dp = ClientLevelDP(self.cfg, setup.num_clients)
+            self.privacy_state = self.dp.init_state()
+            self.rounds = self.dp.rounds
+            if self.rounds < self.cfg.train.rounds:
+                log(f"privacy: the budget of epsilon {self.cfg.privacy.target_epsilon:g} lasts {self.rounds} of "
+                    f"the {self.cfg.train.rounds} rounds at noise multiplier {self.dp.noise_multiplier:g}: the run "
+                    f"stops after round {self.rounds}")
 
     def _generic(self, state: StateDict) -> StateDict:
         return {k: v for k, v in state.items() if k in self.generic_keys}
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.next_round, self.cfg, dict(self.global_shared), dict(self.server_state),
-                        dict(self.clients), dict(self.estimate_offset), dict(self.method_state))
+                        dict(self.clients), dict(self.estimate_offset), dict(self.method_state),
+                        dict(self.privacy_state))
 
     def restore(self, snap: Snapshot) -> None:
         if set(snap.global_shared) != set(self.shared_keys):
@@ -78,6 +94,8 @@ class Federation:
         self.global_shared = dict(snap.global_shared)
         self.server_state = dict(snap.server_state)
         self.method_state = dict(snap.method_state) or self.method.init_server_state(self.setup.num_clients)
+        if self.dp is not None:
+            self.privacy_state = dict(snap.privacy_state) or self.dp.init_state()
         unknown = sorted(set(snap.clients) - set(self.clients))
         if unknown:
             raise ValueError(f"the snapshot holds clients this federation does not have: {unknown[:10]}")
@@ -90,16 +108,22 @@ class Federation:
         """Run round ``r`` (which must be the next one) and return its record."""
         if r != self.next_round:
             raise ValueError(f"round {r} requested, but the next round is {self.next_round}")
+        if r >= self.rounds:
+            raise ValueError(f"round {r + 1} requested, but this run trains {self.rounds} (privacy.target_epsilon)")
         cfg = self.cfg
         t0 = time.perf_counter()
-        ids = sample_clients(cfg.seed, r, self.setup.num_clients, cfg.train.client_fraction)
+        dp = self.dp
+        ids = dp.sample(r) if dp else sample_clients(cfg.seed, r, self.setup.num_clients, cfg.train.client_fraction)
         from_local = self.rule.starts_from_local_model or self.method.starts_from_local_model
         jobs = [(cid, self.clients[cid].for_training(from_local)) for cid in ids]
+        clip_norm = dp.clip_norm(self.privacy_state) if dp else None
         message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state),
-                             self.method.messages(self.method_state, ids, self._uploads(), r, cfg.seed))
+                             self.method.messages(self.method_state, ids, self._uploads(), r, cfg.seed), clip_norm)
         # theta, psi under the rule's weights; nu (hyper) by sample count whatever the rule; the rule's
-        # uploads unweighted. Each folds in the order of ``ids``, so the runtimes agree bitwise.
-        generic, rest, uploads = (OrderedAverager(len(ids)) for _ in range(3))
+        # uploads unweighted. Each folds in the order of ``ids``, so the runtimes agree bitwise. With DP, every
+        # shared weight is summed unweighted instead (``clipped``): a sample count would break the sensitivity.
+        generic, rest, uploads, clipped = (OrderedAverager(len(ids)) for _ in range(4))
+        unclipped = 0
         results: dict[int, LocalResult] = {}
         new_states: dict[int, ClientState] = {}
         failures: list[ClientFailure] = []
@@ -107,23 +131,38 @@ class Federation:
         for slot, out in self.executor.train(r, jobs, message):
             if isinstance(out, ClientFailure):
                 res = out
-                for averager in (generic, rest, uploads):
+                for averager in (generic, rest, uploads, clipped):
                     averager.skip(slot)
                 failures.append(res)
                 self.log(f"[round {r + 1}] client {res.client_id} failed: {res.error}\n{res.traceback}")
                 self._check_failures(r, len(ids), failures)
             else:
                 res, new_states[ids[slot]] = out
-                generic.add(slot, self._generic(res.shared), self.rule.aggregation_weight(res.num_samples))
-                rest.add(slot, {k: v for k, v in res.shared.items() if k not in self.generic_keys}, res.num_samples)
-                uploads.add(slot, res.upload, 1.0)
+                if dp:
+                    clipped.add(slot, res.shared, 1.0)
+                    unclipped += not res.clipped
+                else:
+                    generic.add(slot, self._generic(res.shared), self.rule.aggregation_weight(res.num_samples))
+                    rest.add(slot, {k: v for k, v in res.shared.items() if k not in self.generic_keys},
+                             res.num_samples)
+                    uploads.add(slot, res.upload, 1.0)
                 results[ids[slot]] = res
             self._report(r + 1, len(results) + len(failures), len(ids))
         self._check_failures(r, len(ids), failures)
-        new_generic, self.server_state = self.rule.server_update(
-            self._generic(self.global_shared), generic.result(), uploads.result(), generic.count,
-            self.setup.num_clients, self.server_state)
-        averaged = {**rest.result(), **new_generic}
+        if dp:
+            # The rule's server step sees only the noised mean, and the expected number of participants.
+            averaged, privacy_state = dp.aggregate(clipped.total(), clipped.count, unclipped, self.global_shared,
+                                                   self.privacy_state, r)
+            new_generic, self.server_state = self.rule.server_update(
+                self._generic(self.global_shared), self._generic(averaged), {}, dp.expected, self.setup.num_clients,
+                self.server_state)
+            self.privacy_state = privacy_state
+        else:
+            new_generic, self.server_state = self.rule.server_update(
+                self._generic(self.global_shared), generic.result(), uploads.result(), generic.count,
+                self.setup.num_clients, self.server_state)
+            averaged = rest.result()
+        averaged = {**averaged, **new_generic}
         # Committed with the round, all at once: a round that raises leaves every client as it was.
         self.clients.update(new_states)
         averaged, self.method_state = self.method.server_update(
@@ -140,14 +179,17 @@ class Federation:
             "round": r + 1, "name": cfg.name, "lr": round_lr(cfg.train, r),
             "clients": len(ids), "clients_done": len(results), "clients_failed": len(failures),
             "failed_ids": [f.client_id for f in failures],
-            "train_loss": float(np.average([res.loss for res in done], weights=weights)),
+            # A DP round under Poisson sampling may have no client: no loss then.
+            "train_loss": float(np.average([res.loss for res in done], weights=weights)) if done else math.nan,
             "personal_loss": (float(np.average([res.personal_loss for res in done], weights=weights))
-                              if done[0].personal_loss is not None else None),
+                              if done and done[0].personal_loss is not None else None),
             "train_seconds": round(train_seconds, 4),
         }
+        if dp:
+            record.update(dp_epsilon=dp.epsilon(r + 1), dp_clip_norm=clip_norm)
         sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients, r + 1)
                   if cfg.eval.estimate_size else None)
-        last = r + 1 == cfg.train.rounds
+        last = r + 1 == self.rounds
         # Exact: every eval_every rounds and after the last; with the estimate, after round 1 too, which
         # anchors it from the start (cheap: only the first round's clients have PMs of their own).
         if (r + 1) % cfg.eval.eval_every == 0 or (last and cfg.eval.at_end) or (r == 0 and sample is not None):

@@ -10,6 +10,7 @@ import torch
 
 from .aggregate import StateDict
 from .config import HEADS
+from .dp_rounds import ClientLevelDP
 from .export import GENERIC_MODELS, ModelMeta, save_final
 from .metric_schema import EVALUATED
 from .models import resolve_arch
@@ -29,6 +30,7 @@ def model_meta(setup: Setup, rounds_done: int, metrics: dict[str, float], varian
         head=variant or "none", hyper_hidden=cfg.hyper_hidden, rule=cfg.train.generic_rule,
         balanced_loss=cfg.train.balanced_loss, round=rounds_done, metrics=metrics, method=cfg.train.head,
         generic_model=GENERIC_MODELS[0] if has_global else GENERIC_MODELS[1],
+        privacy=ClientLevelDP(cfg, setup.num_clients).guarantee(rounds_done) if cfg.privacy.enabled else None,
     )
 
 

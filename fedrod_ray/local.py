@@ -67,16 +67,22 @@ class LocalResult:
     momentum: StateDict = field(default_factory=dict)
     # The personalization method's per-client message to the server (FedFOMO's affinities), never averaged.
     method_upload: StateDict = field(default_factory=dict)
+    # Client-level DP: ``shared`` is the global weights plus the update clipped to ``RoundInput.clip_norm``, and
+    # this says whether clipping shortened it (adaptive clipping counts the updates it did not).
+    clipped: bool = False
 
 
 @dataclass
 class RoundInput:
-    """What the server sends every client of a round: the global weights and the rule's broadcast, and
-    what the personalization method sends to each client in particular (by client id)."""
+    """What the server sends every client of a round: the global weights and the rule's broadcast (and with
+    client-level DP the clip norm), and what the personalization method sends to each client in particular
+    (by client id)."""
 
     weights: StateDict
     broadcast: StateDict = field(default_factory=dict)
     per_client: dict[int, StateDict] = field(default_factory=dict)
+    # Client-level DP: the L2 norm every client clips its update to the shared weights to (None: no clipping).
+    clip_norm: float | None = None
 
 
 def derived_seed(*parts: int) -> int:

@@ -15,6 +15,7 @@ EVALUATION = "evaluation rounds"
 LAST_EVALUATION = "last evaluation"
 ESTIMATED = "every round, with `eval.estimate_size`"
 SAMPLED = "evaluation rounds, with `eval.clients` (P-FL over a sample of the training clients)"
+PRIVATE = "every round, with `privacy.enabled`"
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,14 @@ ESTIMATE_METRICS = (
     Metric("pfl_pm_est", ESTIMATED, "ESTIMATE of `pfl_pm` on the same sample (a client's PM on the sample's "
            "images of its classes), corrected the same way", label="P-FL PM est", title="P-FL (PM), estimate", accuracy=True),
 )
-BY_KEY = {m.key: m for m in (*METRICS, *ESTIMATE_METRICS)}
+# Client-level differential privacy (``privacy.enabled``; docs/privacy.md).
+PRIVACY_METRICS = (
+    Metric("dp_epsilon", PRIVATE, "client-level DP: the epsilon spent after this round, at `privacy.delta`, by "
+           "the accountant (`privacy.accountant`)", label="ε", title="ε"),
+    Metric("dp_clip_norm", PRIVATE, "the clip norm S of this round's updates (with `privacy.adaptive_clip`, where "
+           "the last rounds' noised count of unclipped updates moved it)", label="S", title="clip norm"),
+)
+BY_KEY = {m.key: m for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS)}
 # The accuracies, in the order every table and report lists them: the exact ones only.
 ACCURACIES = tuple(m.key for m in METRICS if m.accuracy)
 ESTIMATES = tuple(m.key for m in ESTIMATE_METRICS)
@@ -122,5 +130,5 @@ def markdown_table() -> str:
     """docs/runs.md's table of the metrics files' columns (tests/test_metric_schema.py keeps them equal)."""
     lines = ["| column | in the record | console | tables, plots | what it is |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| `{m.key}` | {m.when} | {m.label} | {m.title} | {m.description} |"
-              for m in (*METRICS, *ESTIMATE_METRICS)]
+              for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS)]
     return "\n".join(lines) + "\n"

@@ -94,7 +94,7 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
         return drive(step, lambda: ray.get(coordinator.save_checkpoint.remote(storage.uri)),
                      lambda: ray.get(coordinator.wait_checkpoint.remote()),
                      lambda m: ray.get(coordinator.save_final.remote(storage.uri, m)),
-                     cfg, storage, info["next_round"], log)
+                     cfg, storage, info["next_round"], info["rounds"], log)
     finally:
         if coordinator is not None:
             with contextlib.suppress(RayError):

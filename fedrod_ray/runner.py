@@ -28,8 +28,8 @@ from .storage import RunStorage
 from .tracking import final_metrics, open_trackers
 
 
-def checkpoint_due(cfg: ExperimentConfig, round_idx: int) -> bool:
-    return (round_idx + 1) % cfg.runtime.checkpoint_every == 0 or round_idx + 1 == cfg.train.rounds
+def checkpoint_due(cfg: ExperimentConfig, round_idx: int, rounds: int) -> bool:
+    return (round_idx + 1) % cfg.runtime.checkpoint_every == 0 or round_idx + 1 == rounds
 
 
 def last_evaluation(records: list[dict]) -> dict:
@@ -39,9 +39,9 @@ def last_evaluation(records: list[dict]) -> dict:
 
 def drive(step: Callable[[int], dict], checkpoint: Callable[[], None], saved: Callable[[], None],
           finish: Callable[[dict], None], cfg: ExperimentConfig, storage: RunStorage, start_round: int,
-          log: Callable[[str], None] = print) -> list[dict]:
-    """Run rounds ``start_round`` .. ``train.rounds - 1``; returns every round's record (earlier runs'
-    too, when resumed).
+          rounds: int, log: Callable[[str], None] = print) -> list[dict]:
+    """Run rounds ``start_round`` .. ``rounds - 1`` (``Federation.rounds``: ``train.rounds``, or fewer where a
+    privacy budget runs out first); returns every round's record (earlier runs' too, when resumed).
 
     ``checkpoint()`` starts saving the federation's snapshot of the moment, which may go on while the next
     round trains (``checkpoint.BackgroundSaves``); ``saved()`` waits for the save in flight, raising its
@@ -51,13 +51,13 @@ def drive(step: Callable[[int], dict], checkpoint: Callable[[], None], saved: Ca
     metrics = MetricsLog.resume(storage, start_round)
     trackers = open_trackers(cfg, storage, start_round)
     try:
-        for r in range(start_round, cfg.train.rounds):
+        for r in range(start_round, rounds):
             record = step(r)
             metrics.append(record)
             for tracker in trackers:
                 tracker.log_round(record)
-            log(format_record(record, cfg.train.rounds))
-            if checkpoint_due(cfg, r):
+            log(format_record(record, rounds))
+            if checkpoint_due(cfg, r, rounds):
                 checkpoint()
     except BaseException:
         # Interrupted or failed: the save in flight still commits, so that a resume starts from it. If it
@@ -127,7 +127,8 @@ def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | N
         fed.restore(snapshot)
     writer, saves = CheckpointWriter(storage), BackgroundSaves()
     return drive(fed.step, lambda: saves.save(writer, fed.snapshot()), saves.wait,
-                 lambda m: write_final(storage, setup, fed.snapshot(), m), cfg, storage, fed.next_round, log)
+                 lambda m: write_final(storage, setup, fed.snapshot(), m), cfg, storage, fed.next_round, fed.rounds,
+                 log)
 
 
 SUMMARY_METRICS = ("gfl_gm", "pfl_gm", "pfl_pm")
@@ -163,4 +164,6 @@ def format_record(rec: dict, rounds: int) -> str:
             line += f"  {values_line(rec, ('pfl_ft',))}"
     if "pfl_pm_est" in rec:
         line += f"  |  {values_line(rec, ESTIMATES)}"
+    if "dp_epsilon" in rec:
+        line += f"  |  {label('dp_epsilon')} {rec['dp_epsilon']:.3f}"
     return line

@@ -23,3 +23,5 @@ class Snapshot:
     # evaluation (``evaluation.estimate_offset``); empty before the first one.
     estimate_offset: dict[str, float] = field(default_factory=dict)
     method_state: StateDict = field(default_factory=dict)  # owned by config.train.head (empty if it keeps none)
+    # Client-level DP's server state (``dp_rounds.ClientLevelDP``): adaptive clipping's clip norm (else empty).
+    privacy_state: StateDict = field(default_factory=dict)

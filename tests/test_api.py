@@ -112,7 +112,7 @@ def test_health_and_model(hyper, linear, runs, tmp_path):
         "input": {"shape": SHAPE, "mean": MEAN, "std": STD, "png_mode": "L"}, "head": "hyper",
         "method": "hyper", "generic_model": "global",
         "arch": "mnist_cnn", "hyper_hidden": 16, "rule": "fedavg", "balanced_loss": "bsm", "round": 5,
-        "metrics": {"gfl_gm": 0.5, "pfl_pm": 0.75}, "client_ids": [], "trained_client_ids": [],
+        "metrics": {"gfl_gm": 0.5, "pfl_pm": 0.75}, "client_ids": [], "trained_client_ids": [], "privacy": None,
         "limits": {"max_batch": 4, "max_body_bytes": 2**16, "body_timeout_s": 30.0, "head_cache_size": 2},
     }
     info = linear.get("/v1/model").json()

@@ -133,7 +133,7 @@ def test_drive_saves_while_the_next_round_runs_and_waits_before_final(tmp_path):
         seen.append(("final", latest_checkpoint_name(storage)))
 
     drive(step, lambda: saves.save(writer, make_checkpoint(done["rounds"])), saves.wait, finish, _config(3),
-          storage, 0, log=lambda s: None)
+          storage, 0, 3, log=lambda s: None)
     assert seen[:2] == [(0, None), (1, None)]
     assert seen[-1] == ("final", "round_000003")
 
@@ -154,7 +154,7 @@ def test_an_interrupted_drive_first_commits_the_save_in_flight(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         drive(step, lambda: saves.save(writer, make_checkpoint(done["rounds"])), saves.wait,
-              lambda m: pytest.fail("final/ written by an interrupted run"), _config(4), storage, 0,
+              lambda m: pytest.fail("final/ written by an interrupted run"), _config(4), storage, 0, 4,
               log=lambda s: None)
     assert latest_checkpoint_name(storage) == "round_000002"
 
@@ -165,7 +165,7 @@ def test_a_failed_save_stops_the_run_before_final_and_is_said_on_an_interruption
     writer = CheckpointWriter(_CrashAt(root, "latest"))
     with pytest.raises(CheckpointSaveError, match="round 1's checkpoint"):
         drive(lambda r: _record(r), lambda: saves.save(writer, make_checkpoint(1)), saves.wait,
-              lambda m: pytest.fail("final/ written after a failed save"), _config(1), RunStorage(root), 0,
+              lambda m: pytest.fail("final/ written after a failed save"), _config(1), RunStorage(root), 0, 1,
               log=lambda s: None)
 
     def interrupted(r: int) -> dict:
@@ -176,6 +176,6 @@ def test_a_failed_save_stops_the_run_before_final_and_is_said_on_an_interruption
     said = []
     with pytest.raises(KeyboardInterrupt):
         drive(interrupted, lambda: saves.save(writer, make_checkpoint(1)), saves.wait, lambda m: None,
-              _config(3), RunStorage(root), 0, log=said.append)
+              _config(3), RunStorage(root), 0, 3, log=said.append)
     assert said[-1] == (f"the checkpoint save in flight failed too: saving round 1's checkpoint into {root}/"
                         "checkpoints failed: OSError: killed after the folder was moved, before `latest` was")

@@ -31,6 +31,7 @@ from fedrod_ray.config import config_from_dict
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.executors.ray import Layout, LostCall, RayExecutor, plan_layout
 from fedrod_ray.federation import Federation, RoundFailedError
+from fedrod_ray.privacy import clip_update, update_norm
 from fedrod_ray.server import sample_clients
 from fedrod_ray.setup import make_host, prepare
 from fedrod_ray.storage import RunStorage
@@ -196,6 +197,44 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     assert_same_tensors(h_ref, ckpt.server_state, "checkpointed server state")
     assert_same_tensors(m_ref, ckpt.method_state, "checkpointed method state")
     assert_same_states(states_ref, ckpt.clients)
+
+
+def test_private_updates_leave_their_actor_clipped_and_train_as_in_process(ray_session, one_torch_thread):
+    """Client-level DP on Ray: every update that reaches the server is the clip of the client's update, done in
+    its actor (the same client trained here without clipping goes past the norm), the client keeps that
+    clipped model, and the run (Poisson sampling, seeded noise) is the in-process one, bitwise."""
+    clip = 0.05
+    overrides = ("privacy.enabled=true", "privacy.noise_multiplier=1.0", f"privacy.clip_norm={clip}",
+                 "train.rounds=2", "eval.eval_every=2")
+    setup = prepare(tiny_config(*overrides))
+    executor = ray_executor(ray_session, setup)
+    arrived = []
+    train = executor.train
+
+    def recording_train(round_idx, jobs, message):
+        for slot, out in train(round_idx, jobs, message):
+            arrived.append((round_idx, jobs[slot], message, out))
+            yield slot, out
+
+    executor.train = recording_train
+    try:
+        fed = Federation(setup, executor, log=lambda s: None)
+        records = run_rounds(fed)
+    finally:
+        executor.close()
+
+    host = make_host(prepare(tiny_config(*overrides)))
+    assert arrived
+    for r, (cid, state), message, (result, new_state) in arrived:
+        assert message.clip_norm == clip
+        own = host.train(cid, state, dataclasses.replace(message, clip_norm=None), r)[0].shared
+        assert update_norm(own, message.weights) > clip  # clipping had work to do
+        assert result.clipped and update_norm(result.shared, message.weights) <= clip
+        assert_same_tensors(clip_update(own, message.weights, clip)[0], result.shared, f"client {cid}'s upload")
+        assert_same_tensors(result.shared, new_state.local_model, f"client {cid}'s local model")
+    reference = Federation(prepare(tiny_config(*overrides)), InProcessExecutor(host), log=lambda s: None)
+    assert json.dumps(without_time(run_rounds(reference))) == json.dumps(without_time(records))
+    assert_same_tensors(reference.global_shared, fed.global_shared, "global_shared")
 
 
 # --- 2. sizing the actor pool from the cluster ----------------------------------------------------

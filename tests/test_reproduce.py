@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 from fedrod_ray_tune.reproduce import (
+    DP_CLIP_NORM,
+    DP_EPSILONS,
     FINETUNE_EPOCHS,
     SPEC_FILE,
     TABLES,
@@ -50,6 +52,17 @@ def test_the_tables_have_the_papers_rows():
     assert list(TABLES["losses"]) == ["CE", "IR", "LDAM", "CDT", "BSM"]
     assert list(TABLES["new-clients"]) == ["FedAvg", "FedDyn", "Fed-RoD (linear)", "Fed-RoD (hyper)"]
     assert list(TABLES["imbalanced"]) == [f"{r}, IM {im}" for im in (10, 100) for r in GENERIC_ROWS]
+    assert list(TABLES["privacy"]) == [f"{m}, ε = {e}" for m in ("FedAvg", "Fed-RoD (hyper)") for e in ("∞", 8, 4, 1)]
+
+
+def test_the_privacy_tables_rows_are_the_methods_with_and_without_client_level_dp():
+    rows, main = TABLES["privacy"], TABLES["main"]
+    for method in ("FedAvg", "Fed-RoD (hyper)"):
+        assert rows[f"{method}, ε = ∞"] == main[method]  # without DP: the main table's row
+        for eps in DP_EPSILONS:
+            row = rows[f"{method}, ε = {eps}"]
+            assert row == {**main[method], "privacy.enabled": True, "privacy.target_epsilon": eps, "privacy.delta": 1e-5,
+                           "privacy.clip_norm": DP_CLIP_NORM, "privacy.sampling": "poisson"}
 
 
 @pytest.mark.parametrize("base", [TINY, QUICKSTART], ids=lambda p: p.name)
@@ -61,7 +74,8 @@ def test_every_row_of_every_table_is_a_valid_config(table, base):
         for seed in (0, 3):
             cfg = spec.row_config(label, seed)
             flat = {"seed": cfg.seed, "train.rounds": cfg.train.rounds, "eval.eval_every": cfg.eval.eval_every,
-                    **{f"{s}.{k}": v for s in ("data", "train", "eval") for k, v in vars(getattr(cfg, s)).items()}}
+                    **{f"{s}.{k}": v for s in ("data", "train", "eval", "privacy")
+                       for k, v in vars(getattr(cfg, s)).items()}}
             assert (flat["seed"], flat["train.rounds"], flat["eval.eval_every"]) == (seed, 2, 1)
             assert cfg.runtime.mode == "ray"
             for key, value in overrides.items():

@@ -52,7 +52,7 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
         if checkpoint is not None:
             with checkpoint.as_directory() as folder:
                 fed.restore(load_checkpoint(RunStorage(folder)))
-        for r in range(fed.next_round, cfg.train.rounds):
+        for r in range(fed.next_round, fed.rounds):
             record = fed.step(r)
             # Every numeric field of the record (what a tracking callback logs), the round included.
             metrics = {"round": record["round"], **scalars(record)}

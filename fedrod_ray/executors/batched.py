@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Iterator
 
 from ..batched import BatchJob, batched_local_update, check_supported
-from ..client import ClientFailure, ClientHost
+from ..client import ClientFailure, ClientHost, clipped
 from ..local import RoundInput
 from .base import Job, TrainOutcome
 from .in_process import InProcessExecutor
@@ -58,7 +58,8 @@ class BatchedExecutor(InProcessExecutor):
                 continue
             for slot, out in zip(group, outcomes):
                 cid, state = jobs[slot]
-                yield slot, ClientFailure.from_exception(cid, out) if isinstance(out, Exception) else state.trained(out)
+                yield slot, (ClientFailure.from_exception(cid, out) if isinstance(out, Exception)
+                             else state.trained(clipped(out, message)))
 
 
 def in_process_executor(host: ClientHost, batched_clients: int) -> InProcessExecutor:

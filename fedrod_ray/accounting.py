@@ -1,0 +1,115 @@
+"""The privacy accountant of client-level DP: epsilon at the run's delta after r rounds, from Google's
+``dp_accounting`` library (``pip install "fedrod-ray[privacy]"``), never from formulas of our own.
+
+One round is a Gaussian mechanism (noise multiplier sigma, sensitivity one clipped update) on the clients
+sampled for it: Poisson sampling at rate q (``PoissonSampledDpEvent``, add-or-remove-one neighbours, RDP
+or PLD) or a fixed number of them without replacement (``SampledWithoutReplacementDpEvent``, replace-one
+neighbours, RDP only). r rounds compose (``SelfComposedDpEvent``). Epsilon after r rounds is a function of r
+alone, computed afresh from a new accountant, so a resumed run reports exactly the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+from dataclasses import dataclass
+
+NOISE_BRACKET = (1e-3, 1e3)  # the noise multipliers a target epsilon is searched between
+
+
+def _library():
+    try:
+        import dp_accounting
+    except ImportError:
+        raise ImportError("privacy.enabled needs Google's dp-accounting library: pip install "
+                          "'fedrod-ray[privacy]' (or pip install dp-accounting)") from None
+    return dp_accounting
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """One round as the accountant sees it: noise ``noise_multiplier`` on the updates of clients sampled by
+    ``sampling`` (poisson: each with probability ``rate``; fixed: ``rate * num_clients`` of them)."""
+
+    noise_multiplier: float
+    sampling: str  # "poisson" | "fixed"
+    num_clients: int
+    rate: float
+    accountant: str = "rdp"  # "rdp" | "pld"
+
+    def event(self, rounds: int):
+        dp = _library()
+        gaussian = dp.GaussianDpEvent(self.noise_multiplier)
+        if self.sampling == "poisson":
+            sampled = dp.PoissonSampledDpEvent(self.rate, gaussian)
+        else:
+            size = round(self.rate * self.num_clients)
+            sampled = dp.SampledWithoutReplacementDpEvent(self.num_clients, size, gaussian)
+        return dp.SelfComposedDpEvent(sampled, rounds)
+
+    def new_accountant(self):
+        dp = _library()
+        if self.accountant == "pld":
+            return dp.pld.PLDAccountant()
+        relation = dp.NeighboringRelation.ADD_OR_REMOVE_ONE if self.sampling == "poisson" else \
+            dp.NeighboringRelation.REPLACE_ONE
+        return dp.rdp.RdpAccountant(neighboring_relation=relation)
+
+    def with_noise(self, noise_multiplier: float) -> Mechanism:
+        return dataclasses.replace(self, noise_multiplier=noise_multiplier)
+
+
+@functools.lru_cache(maxsize=4096)
+def epsilon(mechanism: Mechanism, rounds: int, delta: float) -> float:
+    """Epsilon at ``delta`` after ``rounds`` rounds of ``mechanism``: 0 before any, infinite without noise."""
+    if rounds == 0:
+        return 0.0
+    if mechanism.noise_multiplier == 0:
+        return math.inf
+    with _quiet_orders():
+        return float(mechanism.new_accountant().compose(mechanism.event(rounds)).get_epsilon(delta))
+
+
+def rounds_within(mechanism: Mechanism, target_epsilon: float, delta: float, rounds: int) -> int:
+    """The most rounds, up to ``rounds``, whose epsilon is within ``target_epsilon`` (by bisection: epsilon
+    grows with the rounds)."""
+    low, high = 0, rounds
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if epsilon(mechanism, mid, delta) <= target_epsilon else (low, mid - 1)
+    return low
+
+
+@functools.lru_cache(maxsize=64)
+def noise_for_epsilon(mechanism: Mechanism, target_epsilon: float, delta: float, rounds: int) -> float:
+    """The smallest noise multiplier (to 1e-4) with which ``rounds`` rounds of ``mechanism`` spend at most
+    ``target_epsilon`` at ``delta``: the library's calibration (Brent's method on its own accountant), which
+    returns a value on the safe side of the target. ``mechanism``'s own noise multiplier is not read.
+
+    Raises ValueError when no noise multiplier in ``NOISE_BRACKET`` reaches the target."""
+    dp = _library()
+    low, high = NOISE_BRACKET
+    most = epsilon(mechanism.with_noise(high), rounds, delta)
+    if most > target_epsilon:
+        raise ValueError(f"epsilon {target_epsilon:g} at delta {delta:g} over {rounds} rounds is out of reach: "
+                         f"even a noise multiplier of {high:g} spends {most:.4g}")
+    with _quiet_orders():
+        return float(dp.calibrate_dp_mechanism(
+            mechanism.new_accountant, lambda sigma: mechanism.with_noise(sigma).event(rounds), target_epsilon,
+            delta, dp.mechanism_calibration.ExplicitBracketInterval(low, high), tol=1e-4))
+
+
+@contextlib.contextmanager
+def _quiet_orders():
+    """dp_accounting's RDP accountant warns, through absl's logger, of each fractional order whose series does
+    not converge, and leaves that order out (which only loosens the bound): not news for every round."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

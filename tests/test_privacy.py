@@ -1,0 +1,368 @@
+"""Client-level differential privacy (docs/privacy.md): clipping and the server step by hand, the noise's
+standard deviation, the accountant against dp_accounting and a published setting, sigma from a target epsilon,
+the run against the non-private one, resume, the budget's stop, what is refused, and final/ and the HTTP
+model info stating the guarantee, Tune's sweeps. The Ray path's clipping is in tests/test_ray_runtime.py, the
+privacy-utility table's rows in tests/test_reproduce.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import dp_accounting
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from fedrod_ray_api.app import create_app
+from fedrod_ray_tune.space import load_sweep
+
+from fedrod_ray.accounting import Mechanism, epsilon, noise_for_epsilon
+from fedrod_ray.algorithms.fedavg import FedAvg
+from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
+from fedrod_ray.config import ConfigError, check_resume, config_from_dict
+from fedrod_ray.dp_rounds import check_shared
+from fedrod_ray.executors.batched import in_process_executor
+from fedrod_ray.executors.in_process import InProcessExecutor
+from fedrod_ray.export import _version_id, load_final
+from fedrod_ray.federation import Federation
+from fedrod_ray.privacy import (
+    SecureNoise,
+    SeededNoise,
+    adapted_clip_norm,
+    clip_update,
+    noised_mean,
+    update_noise_multiplier,
+    update_norm,
+)
+from fedrod_ray.runner import format_record, run_local
+from fedrod_ray.server import poisson_sample
+from fedrod_ray.setup import make_host, prepare
+from fedrod_ray.storage import RunStorage
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BASE = {
+    "seed": 3,
+    "data": {"dataset": "synthetic", "num_clients": 6, "alpha": 0.3, "synthetic_train_per_class": 12,
+             "synthetic_test_per_class": 5, "min_per_client": 4},
+    "train": {"head": "linear", "rounds": 4, "client_fraction": 0.5, "local_epochs": 1, "batch_size": 16},
+    "eval": {"eval_every": 4},
+}
+PRIVATE = ("privacy.enabled=true",)
+
+
+def federation(*overrides: str) -> Federation:
+    setup = prepare(config_from_dict(BASE, list(overrides)))
+    return Federation(setup, InProcessExecutor(make_host(setup)), log=lambda s: None)
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def without(record: dict, *prefixes: str) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(prefixes) and "seconds" not in k}
+
+
+# --- the math, by hand --------------------------------------------------------------------------------
+
+
+def test_clipping_by_hand():
+    anchor = {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([2.0])}
+    model = {"a": torch.tensor([4.0, 0.0]), "b": torch.tensor([6.0])}  # Delta = (3, 0 | 4), norm 5
+    assert update_norm(model, anchor) == 5.0
+    clipped, was = clip_update(model, anchor, 1.0)
+    assert was
+    assert torch.allclose(clipped["a"], torch.tensor([1.6, 0.0]), rtol=0, atol=1e-6)  # 1 + 3/5
+    assert torch.allclose(clipped["b"], torch.tensor([2.8]), rtol=0, atol=1e-6)  # 2 + 4/5
+    assert update_norm(clipped, anchor) <= 1.0
+    # Within the norm: the model itself, untouched.
+    kept, was = clip_update(model, anchor, 5.0)
+    assert kept is model and not was
+
+
+def test_every_clipped_update_the_server_reads_back_is_within_the_norm():
+    """On large weights a small clip norm is a few float32 steps: rounded to the nearest, the update read
+    back, (w_bar + clip(Delta)) - w_bar, would often be longer than S (checked here, so the test can fail);
+    rounded towards w_bar, never."""
+    g = torch.Generator().manual_seed(0)
+    nearest_over = 0
+    for _ in range(200):
+        anchor = {"w": torch.randn(50, generator=g) * 100, "v": torch.randn(3, 4, generator=g)}
+        model = {k: v + torch.randn(v.shape, generator=g) for k, v in anchor.items()}
+        s = float(torch.rand(1, generator=g)) * 1e-3 + 1e-5
+        clipped, was = clip_update(model, anchor, s)
+        assert was and update_norm(clipped, anchor) <= s
+        scale = s / update_norm(model, anchor)
+        nearest = {k: (a.double() + (model[k].double() - a.double()) * scale).float() for k, a in anchor.items()}
+        nearest_over += update_norm(nearest, anchor) > s
+    assert nearest_over > 20
+
+
+def test_the_server_step_by_hand():
+    anchor = {"w": torch.tensor([1.0, 2.0])}
+    # Two clipped uploads, w_bar + Delta_m: Delta = (1, 0) and (0, 2); the expected number is 4.
+    total = {"w": torch.tensor([2.0, 2.0], dtype=torch.float64) + torch.tensor([1.0, 4.0], dtype=torch.float64)}
+    out = noised_mean(total, 2, anchor, 4.0, 0.0, SeededNoise(0))
+    assert out["w"].tolist() == [1.25, 2.5]  # w_bar + (sum Delta) / 4
+    # No participant, no noise: w_bar, bit for bit; the expected number took part: the plain mean.
+    assert torch.equal(noised_mean(None, 0, anchor, 2.5, 0.0, SeededNoise(0))["w"], anchor["w"])
+    assert noised_mean(total, 2, anchor, 2.0, 0.0, SeededNoise(0))["w"].tolist() == [1.5, 3.0]
+
+
+def test_adaptive_clipping_by_hand():
+    # sigma 1 and a count's noise std of 1: z_Delta = (1 - 1/4)^-1/2.
+    assert update_noise_multiplier(1.0, 1.0) == pytest.approx(0.75**-0.5, rel=1e-15)
+    assert update_noise_multiplier(0.0, 1.0) == 0.0
+    with pytest.raises(ValueError, match="more than half"):
+        update_noise_multiplier(2.0, 1.0)
+    # 3 of 4 updates within C, 4 expected: b~ = (3 - 2) / 4 + 1/2 = 0.75, and C moves by exp(-0.2 (0.75 - 0.5)).
+    assert adapted_clip_norm(1.0, 3, 4, 4.0, 0.5, 0.2, 0.0, SeededNoise(0)) == pytest.approx(math.exp(-0.05))
+
+
+def test_the_noise_std_is_sigma_s_over_the_expected_number():
+    """Zero updates, noise only: the new weights' coordinates are N(0, (sigma S / E)^2). With n = 200,000
+    coordinates the sample std's relative standard error is 1/sqrt(2n) = 0.16%: a 1% tolerance is over six
+    of them (a fixed seed: the test is deterministic, and a factor's error, e.g. sigma S / count or sigma /
+    E, fails it by far more), and the mean's standard error is std / sqrt(n)."""
+    sigma, s, expected, n = 1.3, 0.7, 50.0, 200_000
+    anchor = {"a": torch.zeros(n // 2), "b": torch.zeros(2, n // 4)}
+    out = noised_mean(None, 0, anchor, expected, sigma * s, SeededNoise(1234))
+    flat = torch.cat([v.flatten().double() for v in out.values()])
+    target = sigma * s / expected
+    assert abs(flat.std().item() / target - 1) < 0.01
+    assert abs(flat.mean().item()) < 5 * target / math.sqrt(n)
+    again = noised_mean(None, 0, anchor, expected, sigma * s, SeededNoise(1234))
+    assert same(out, again)  # seeded: the same bits
+
+
+def test_secure_noise_is_standard_normal_and_not_reproducible():
+    """Box-Muller on os.urandom: n = 100,000 draws, std within 2% (the standard error is 0.22%) and the mean
+    within 5 standard errors; two draws never agree."""
+    a, b = SecureNoise().normal(100_001), SecureNoise().normal(100_001)
+    assert a.shape == (100_001,) and a.dtype == torch.float64
+    assert abs(a.std().item() - 1) < 0.02 and abs(a.mean().item()) < 5 / math.sqrt(len(a))
+    assert not torch.equal(a, b)
+
+
+def test_poisson_sampling_is_independent_at_the_rate():
+    ids = [poisson_sample(0, r, 1000, 0.1) for r in range(200)]
+    sizes = torch.tensor([len(i) for i in ids], dtype=torch.float64)
+    # Binomial(1000, 0.1): mean 100, std 9.5; over 200 rounds the mean's standard error is 0.67.
+    assert abs(sizes.mean().item() - 100) < 3 and 7 < sizes.std().item() < 12
+    assert ids[0] == sorted(ids[0]) == poisson_sample(0, 0, 1000, 0.1)
+    assert any(len(poisson_sample(5, r, 6, 0.2)) == 0 for r in range(30))  # an empty round happens
+
+
+# --- the accountant -----------------------------------------------------------------------------------
+
+
+def test_epsilon_is_the_librarys_for_a_published_setting():
+    """DP-SGD on MNIST (Abadi et al., 2016): q = 256/60,000, sigma 1.3 for 20 epochs and 0.7 for 70, delta 1e-5,
+    whose moments accountant Bu et al. (HDSR 2020, Figure 4) report as epsilon 1.34 and 8.68. Ours is the
+    library's RDP accountant on the same event, exactly, and at most the published figures (the library
+    converts RDP to (epsilon, delta) more tightly than the moments accountant did), within 25% of them."""
+    q = 256 / 60_000
+    for sigma, epochs, published in ((1.3, 20, 1.34), (0.7, 70, 8.68)):
+        steps = round(epochs / q)
+        ours = epsilon(Mechanism(sigma, "poisson", 60_000, q), steps, 1e-5)
+        event = dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+        assert ours == dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+        assert 0.75 * published <= ours <= published
+    # Fixed-size sampling: the library's sampling without replacement, replace-one neighbours.
+    fixed = epsilon(Mechanism(1.0, "fixed", 1000, 0.1), 100, 1e-5)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(1000, 100, dp_accounting.GaussianDpEvent(1.0)), 100)
+    relation = dp_accounting.NeighboringRelation.REPLACE_ONE
+    assert fixed == dp_accounting.rdp.RdpAccountant(neighboring_relation=relation).compose(event).get_epsilon(1e-5)
+    assert epsilon(Mechanism(1.0, "poisson", 1000, 0.1), 0, 1e-5) == 0
+    assert epsilon(Mechanism(0.0, "poisson", 1000, 0.1), 3, 1e-5) == math.inf
+
+
+def test_rdp_and_pld_agree_within_their_tolerance():
+    """The privacy-utility table's setting (q = 0.1, sigma 1, 100 rounds). PLD is tight up to its
+    discretisation (pessimistic), RDP an upper bound whose conversion to (epsilon, delta) is loose by about
+    10% here: PLD <= RDP <= 1.2 PLD."""
+    rdp = epsilon(Mechanism(1.0, "poisson", 1000, 0.1, "rdp"), 100, 1e-5)
+    pld = epsilon(Mechanism(1.0, "poisson", 1000, 0.1, "pld"), 100, 1e-5)
+    assert pld <= rdp <= 1.2 * pld
+
+
+def test_sigma_from_a_target_epsilon_is_the_smallest_within_it():
+    mechanism = Mechanism(0.0, "poisson", 1000, 0.1)
+    sigma = noise_for_epsilon(mechanism, 4.0, 1e-5, 100)
+    assert epsilon(mechanism.with_noise(sigma), 100, 1e-5) <= 4.0 < epsilon(mechanism.with_noise(sigma - 1e-3), 100,
+                                                                             1e-5)
+    # Unreachable: a config error naming the field, before the run starts.
+    with pytest.raises(ConfigError, match=r"privacy\.target_epsilon: epsilon 0\.0001 .* out of reach"):
+        federation(*PRIVATE, "privacy.target_epsilon=1e-4")
+
+
+# --- runs ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", ["fedavg", "feddyn"])
+def test_without_noise_or_clipping_a_private_run_is_the_uniform_non_private_run(rule, monkeypatch):
+    """sigma = 0 and S = inf, the fixed-size sample: bitwise the non-private run with uniform weights (FedDyn's
+    own; FedAvg's patched to 1)."""
+    monkeypatch.setattr(FedAvg, "aggregation_weight", lambda self, num_samples: 1.0)
+    rounds = ("train.rounds=2", f"train.generic_rule={rule}")
+    plain = federation(*rounds)
+    private = federation(*rounds, *PRIVATE, "privacy.noise_multiplier=0", "privacy.clip_norm=.inf",
+                         "privacy.sampling=fixed")
+    for r in range(2):
+        a, b = plain.step(r), private.step(r)
+        assert without(a) == without(b, "dp_") and b["dp_epsilon"] == math.inf
+    assert same(plain.global_shared, private.global_shared) and same(plain.server_state, private.server_state)
+    assert bool(plain.server_state) == (rule == "feddyn")
+    for cid, st in plain.clients.items():
+        assert same(st.tensors(), private.clients[cid].tensors()), cid
+
+
+def test_a_resumed_private_run_continues_the_uninterrupted_ones_weights_clip_norm_and_epsilon(tmp_path):
+    """Poisson sampling, adaptive clipping (the clip norm is server state, checkpointed), seeded noise, the
+    hyper head (nu is noised with theta and psi)."""
+    overrides = (*PRIVATE, "train.head=hyper", "privacy.noise_multiplier=0.5", "privacy.clip_norm=0.3",
+                 "privacy.adaptive_clip={count_noise: 1.0}")
+    a = federation(*overrides)
+    records = [a.step(r) for r in range(4)]
+    b = federation(*overrides)
+    b.step(0)
+    b.step(1)
+    save_checkpoint(RunStorage(str(tmp_path)), b.snapshot())
+    resumed = federation(*overrides)
+    resumed.restore(load_checkpoint(RunStorage(str(tmp_path))))
+    again = [resumed.step(r) for r in (2, 3)]
+    assert [without(r) for r in again] == [without(r) for r in records[2:]]
+    assert same(a.global_shared, resumed.global_shared) and same(a.privacy_state, resumed.privacy_state)
+    clip_norms = [r["dp_clip_norm"] for r in records]
+    assert clip_norms[0] == 0.3 and len(set(clip_norms)) == 4  # it moved every round: restoring it matters
+    epsilons = [r["dp_epsilon"] for r in records]
+    assert epsilons == sorted(epsilons) and epsilons[0] > 0
+
+
+def test_a_round_without_participants_moves_the_weights_by_the_noise_alone_and_spends_privacy():
+    seed = 5
+    empty = next(r for r in range(30) if not poisson_sample(seed, r, 6, 0.2))
+    overrides = (f"seed={seed}", f"train.rounds={empty + 1}", "train.client_fraction=0.2", f"eval.eval_every={empty + 1}",
+                 *PRIVATE)
+    for sigma in (0.0, 1.0):
+        fed = federation(*overrides, f"privacy.noise_multiplier={sigma}")
+        for r in range(empty):
+            fed.step(r)
+        before = dict(fed.global_shared)
+        record = fed.step(empty)
+        assert record["clients"] == 0 and math.isnan(record["train_loss"])
+        assert same(before, fed.global_shared) == (sigma == 0)
+        assert record["dp_epsilon"] == epsilon(fed.dp.mechanism, empty + 1, 1e-5)
+
+
+def test_the_budget_stops_the_run_and_final_and_the_http_service_state_the_guarantee(tmp_path):
+    mechanism = Mechanism(1.0, "poisson", 6, 0.5)
+    budget = (epsilon(mechanism, 2, 1e-5) + epsilon(mechanism, 3, 1e-5)) / 2  # lasts 2 rounds of 4
+    cfg = config_from_dict({**BASE, "run_dir": str(tmp_path)},
+                           [*PRIVATE, "privacy.noise_multiplier=1.0", f"privacy.target_epsilon={budget}"])
+    lines: list[str] = []
+    records = run_local(cfg, RunStorage(str(tmp_path)), log=lines.append)
+    assert [r["round"] for r in records] == [1, 2] and "gfl_gm" in records[-1]
+    assert any("lasts 2 of the 4 rounds" in line for line in lines)
+    assert any(line.endswith(f"ε {records[-1]['dp_epsilon']:.3f}") for line in lines)
+    served = load_final(str(tmp_path))
+    guarantee = served.meta.privacy
+    assert served.meta.round == 2 and guarantee.epsilon == records[-1]["dp_epsilon"] <= budget
+    assert (guarantee.delta, guarantee.noise_multiplier, guarantee.clip_norm, guarantee.sampling,
+            guarantee.sampling_rate, guarantee.accountant) == (1e-5, 1.0, 1.0, "poisson", 0.5, "rdp")
+    with TestClient(create_app(str(tmp_path))) as client:
+        info = client.get("/v1/model").json()
+    assert info["privacy"]["epsilon"] == guarantee.epsilon and info["privacy"]["adaptive_clip"] is False
+
+
+def test_a_final_written_before_privacy_still_loads(tmp_path):
+    cfg = config_from_dict({**BASE, "run_dir": str(tmp_path)}, ["train.rounds=1", "eval.eval_every=1"])
+    run_local(cfg, RunStorage(str(tmp_path)), log=lambda s: None)
+    path = tmp_path / "final" / "meta.json"
+    doc = json.loads(path.read_text())
+    assert doc["privacy"] is None
+    del doc["privacy"]
+    doc["version_id"] = _version_id(doc)
+    path.write_text(json.dumps(doc))
+    assert load_final(str(tmp_path)).meta.privacy is None
+
+
+def test_the_console_line_shows_epsilon():
+    record = {"round": 3, "seconds": 1.0, "lr": 0.01, "clients_done": 2, "clients": 2, "clients_failed": 0,
+              "train_loss": 0.5, "dp_epsilon": 1.23456}
+    assert format_record(record, 5).endswith("|  ε 1.235")
+
+
+# --- what composes, and what is refused ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ((), r"privacy\.noise_multiplier: client-level DP needs its noise"),
+    (("privacy.enabled=false", "privacy.clip_norm=2"), r"privacy\.clip_norm: has no effect without privacy\.enabled"),
+    (("privacy.noise_multiplier=1", "privacy.clip_norm=.inf"), r"privacy\.clip_norm: an infinite clip norm"),
+    (("privacy.noise_multiplier=.inf",), r"privacy\.noise_multiplier: must be finite"),
+    (("privacy.noise_multiplier=1", "privacy.sampling=fixed", "privacy.accountant=pld"),
+     r"privacy\.accountant: pld .* Poisson sampling only"),
+    (("privacy.noise_multiplier=1", "train.generic_rule=scaffold"), r"train\.generic_rule: scaffold .* control"),
+    (("privacy.noise_multiplier=1", "train.generic_rule=local", "train.head=linear"),
+     r"train\.generic_rule: local .* nothing to protect"),
+    (("privacy.noise_multiplier=1", "train.head=fedfomo", "train.balanced_loss=ce"),
+     r"train\.head: fedfomo .* reads every client's own upload"),
+    (("privacy.noise_multiplier=1", "train.head=mtl", "train.balanced_loss=ce"), r"train\.head: mtl .* no global model"),
+    (("privacy.noise_multiplier=1", "train.head=fedper", "train.balanced_loss=ce"),
+     r"train\.head: fedper .* no global model"),
+])
+def test_what_client_level_dp_refuses_names_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(BASE, [*PRIVATE, *overrides])
+
+
+@pytest.mark.parametrize("overrides", [("train.generic_rule=fedprox",), ("train.head=ditto", "train.balanced_loss=ce"),
+                                       ("train.head=pfedme", "train.balanced_loss=ce", "train.momentum=0",
+                                        "train.weight_decay=0")], ids=["fedprox", "ditto", "pfedme"])
+def test_private_rounds_of_the_rules_and_methods_that_compose(overrides):
+    """Each shares its whole shared part through the clipped, noised sum: one round trains and spends."""
+    fed = federation(*PRIVATE, "privacy.noise_multiplier=1", "privacy.clip_norm=0.5", *overrides)
+    before = dict(fed.global_shared)
+    record = fed.step(0)
+    assert record["clients_done"] > 0 and record["dp_epsilon"] > 0 and not same(before, fed.global_shared)
+
+
+def test_the_batched_executor_clips_every_update_too():
+    setup = prepare(config_from_dict(BASE, [*PRIVATE, "privacy.noise_multiplier=1", "privacy.clip_norm=0.01",
+                                            "runtime.batched_clients=3"]))
+    fed = Federation(setup, in_process_executor(make_host(setup), 3), log=lambda s: None)
+    before = dict(fed.global_shared)
+    record = fed.step(0)
+    trained = [st for st in fed.clients.values() if st.rounds_trained]
+    assert len(trained) == record["clients_done"] > 0
+    assert all(0 < update_norm(st.local_model, before) <= 0.01 for st in trained)
+
+
+def test_refused_before_the_run_a_count_noise_too_small_and_integer_shared_state():
+    with pytest.raises(ConfigError, match=r"privacy\.adaptive_clip\.count_noise: .* more than half"):
+        federation(*PRIVATE, "privacy.noise_multiplier=2", "privacy.adaptive_clip={count_noise: 0.5}")
+    with pytest.raises(ConfigError, match=r"model\.arch: .* integer tensors \(bn\.num_batches_tracked\)"):
+        check_shared({"w": torch.zeros(2), "bn.num_batches_tracked": torch.tensor(3)})
+
+
+def test_a_resume_cannot_change_the_rounds_a_derived_sigma_was_made_for():
+    saved = config_from_dict(BASE, [*PRIVATE, "privacy.target_epsilon=10"])
+    with pytest.raises(ConfigError, match=r"train\.rounds: .* derived from privacy\.target_epsilon over 4 rounds"):
+        check_resume(saved, config_from_dict(BASE, [*PRIVATE, "privacy.target_epsilon=10", "train.rounds=6"]), 2)
+    given = config_from_dict(BASE, [*PRIVATE, "privacy.noise_multiplier=1"])
+    check_resume(given, config_from_dict(BASE, [*PRIVATE, "privacy.noise_multiplier=1", "train.rounds=6"]), 2)
+
+
+def test_tune_sweeps_sigma_and_the_clip_norm(tmp_path):
+    sweep = tmp_path / "dp.yaml"
+    base = tmp_path / "base.yaml"
+    base.write_text(json.dumps({**BASE, "privacy": {"enabled": True, "noise_multiplier": 1.0}}))
+    sweep.write_text(json.dumps({"base": str(base), "search": {"privacy.noise_multiplier": {"grid": [0.5, 2.0]},
+                                                                "privacy.clip_norm": {"choice": [0.1, 1.0]}}}))
+    spec = load_sweep(sweep)
+    cfg = spec.trial_config({"privacy.noise_multiplier": 2.0, "privacy.clip_norm": 0.1})
+    assert (cfg.privacy.noise_multiplier, cfg.privacy.clip_norm) == (2.0, 0.1)
