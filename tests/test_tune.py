@@ -216,20 +216,29 @@ def test_a_killed_sweep_resumes_without_redoing_finished_rounds_or_trials(tmp_pa
         return ROUNDS in rounds and any(0 < n < ROUNDS for n in rounds)
 
     def state_saved_after_last_checkpoint() -> bool:
-        # A trial resumes from the checkpoint the saved state names: Tune registers a report's checkpoint and
-        # saves the state, then writes the report to result.json. Killed between the two, a round would be
-        # missing from result.json; killed before the save, it would be reported twice.
-        files = list((sweep_dir / "trials").glob("experiment_state-*.json"))
-        # Tune rewrites the state file in place: its time changes when it is truncated, before it is written.
-        # Killed then, the resume finds an empty file and starts the experiment afresh (seen under load).
-        if not all(_parses(f) for f in files):
+        # A trial resumes from the checkpoint the saved state names. Tune writes a report to result.json,
+        # then saves its checkpoint and registers it, and saves the experiment's state now and then: killed
+        # before the state names a trial's last checkpoint, the trial would go on from an earlier one.
+        files = sorted((sweep_dir / "trials").glob("experiment_state-*.json"))
+        # Tune rewrites the state file in place: killed while it is half written, the resume finds no state
+        # and starts the experiment afresh (seen under load).
+        if not files or not _parses(files[-1]):
             return False
-        states = [p.stat().st_mtime_ns for p in files]
-        checkpoints = {p.parent: sorted(p.parent.glob("checkpoint_*")) for p in results()}
-        latest = [c[-1].stat().st_mtime_ns for c in checkpoints.values() if c]
-        written = all(len((trial / "result.json").read_text().splitlines())
-                      == (int(c[-1].name.split("_")[-1]) + 1 if c else 0) for trial, c in checkpoints.items())
-        return bool(states and latest) and max(states) > max(latest) and written
+        state = json.loads(files[-1].read_text())
+        # Per trial: its settings, and its run's (the checkpoint manager, pickled: the names of its
+        # checkpoints appear in the bytes, hex-encoded).
+        registered = {json.loads(settings)["trial_id"]: json.dumps(run["checkpoint_manager"])
+                      for settings, run in ((s, json.loads(r)) for s, r in state["trial_data"])}
+        for result in results():
+            reports = [json.loads(line) for line in result.read_text().splitlines()]
+            if not reports:
+                continue
+            latest = f"checkpoint_{len(reports) - 1:06d}"
+            if not (result.parent / latest).is_dir():
+                return False
+            if latest.encode().hex() not in registered.get(reports[-1]["trial_id"], ""):
+                return False
+        return True
 
     try:
         # Killed once a trial has finished and another has reported a round, as soon as Tune has saved the
