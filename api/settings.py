@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from fedrod_ray.config import is_import_path
+from fedrod_ray.config.values import is_import_path
 
 # Reload is allowed only with this token, and is off when it is unset or empty.
 ADMIN_TOKEN_ENV = "FEDROD_ADMIN_TOKEN"

@@ -43,7 +43,8 @@ import torch
 from _common import machine_note, make_config, md_table, median, mnist_data_section, ray_memory
 
 from fedrod_ray.client import ClientState
-from fedrod_ray.config import STEPS, ExperimentConfig, config_from_dict
+from fedrod_ray.config import ExperimentConfig, config_from_dict
+from fedrod_ray.config.sections import STEPS
 from fedrod_ray.coordinator import Coordinator
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.federation import Federation

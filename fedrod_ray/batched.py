@@ -35,7 +35,7 @@ from torch.func import functional_call, vmap
 
 from .aggregate import StateDict
 from .algorithms import GenericRule, LocalCorrection
-from .config import DEFAULT_GAMMA, ConfigError, TrainConfig
+from .config import TrainConfig
 from .data.transforms import normalize, normalized_black, shift_flip
 from .local import (
     Batch,
@@ -52,6 +52,7 @@ from .local import (
 )
 from .losses import BALANCED_LOSSES, LossFn
 from .models import FedModel
+from .specs.losses import DEFAULT_GAMMA
 from .step import fedrod_losses
 
 
@@ -89,19 +90,6 @@ class _Losses(nn.Module):
         return loss_g, torch.zeros_like(loss_g) if loss_p is None else loss_p
 
 
-def check_supported(cfg: TrainConfig) -> None:
-    """The batched update weighs every example of a batch on its own (a padded batch's padding weighs
-    zero), so the balanced loss must be a batch mean of per-example terms: those of ``losses``. It runs
-    eagerly, as ``train.step: eager``."""
-    if cfg.balanced_loss not in BALANCED_LOSSES:
-        raise ConfigError(f"train.balanced_loss: {cfg.balanced_loss} is not supported by the batched local "
-                          f"update (runtime.batched_clients), only {sorted(BALANCED_LOSSES)}; "
-                          "set runtime.batched_clients=0")
-    if cfg.step != "eager":
-        raise ConfigError(f"train.step: {cfg.step} has no effect with the batched local update "
-                          "(runtime.batched_clients), which has a step of its own; remove one of them")
-
-
 def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJob], cfg: TrainConfig,
                          rule: GenericRule, *, round_idx: int, seed: int, mean, std, augment: bool,
                          device: torch.device | str = "cpu") -> list[Outcome | Exception]:
@@ -116,7 +104,6 @@ def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJ
     act elementwise (broadcasting over the leading client dimension) and keep no state between steps, as
     every registered rule does (tests/test_batched.py runs each one); its ``finish`` runs per client.
     """
-    check_supported(cfg)
     t0 = time.perf_counter()
     device = torch.device(device)
     model.to(device)

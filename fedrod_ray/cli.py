@@ -14,7 +14,9 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from . import __version__
-from .config import DATASETS, LOGGERS, ConfigError, check_resume, config_from_dict, config_schema, load_config
+from .config import ConfigError, check_resume, config_from_dict, config_schema, load_config
+from .config.sections import LOGGERS
+from .specs.datasets import DATASETS
 
 COMMANDS = "fedrod_ray.commands"  # entry-point group: callables that add a subcommand to the parser
 
@@ -181,11 +183,15 @@ def cmd_partition(args) -> int:
 
 def cmd_list(args) -> int:
     from .algorithms import RULES
-    from .config import ARCHS, DATASET_PLUGINS, DATASETS, GAMMA_LOSSES, HEADS, MODEL_PLUGINS, PARTITIONS
+    from .config.sections import PARTITIONS
     from .losses import BALANCED_LOSSES
     from .objectives import OBJECTIVES
     from .personalization import METHODS
     from .plugins import plugin_sources
+    from .specs.datasets import DATASET_PLUGINS
+    from .specs.losses import LOSSES
+    from .specs.methods import HEADS
+    from .specs.models import ARCHS, MODEL_PLUGINS
 
     def params(plugin, key: str = "train.rule_params") -> str:
         defaults = [f"{f}={v}" for f, v in vars(plugin.Params()).items()]
@@ -205,7 +211,7 @@ def cmd_list(args) -> int:
         n + params(METHODS[n], "train.head_params") for n in HEADS))
     print("generic rules (train.generic_rule): " + ", ".join(n + params(r) for n, r in sorted(RULES.items())))
     def settings(name: str) -> list[str]:
-        return (["train.gamma"] if name in GAMMA_LOSSES else []) + ([f"train.{name}"] if name in OBJECTIVES else [])
+        return (["train.gamma"] if LOSSES[name].gamma else []) + ([f"train.{name}"] if name in OBJECTIVES else [])
 
     print("balanced losses (train.balanced_loss): " + ", ".join(
         n + (f" ({', '.join(settings(n))})" if settings(n) else "")

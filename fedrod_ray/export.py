@@ -33,8 +33,9 @@ import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
-from fedrod_ray.config import ARCHS, MODEL_PLUGINS, is_import_path, plugin_names
+from fedrod_ray.config.values import is_import_path, plugin_names
 from fedrod_ray.models import FedModel, build_model
+from fedrod_ray.specs.models import ARCHS, MODEL_PLUGINS
 from fedrod_ray.storage import RunStorage
 
 __all__ = ["FORMAT_VERSION", "ExportError", "ModelMeta", "Privacy", "ServedModel", "check_arch", "load_final",
@@ -46,7 +47,7 @@ FINAL_DIR = "final"
 MODEL_FILE = "model.safetensors"
 PERSONAL_FILE = "personal.safetensors"
 META_FILE = "meta.json"
-HEADS = ("none", "linear", "hyper")  # the served model's personalized part (FedModel.variant, or none)
+VARIANTS = ("none", "linear", "hyper")  # the served model's personalized part (FedModel.variant, or none)
 GENERIC_MODELS = ("global", "mean of personalized models")
 
 
@@ -153,7 +154,7 @@ def _meta_from_doc(doc: dict, where: str) -> ModelMeta:
 
     for name in ("dataset", "arch", "rule", "balanced_loss"):
         need(name, lambda v: isinstance(v, str), "a string")
-    need("head", lambda v: v in HEADS, f"one of {HEADS}")
+    need("head", lambda v: v in VARIANTS, f"one of {VARIANTS}")
     need("class_names", lambda v: _is_list(v, lambda s: isinstance(s, str)), "a non-empty list of strings")
     need("num_classes", lambda v: _is_int(v) and v == len(doc["class_names"]), "the number of class names")
     need("image_shape", lambda v: _is_list(v, lambda n: _is_int(n) and n > 0, 3), "[C, H, W], all > 0")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from .aggregate import StateDict
-from .config import HEADS
 from .dp_rounds import ClientLevelDP
 from .export import GENERIC_MODELS, ModelMeta, save_final
 from .metric_schema import EVALUATED
@@ -17,6 +16,7 @@ from .models import resolve_arch
 from .objectives import model_parts
 from .personalization import build_method, generic_weights
 from .setup import Setup
+from .specs.methods import HEADS
 from .state import Snapshot
 from .storage import RunStorage
 

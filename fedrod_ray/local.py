@@ -20,11 +20,12 @@ import torch
 
 from .aggregate import StateDict
 from .algorithms import GenericRule, LocalCorrection
-from .config import DEFAULT_GAMMA, TrainConfig
+from .config import TrainConfig
 from .data.transforms import augment_draws, normalize, normalized_black, shift_flip
 from .losses import get_loss
 from .models import FedModel
 from .objectives import get_objective
+from .specs.losses import DEFAULT_GAMMA
 from .step import make_losses, make_train_step
 
 

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .config import LOSS_NAMES, check_registry
+from .config.values import check_registry
+from .specs.losses import LOSSES
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
@@ -72,7 +73,7 @@ BALANCED_LOSSES: dict[str, LossFn] = {
     "ldam": ldam,
     "cdt": cdt,
 }
-check_registry(BALANCED_LOSSES, LOSS_NAMES, "train.balanced_loss")
+check_registry(BALANCED_LOSSES, [n for n, s in LOSSES.items() if not s.objective], "train.balanced_loss")
 
 
 def get_loss(name: str) -> LossFn:

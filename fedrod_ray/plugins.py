@@ -9,7 +9,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from .config import ConfigError, plugin_names
+from .config.values import ConfigError, plugin_names
 
 __all__ = ["import_object", "load_plugin", "plugin_names", "plugin_sources"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .client import ClientContext, ClientHost
-from .config import ARCHS, ConfigError, ExperimentConfig
+from .config import ConfigError, ExperimentConfig
 from .data import ImageDataset, declared_image_shape, load_dataset
 from .data.transforms import normalize
 from .metrics import TestSet
@@ -17,6 +17,7 @@ from .models.extractors import check_arch
 from .objectives import meta_per_class
 from .partition import Partition, make_partition
 from .personalization import build_method, method_model
+from .specs.models import ARCHS
 
 
 @dataclass

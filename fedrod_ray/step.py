@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .algorithms import LocalCorrection
-from .config import STEPS
+from .config.sections import STEPS
 from .losses import LossFn
 from .models import FedModel
 

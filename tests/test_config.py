@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,8 @@ from fedrod_ray.config import (
     load_config,
 )
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
 def test_the_shipped_config_files_are_all_found():
@@ -403,3 +407,31 @@ def test_evaluation_settings_that_cannot_work_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:
         config_from_dict({}, overrides)
     assert str(e.value).startswith(field), str(e.value)
+
+
+def test_loading_a_config_imports_no_torch():
+    code = ("import sys; from fedrod_ray.config import load_config; load_config('configs/quickstart.yaml'); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_config_lists_no_plug_in_name():
+    """A plug-in's name is its spec's (fedrod_ray.specs): the config's modules may use one only as a field's
+    default value."""
+    from fedrod_ray.config.sections import MODES
+    from fedrod_ray.specs.datasets import DATASETS, USER_DATASETS
+    from fedrod_ray.specs.losses import LOSSES
+    from fedrod_ray.specs.methods import HEADS
+    from fedrod_ray.specs.models import ARCHS
+    from fedrod_ray.specs.rules import RULES
+
+    # Less the words that are also the config's own: runtime.mode's "local", "none" in its messages.
+    names = {*DATASETS, *USER_DATASETS, *LOSSES, *HEADS, *ARCHS, *RULES} - {*MODES, "none"}
+    found = []
+    for path in sorted((REPO / "fedrod_ray" / "config").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        defaults = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.AnnAssign) and node.value}
+        found += [f"{path.name}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in names and id(node) not in defaults]
+    assert not found, found

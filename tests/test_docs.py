@@ -12,7 +12,8 @@ from pathlib import Path
 from markdown.extensions.toc import slugify
 from test_deploy import cluster_section
 
-from fedrod_ray.config import RULE_PARAMS, ExperimentConfig
+from fedrod_ray.config import ExperimentConfig
+from fedrod_ray.specs.rules import RULES
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -91,7 +92,7 @@ def test_the_configuration_reference_lists_every_key_and_rule():
     assert len(keys) > 50
     missing = [key for key in keys if f"| `{key}` |" not in text]
     assert not missing, missing
-    assert all(f"| `{rule}` |" in text for rule in RULE_PARAMS)
+    assert all(f"| `{rule}` |" in text for rule in RULES)
     # A field's comment in config.py is its description, "(see NAME)" expanded to NAME's comment.
     assert re.search(r"\| `train\.momentum_buffers` \|.*\| what a client's SGD momentum buffers do", text)
 

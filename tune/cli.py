@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from fedrod_ray.cli import add_logger_argument, logger_overrides
-from fedrod_ray.config import DATASETS, ConfigError
+from fedrod_ray.config import ConfigError
+from fedrod_ray.specs.datasets import DATASETS
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -30,7 +30,6 @@ from typing import Any
 import yaml
 
 from fedrod_ray.config import (
-    HEADS,
     ConfigError,
     ExperimentConfig,
     apply_override,
@@ -41,6 +40,7 @@ from fedrod_ray.config import (
 from fedrod_ray.metric_schema import ACCURACIES, BY_KEY, title, values_line
 from fedrod_ray.personalization import METHODS
 from fedrod_ray.plotting import figure, png, round_axis
+from fedrod_ray.specs.methods import HEADS
 
 from .space import SweepSpec, check_models
 from .sweep import TRIALS, TrialLines, fit, start_dir

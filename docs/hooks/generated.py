@@ -3,8 +3,9 @@
 A page asks for a generated part with a marker line, replaced at build time:
 
 - ``<!-- generated: config-reference -->``: every key of an experiment config, from its JSON Schema
-  (``fedrod_ray.config.config_schema()``), described by the comment beside the field in ``fedrod_ray/config.py``
-  (the schema carries no descriptions), and each generic rule's ``train.rule_params``;
+  (``fedrod_ray.config.config_schema()``), described by the comment beside the field in ``fedrod_ray/config/`` or
+  ``fedrod_ray/specs/`` (the schema carries no descriptions), each generic rule's ``train.rule_params`` and each
+  personalization method's ``train.head_params``;
 - ``<!-- generated: cli-reference -->``: every ``fedrod-ray`` subcommand from the argparse parser, the commands
   that the ``fedrod_ray.commands`` entry points register (``serve``, ``tune``, ``reproduce``) included;
 - ``<!-- generated: http-api -->``: the HTTP API's operations from the OpenAPI document of an app serving a
@@ -59,14 +60,21 @@ def _described(node: ast.stmt, comments: dict[int, str], lines: list[str]) -> st
     return "; ".join(part for part in (" ".join(above), " ".join(beside)) if part)
 
 
+# The modules whose classes are config sections or a plug-in's parameters, and those whose constants their
+# comments may name ("see NAME").
+SOURCES = ("fedrod_ray/config/sections.py", *(f"fedrod_ray/specs/{m}.py" for m in ("rules", "methods", "losses")))
+NAMED = (*SOURCES, "fedrod_ray/specs/models.py", "fedrod_ray/specs/datasets.py")
+
+
 @functools.cache
 def field_comments() -> dict[str, dict[str, str]]:
-    """class name -> field -> its comment in fedrod_ray/config.py; "(see NAME)" gives NAME's own comment."""
-    source = (ROOT / "fedrod_ray" / "config.py").read_text()
-    comments, lines = _comments(source)
-    tree = ast.parse(source)
-    constants = {t.id: _described(node, comments, lines) for node in tree.body if isinstance(node, ast.Assign)
-                 for t in node.targets if isinstance(t, ast.Name)}
+    """class name -> field -> its comment in SOURCES; "(see NAME)" gives the comment of constant NAME."""
+    constants = {}
+    for path in NAMED:
+        source = (ROOT / path).read_text()
+        comments, lines = _comments(source)
+        constants |= {t.id: _described(node, comments, lines) for node in ast.parse(source).body
+                      if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
 
     def expand(text: str) -> str:
         """"(see NAME)" and "see NAME" as NAME's comment (without its own "key: "), Python's None as YAML's null."""
@@ -74,9 +82,14 @@ def field_comments() -> dict[str, dict[str, str]]:
                       if constants.get(m.group(1)) else m.group(0), text)
         return re.sub(r"\bNone\b", "null", text).removeprefix(": ")
 
-    return {cls.name: {stmt.target.id: expand(_described(stmt, comments, lines)) for stmt in cls.body
-                       if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)}
-            for cls in tree.body if isinstance(cls, ast.ClassDef)}
+    found = {}
+    for path in SOURCES:
+        source = (ROOT / path).read_text()
+        comments, lines = _comments(source)
+        found |= {cls.name: {stmt.target.id: expand(_described(stmt, comments, lines)) for stmt in cls.body
+                             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)}
+                  for cls in ast.parse(source).body if isinstance(cls, ast.ClassDef)}
+    return found
 
 
 def _type(prop: dict) -> str:
@@ -131,7 +144,9 @@ def config_reference() -> str:
     """Markdown: a table per section of the experiment config, and the rules' parameters."""
     from pydantic import TypeAdapter
 
-    from fedrod_ray.config import RULE_PARAMS, ExperimentConfig, config_schema
+    from fedrod_ray.config import ExperimentConfig, config_schema
+    from fedrod_ray.specs.methods import HEADS
+    from fedrod_ray.specs.rules import RULES
 
     schema, comments, defaults = config_schema(), field_comments(), ExperimentConfig().to_dict()
     out = [f"{schema.get('description', '')}", "", "## Top level", "",
@@ -150,14 +165,17 @@ def config_reference() -> str:
                 out += ["", f"### `{name}.{sub}`", "", inner.get("description", ""), "",
                         *_table(inner["properties"], f"{name}.{sub}.", comments[inner["title"]],
                                 defaults[name][sub])]
-    out += ["", "## `train.rule_params`, by rule", "",
-            ("Each generic rule (`train.generic_rule`) takes its own parameters; a key the rule does not take is "
-             "an error."), "", "| `train.generic_rule` | `train.rule_params` |", "| --- | --- |"]
-    for rule, params in RULE_PARAMS.items():
-        props = TypeAdapter(params).json_schema().get("properties", {})
-        cells = [f"`{k}`: {_type(p)}, default {_default(p)}, {_allowed(p)}; {_cell(comments[params.__name__].get(k, ''))}"
-                 for k, p in props.items()]
-        out.append(f"| `{rule}` | {'<br>'.join(cells) or 'none'} |")
+    for key, what, specs in (("train.rule_params", "generic rule (`train.generic_rule`)", RULES),
+                             ("train.head_params", "personalization method (`train.head`)", HEADS)):
+        out += ["", f"## `{key}`, by {what.split(' (')[0].split()[-1]}", "",
+                f"Each {what} takes its own parameters; a key it does not take is an error.", "",
+                f"| `{what.split('`')[1]}` | `{key}` |", "| --- | --- |"]
+        for name, spec in specs.items():
+            props = TypeAdapter(spec.params).json_schema().get("properties", {})
+            comment = comments.get(spec.params.__name__, {})
+            cells = [f"`{k}`: {_type(p)}, default {_default(p)}, {_allowed(p)}; {_cell(comment.get(k, ''))}"
+                     for k, p in props.items()]
+            out.append(f"| `{name}` | {'<br>'.join(cells) or 'none'} |")
     return "\n".join(out)
 
 

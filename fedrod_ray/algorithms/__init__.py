@@ -1,7 +1,7 @@
 """Generic-FL rules, registered by name (``train.generic_rule``); one file per rule.
 
 A new rule is one module here defining a ``GenericRule`` subclass decorated with ``@register``, plus
-its import below, and its name in ``fedrod_ray.config.RULE_PARAMS`` with its hyperparameters (``Params``,
+its import below, and its spec in ``fedrod_ray.specs.rules.RULES`` with its hyperparameters (``Params``,
 filled from ``train.rule_params``), where the config checks them without importing the rules (torch): the
 round loop, the client and the checkpoint need no change.
 """
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import RULE_PARAMS, build_rule_params, check_registry
+from ..config import build_rule_params
+from ..config.values import check_registry
+from ..specs.rules import RULES as SPECS
 from .base import GenericRule, LocalCorrection
 from .registry import RULES, register
 
@@ -28,6 +30,6 @@ def build_rule(name: str, params: dict[str, Any] | None = None) -> GenericRule:
 # Importing the rule modules registers them.
 from . import fedavg, feddyn, fedprox, local_only, scaffold  # noqa: F401
 
-check_registry(RULES, tuple(RULE_PARAMS), "train.generic_rule")
+check_registry(RULES, tuple(SPECS), "train.generic_rule")
 
 __all__ = ["RULES", "GenericRule", "LocalCorrection", "build_rule", "register"]

@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from ..aggregate import StateDict
-from ..config import NoParams
+from ..specs.rules import NoParams
 
 
 class LocalCorrection:

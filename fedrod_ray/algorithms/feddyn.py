@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..aggregate import StateDict
-from ..config import FedDynParams
+from ..specs.rules import FedDynParams
 from .base import GenericRule, LocalCorrection, zeros_like_missing
 from .registry import register
 

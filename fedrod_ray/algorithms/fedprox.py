@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..aggregate import StateDict
-from ..config import FedProxParams
+from ..specs.rules import FedProxParams
 from .base import GenericRule, LocalCorrection
 from .registry import register
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import RULE_PARAMS
+from ..specs.rules import RULES as SPECS
 from .base import GenericRule
 
 RULES: dict[str, type[GenericRule]] = {}
@@ -13,14 +13,15 @@ def register(cls: type[GenericRule]) -> type[GenericRule]:
 
     Args:
         cls: a ``GenericRule`` subclass with a unique ``name`` and the ``Params`` that
-            ``fedrod_ray.config.RULE_PARAMS`` maps its name to.
+            its spec (``fedrod_ray.specs.rules.RULES``) declares.
 
     Returns:
         ``cls``, registered.
     """
     if not cls.name or cls.name in RULES:
         raise ValueError(f"rule {cls.__name__} needs a unique name, got {cls.name!r}")
-    if RULE_PARAMS.get(cls.name) is not cls.Params:
-        raise ValueError(f"rule {cls.__name__}: fedrod_ray.config.RULE_PARAMS must map {cls.name!r} to its Params")
+    spec = SPECS.get(cls.name)
+    if spec is None or spec.params is not cls.Params:
+        raise ValueError(f"rule {cls.__name__}: fedrod_ray.specs.rules.RULES must map {cls.name!r} to its Params")
     RULES[cls.name] = cls
     return cls

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..config import DATASET_PLUGINS, DATASETS, ConfigError
+from ..config import ConfigError
+from ..specs.datasets import DATASET_PLUGINS, DATASETS
 from . import cifar, files, idx
 from .arrays import image_shape as arrays_shape
 from .arrays import read_arrays

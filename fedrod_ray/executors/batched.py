@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 
-from ..batched import BatchJob, batched_local_update, check_supported
+from ..batched import BatchJob, batched_local_update
 from ..client import ClientFailure, ClientHost, clipped
 from ..local import RoundInput
 from .base import Job, TrainOutcome
@@ -28,7 +28,6 @@ class BatchedExecutor(InProcessExecutor):
     def __init__(self, host: ClientHost, max_clients: int):
         if max_clients < 1:
             raise ValueError(f"max_clients must be >= 1, got {max_clients}")
-        check_supported(host.cfg.train)
         super().__init__(host)
         self.max_clients = max_clients
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import INITS, ConfigError
+from ..config import ConfigError
+from ..specs.models import INITS
 from .convnet import MIN_SIDE
 from .extractors import BUILDERS, feature_extractor
 from .heads import HyperNetwork

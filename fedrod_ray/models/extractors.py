@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ARCHS, MODEL_PLUGINS, ConfigError, check_registry, is_import_path
+from ..config.values import ConfigError, check_registry, is_import_path
+from ..specs.models import ARCHS, MODEL_PLUGINS
 from .convnet import MIN_SIDE, cifar_cnn, mnist_cnn
 from .resnet import resnet20
 

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from ..config import DEFAULT_GAMMA, TrainConfig
+from ..config import TrainConfig
 from ..losses import balanced_softmax
+from ..specs.losses import DEFAULT_GAMMA
 from .base import LocalObjective, MetaSet
 from .registry import register
 

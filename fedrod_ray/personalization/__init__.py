@@ -1,7 +1,7 @@
 """Personalization methods, registered by name (``train.head``); one file per method.
 
 A new method is one module here defining a ``Personalization`` subclass decorated with ``@register``, plus
-its import below, and its name in ``fedrod_ray.config.HEADS`` with its hyperparameters (``Params``, filled
+its import below, and its spec in ``fedrod_ray.specs.methods.HEADS`` with its hyperparameters (``Params``, filled
 from ``train.head_params``) and constraints (``HeadSpec``), which the config checks without importing torch:
 the round loop, the clients, the evaluation and the checkpoint need no change.
 """
@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..aggregate import StateDict
-from ..config import HEADS, ExperimentConfig, build_head_params, check_registry
+from ..config import ExperimentConfig, build_head_params
+from ..config.values import check_registry
 from ..models import FedModel, build_model
 from ..objectives import model_parts
+from ..specs.methods import HEADS
 from .base import Personalization, UpdateContext, mean_state
 from .registry import METHODS, register
 

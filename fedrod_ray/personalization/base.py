@@ -27,9 +27,10 @@ import torch
 
 from ..aggregate import StateDict
 from ..algorithms import GenericRule
-from ..config import NoParams, TrainConfig
+from ..config import TrainConfig
 from ..local import ClientData, LocalResult, Outcome, RoundInput
 from ..models import FedModel
+from ..specs.rules import NoParams
 
 
 @dataclass

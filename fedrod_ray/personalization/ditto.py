@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from ..config import DittoParams
+from ..specs.methods import DittoParams
 from .base import Personalization
 from .registry import register
 from .sgd import client_batches, cpu_state, optimizer, prox_grad_, result, sgd_epochs, start

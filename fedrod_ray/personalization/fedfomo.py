@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from ..aggregate import StateDict
-from ..config import FedFomoParams
 from ..data.transforms import normalize
 from ..local import ClientData, derived_seed
+from ..specs.methods import FedFomoParams
 from .mtl import OwnModels
 from .registry import register
 from .sgd import client_batches, optimizer, result, sgd_epochs

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from ..config import MTLParams
+from ..specs.methods import MTLParams
 from .base import Personalization, mean_state
 from .ditto import prox_fit
 from .registry import register

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from ..config import PerFedAvgParams
 from ..local import round_lr
+from ..specs.methods import PerFedAvgParams
 from .base import Personalization
 from .registry import register
 from .sgd import ce_loss, check_finite, client_batches, result, start

@@ -14,8 +14,8 @@ import time
 import torch
 
 from ..aggregate import StateDict
-from ..config import PFedMeParams
 from ..local import round_lr
+from ..specs.methods import PFedMeParams
 from .base import Personalization
 from .registry import register
 from .sgd import ce_loss, check_finite, client_batches, cpu_state, result, start

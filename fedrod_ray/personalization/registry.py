@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import HEADS
+from ..specs.methods import HEADS
 from .base import Personalization
 
 METHODS: dict[str, type[Personalization]] = {}
@@ -13,6 +13,6 @@ def register(cls: type[Personalization]) -> type[Personalization]:
         raise ValueError(f"method {cls.__name__} needs a unique name, got {cls.name!r}")
     spec = HEADS.get(cls.name)
     if spec is None or spec.params is not cls.Params:
-        raise ValueError(f"method {cls.__name__}: fedrod_ray.config.HEADS must map {cls.name!r} to its Params")
+        raise ValueError(f"method {cls.__name__}: fedrod_ray.specs.methods.HEADS must map {cls.name!r} to its Params")
     METHODS[cls.name] = cls
     return cls

@@ -1,0 +1,65 @@
+"""Configs written earlier: a record's (a checkpoint's, a reproduction's), read back by any later version,
+and what a resumed run may change of the config it was trained with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .checks import unused_settings
+from .loading import config_from_dict, deep_copy
+from .sections import DataConfig, ExperimentConfig, TrainConfig
+from .values import ConfigError
+
+# What --resume may change: how and how long to run, never what is learned.
+RESUMABLE = ("name", "run_dir", "data.data_dir", "data.path", "data.download", "train.rounds", "eval.",
+             "runtime.", "tracking.")
+
+
+def config_from_record(record: dict[str, Any]) -> ExperimentConfig:
+    """The config a record holds: a checkpoint's, a reproduction's (reproduce.yaml), written by any version.
+
+    A record keeps every setting, defaults included, as the version that wrote it had them, unused ones too.
+    Those never had an effect, so they are dropped whatever their values (a default changed since would
+    otherwise read as a user's setting with no effect); everything else is checked as a user's config is."""
+    data = deep_copy(record)
+    loss = _get(data, "train.balanced_loss", TrainConfig.balanced_loss)
+    for key in unused_settings(loss, _get(data, "data.partition", DataConfig.partition)):
+        section, name = key.rsplit(".", 1)
+        node = _get(data, section, None)
+        if isinstance(node, dict):
+            node.pop(name, None)
+    return config_from_dict(data)
+
+
+def check_resume(saved: ExperimentConfig, new: ExperimentConfig, rounds_done: int) -> None:
+    """Refuse a resumed config that changes what the checkpoint was trained with, naming the field."""
+    before, after = _flatten(saved.to_dict()), _flatten(new.to_dict())
+    for key in sorted(before.keys() | after.keys()):
+        if key.startswith(RESUMABLE) or before.get(key) == after.get(key):
+            continue
+        raise ConfigError(f"{key}: the checkpoint was trained with {before.get(key)!r}, not {after.get(key)!r}; "
+                          "a resumed run may change only " + ", ".join(RESUMABLE))
+    if saved.privacy.enabled and saved.privacy.noise_multiplier is None and new.train.rounds != saved.train.rounds:
+        raise ConfigError(f"train.rounds: the run's noise multiplier was derived from privacy.target_epsilon over "
+                          f"{saved.train.rounds} rounds; a resumed run cannot change them")
+    if new.train.rounds < rounds_done:
+        raise ConfigError(f"train.rounds: the checkpoint has already completed {rounds_done} rounds, "
+                          f"more than {new.train.rounds}")
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in ("client_resources", "rule_params", "head_params"):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _get(data: Any, key: str, default: Any) -> Any:
+    for name in key.split("."):
+        if not isinstance(data, dict) or name not in data:
+            return default
+        data = data[name]
+    return data

@@ -1,0 +1,85 @@
+"""Personalization methods (``train.head``, ``fedrod_ray.personalization``): each one's hyperparameters
+(``train.head_params``) and what it rules out. The first three are Fed-RoD's own: one head (FedAvg and the
+generic baselines), a linear personalized head, a hypernetwork; then the personalized-FL baselines
+(docs/method.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field
+from pydantic.dataclasses import dataclass
+
+from ..config.values import CLOSED, NonNegativeFloat, PositiveFloat, PositiveInt, number
+from .rules import NoParams
+
+
+@dataclass(config=CLOSED)
+class DittoParams:
+    lam: NonNegativeFloat = 0.1  # lambda: the personal model's pull towards the global one
+
+
+@dataclass(config=CLOSED)
+class PFedMeParams:
+    lam: PositiveFloat = 15.0  # lambda: the Moreau envelope's pull of theta~ towards w_m
+    personal_lr: PositiveFloat = 0.01  # eta_p: the step of the inner problem's SGD
+    inner_steps: PositiveInt = 5  # K: SGD steps on the inner problem per mini-batch
+
+
+@dataclass(config=CLOSED)
+class PerFedAvgParams:
+    beta: PositiveFloat = 0.001  # beta^: the meta step (alpha, the inner step, is the round's lr)
+
+
+@dataclass(config=CLOSED)
+class FedFomoParams:
+    models: PositiveInt = 4  # n: other clients' models a client receives per round
+    # each of the n picks is a random model with this probability, else the highest affinity's (epsilon-greedy)
+    epsilon: Annotated[float, Field(strict=True, ge=0, le=1), BeforeValidator(number)] = 0.3
+    epsilon_decay: NonNegativeFloat = 0.05  # subtracted from epsilon every round (floor 0)
+    # the share of a client's examples held out to weigh the models it receives (80/20 by default)
+    val_fraction: Annotated[float, Field(strict=True, gt=0, lt=1), BeforeValidator(number)] = 0.2
+
+
+@dataclass(config=CLOSED)
+class MTLParams:
+    lam: NonNegativeFloat = 0.1  # lambda: the pull towards the mean of all clients' models
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    """A method's ``Params`` (filled from ``train.head_params``) and constraints.
+
+    ``erm``: a personalized-FL baseline, trained with cross-entropy on one head (no balanced loss, no generic
+    rule, none of the options only Fed-RoD's own local update has); ``plain_steps``: its updates are its own
+    formulas of plain gradient steps (no momentum, no weight decay); ``global_model``: it has a global model
+    (else its GM is the mean of the personalized models); ``reads_uploads``: its server reads every client's
+    own upload (not only their aggregate); ``hypernetwork``: the server averages a hypernetwork that makes
+    each client's head (``model.hyper_hidden``)."""
+
+    params: type = NoParams
+    erm: bool = True
+    plain_steps: bool = False
+    global_model: bool = True
+    reads_uploads: bool = False
+    hypernetwork: bool = False
+
+
+# What a personalized-FL baseline (``erm``) trains with: cross-entropy on one head, FedAvg's server step.
+ERM = {"train.balanced_loss": "ce", "train.generic_rule": "fedavg"}
+
+HEADS: dict[str, HeadSpec] = {
+    "none": HeadSpec(erm=False), "linear": HeadSpec(erm=False), "hyper": HeadSpec(erm=False, hypernetwork=True),
+    "fedper": HeadSpec(global_model=False), "fedrep": HeadSpec(global_model=False),
+    "lg_fedavg": HeadSpec(global_model=False), "ditto": HeadSpec(DittoParams),
+    "pfedme": HeadSpec(PFedMeParams, plain_steps=True), "perfedavg": HeadSpec(PerFedAvgParams, plain_steps=True),
+    "fedfomo": HeadSpec(FedFomoParams, global_model=False, reads_uploads=True),
+    "mtl": HeadSpec(MTLParams, global_model=False, reads_uploads=True),
+}
+
+
+def hyper_hidden(dataset: str) -> int:
+    """The paper's hypernetwork width for ``dataset`` (``model.hyper_hidden`` left out): 32 for CIFAR-10,
+    else 16."""
+    return 32 if dataset == "cifar10" else 16
