@@ -187,13 +187,14 @@ Forward = Callable[[tuple[Loaded, torch.Tensor, torch.Tensor | None]], Awaitable
 
 
 def create_app(settings: Settings | str, admin_token: str | None = None, forward: Forward | None = None,
-               ) -> FastAPI:
+               proxied: bool = False) -> FastAPI:
     """The app serving ``settings.model_dir``'s final/ (a plain string is taken as the model dir).
 
     Raises ExportError when final/ cannot be served, so a bad model never gets as far as a listening
     server. ``admin_token`` (normally ``$FEDROD_ADMIN_TOKEN``) enables POST /v1/admin/reload; None or
     empty leaves it disabled. ``forward``, when given, computes the predictions' probabilities (a batching
     one runs them on ``app.state.inference``); by default each request runs its own forward there.
+    ``proxied``: behind a proxy that holds the clients' connections (Ray Serve's replica; BodyLimit).
     """
     if isinstance(settings, str):
         settings = Settings(model_dir=settings)
@@ -211,7 +212,7 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
     # less than half its p99 (bench/serve_latency.py). More traffic takes more processes (Ray Serve).
     inference = app.state.inference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrod-inference")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
-                       budget_bytes=settings.max_bodies_bytes)
+                       budget_bytes=settings.max_bodies_bytes, proxied=proxied)
     errors.install(app)
     _document_bodies(app)
 

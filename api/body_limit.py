@@ -8,8 +8,8 @@ import asyncio
 
 from .errors import error_response
 
-# Each refusal closes the connection: the rest of the body may still come, and would otherwise be read (and
-# thrown away) for as long as the client sends it, or be taken for the next request.
+# A refusal closes the connection (but see BodyLimit's ``proxied``): the rest of the body may still come, and
+# would otherwise be read (and thrown away) for as long as the client sends it, or be taken for the next request.
 CLOSE = {"Connection": "close"}
 # Seconds a client refused for the budget is told to wait: a body in flight takes about that long.
 RETRY_AFTER_S = 1
@@ -28,10 +28,19 @@ class BodyLimit:
     with the number of clients: a request takes its declared Content-Length from the budget before a byte
     is read (a chunked one, what arrives), keeps it until its answer is sent, and is answered 503 with
     Retry-After, at once, when the budget cannot cover it.
+
+    ``proxied``: a proxy, not this server, holds the client's connection (a Ray Serve replica: HAProxy's).
+    Closing a connection whose request body is still arriving resets it (Linux answers a close with unread
+    data by an RST), and HAProxy, reset while it forwards the answer, may send the client the answer's
+    headers without its body. So there the 503 of a body with a Content-Length keeps the connection: the
+    server (uvicorn) reads the rest, at most ``max_bytes``, and throws it away as it comes. The other
+    refusals still close it, as nothing bounds what would follow (a chunked body, one over the limit) or
+    the client is too slow to wait for.
     """
 
-    def __init__(self, app, max_bytes: int, timeout_s: float, budget_bytes: int):
+    def __init__(self, app, max_bytes: int, timeout_s: float, budget_bytes: int, proxied: bool = False):
         self.app = app
+        self.proxied = proxied
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.budget_bytes = budget_bytes
@@ -46,8 +55,8 @@ class BodyLimit:
         held = 0
         try:
             if declared.isdigit():
-                if not self._take(int(declared)):
-                    return await self._over_budget(int(declared), scope, receive, send)
+                if not self._take(int(declared)):  # what follows is at most max_bytes: see ``proxied``
+                    return await self._over_budget(int(declared), scope, receive, send, close=not self.proxied)
                 held = int(declared)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.timeout_s
@@ -91,10 +100,10 @@ class BodyLimit:
         detail = f"body: {size} bytes{of} arrived in {self.timeout_s:g} s, this server's limit for a body"
         await error_response(408, "body", detail, CLOSE)(scope, receive, send)
 
-    async def _over_budget(self, size: int, scope, receive, send):
+    async def _over_budget(self, size: int, scope, receive, send, close: bool = True):
         detail = (f"body: {size} bytes would take the request bodies held at once over this server's limit of "
                   f"{self.budget_bytes} bytes ({self.held_bytes} held); retry in {RETRY_AFTER_S} s")
-        headers = {**CLOSE, "Retry-After": str(RETRY_AFTER_S)}
+        headers = {"Retry-After": str(RETRY_AFTER_S), **(CLOSE if close else {})}
         await error_response(503, "body", detail, headers)(scope, receive, send)
 
 

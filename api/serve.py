@@ -83,7 +83,7 @@ class FedRodAPI:
         self.forward.set_max_batch_size(settings.max_batch)
         self._in_flight = 0  # predict requests between decoding and their answer
         self.reconfigure({})
-        self._app = create_app(settings, forward=self._predict)
+        self._app = create_app(settings, forward=self._predict, proxied=True)
         gc.freeze()  # as `fedrod-ray serve` does: start-up objects stay out of full collections
 
     def reconfigure(self, user_config: dict) -> None:
