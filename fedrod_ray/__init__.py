@@ -7,11 +7,11 @@ actors.
 Layers, bottom to top. A module imports only from its own layer and those below it, and no import
 circle exists (tests/test_layering.py reads this list and checks every import of every module):
 
-1. base: config, specs, plugins, storage, aggregate, scheduling, server, losses, metric_schema, plotting, results, tracking, faults, privacy, accounting
+1. base: config, specs, plugins, storage, aggregate, scheduling, server, clock, buffered, losses, metric_schema, plotting, results, tracking, faults, privacy, accounting
 2. pieces: data, models, partition, metrics, algorithms, export
 3. local math: step, objectives, local, batched, personalization
 4. clients: client, actors
-5. federation state: setup, state, checkpoint, dp_rounds, final
+5. federation state: setup, state, checkpoint, dp_rounds, buffered_rounds, final
 6. executors and evaluation: executors, evaluation
 7. round loop: federation, coordinator
 8. drivers: runner, ray_runtime

@@ -4,7 +4,7 @@ incrementally.
 Layout under ``<run_dir>/checkpoints/``:
 
     round_000007/global.safetensors   global weights, the generic rule's, the personalization method's
-                                      and client-level DP's server state
+                                      and client-level DP's server state, FedBuff's updates in flight
     round_000007/manifest.json        config, round, rule, and for every client the file holding its state
     clients/<save>.safetensors        the states of the clients that changed since the save before
     latest                            the name of the newest complete round folder
@@ -31,6 +31,7 @@ augmentation, initialisation), so the seed in the saved config *is* the RNG stat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import uuid
@@ -41,7 +42,7 @@ from safetensors.torch import save as st_save
 
 from .client import ClientState
 from .config import config_from_record
-from .state import Snapshot
+from .state import Arrival, Snapshot
 from .storage import RunStorage
 
 # 1: fedrod-ray 0.1 (FedDyn's state in fixed fields); 2: rule state named by its rule; 3: client states
@@ -52,6 +53,7 @@ KEEP = 2
 COMPACT_RATIO = 3
 CLIENTS_DIR = "checkpoints/clients"
 PRIVACY = "privacy"  # client-level DP's server state, in global.safetensors (absent: it keeps none)
+ARRIVAL = "arrival"  # FedBuff's clients in flight, in global.safetensors: arrival/<send-out>/{delta,state}/<key>
 
 
 class CheckpointFormatError(ValueError):
@@ -108,12 +110,15 @@ class CheckpointWriter:
         head = snap.config.train.head
         global_tensors.update({f"method/{head}/{k}": v.contiguous() for k, v in snap.method_state.items()})
         global_tensors.update({f"{PRIVACY}/{k}": v.contiguous() for k, v in snap.privacy_state.items()})
+        global_tensors.update(_arrival_tensors(snap.in_flight))
         manifest = {
             "format_version": FORMAT_VERSION,
             "round": snap.rounds_done,
             "rule": rule,
             "config": snap.config.to_dict(),
             "estimate_offset": snap.estimate_offset,
+            "clock": {"virtual_time": snap.virtual_time, "dispatches": snap.dispatches,
+                      "in_flight": [_arrival_meta(a) for a in snap.in_flight]},
             "clients": {str(cid): {"rounds_trained": st.rounds_trained, "file": self.saved[cid][1]}
                         for cid, st in sorted(snap.clients.items())},
         }
@@ -270,6 +275,39 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
         int(cid): ClientState.from_tensors(per_client.get(int(cid), {}), meta["rounds_trained"])
         for cid, meta in manifest["clients"].items()
     }
-    # A checkpoint of a version before the estimate's offset holds none: the next exact evaluation sets it.
+    # A checkpoint of a version before the estimate's offset (or the virtual clock) holds none: the next exact
+    # evaluation sets it (the clock starts at zero).
+    clock = manifest.get("clock", {})
     return Snapshot(manifest["round"], config, global_shared, server, clients,
-                    {str(k): float(v) for k, v in manifest.get("estimate_offset", {}).items()}, method, privacy)
+                    {str(k): float(v) for k, v in manifest.get("estimate_offset", {}).items()}, method, privacy,
+                    float(clock.get("virtual_time", 0.0)), int(clock.get("dispatches", 0)),
+                    [_arrival(meta, tensors) for meta in clock.get("in_flight", [])])
+
+
+def _arrival_tensors(in_flight: list[Arrival]) -> dict[str, torch.Tensor]:
+    out = {}
+    for a in in_flight:
+        parts = {"delta": a.delta or {}, "state": a.state.tensors() if a.state is not None else {}}
+        out.update({f"{ARRIVAL}/{a.dispatch}/{part}/{k}": v.contiguous()
+                    for part, tensors in parts.items() for k, v in tensors.items()})
+    return out
+
+
+def _arrival_meta(a: Arrival) -> dict:
+    """An arrival's fields but its tensors (``_arrival_tensors``): whether it has them, and its state's rounds."""
+    meta = {f.name: getattr(a, f.name) for f in dataclasses.fields(Arrival) if f.name not in ("delta", "state")}
+    return meta | {"trained": a.delta is not None,
+                   "rounds_trained": a.state.rounds_trained if a.state is not None else None}
+
+
+def _arrival(meta: dict, tensors: dict[str, torch.Tensor]) -> Arrival:
+    prefix = f"{ARRIVAL}/{meta['dispatch']}/"
+    parts: dict[str, dict[str, torch.Tensor]] = {"delta": {}, "state": {}}
+    for k, v in tensors.items():
+        if k.startswith(prefix):
+            part, name = k[len(prefix):].split("/", 1)
+            parts[part][name] = v
+    fields = {k: v for k, v in meta.items() if k not in ("trained", "rounds_trained")}
+    state = (ClientState.from_tensors(parts["state"], meta["rounds_trained"])
+             if meta["rounds_trained"] is not None else None)
+    return Arrival(**fields, delta=parts["delta"] if meta["trained"] else None, state=state)

@@ -8,6 +8,7 @@ actors), through the protocol of ``executors.base`` only. The math lives in pure
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -16,15 +17,19 @@ import numpy as np
 
 from .aggregate import OrderedAverager, StateDict
 from .algorithms import build_rule
+from .buffered import buffered_update, staleness_weight
+from .buffered_rounds import BufferedRounds
 from .client import ClientFailure, ClientState
+from .clock import client_speeds, communication_seconds, deadline_round, durations, over_selected, read_trace
+from .config import ConfigError
 from .dp_rounds import ClientLevelDP, check_shared
 from .evaluation import Evaluation, anchored, estimate_offset
 from .executors.base import Executor
 from .local import LocalResult, RoundInput, round_lr
 from .personalization import build_method
-from .server import sample_clients
+from .server import clients_per_round, sample_clients, sample_count
 from .setup import Setup
-from .state import Snapshot
+from .state import Arrival, Snapshot
 
 
 class RoundFailedError(RuntimeError):
@@ -78,14 +83,39 @@ class Federation:
                 log(f"privacy: the budget of epsilon {self.cfg.privacy.target_epsilon:g} lasts {self.rounds} of "
                     f"the {self.cfg.train.rounds} rounds at noise multiplier {self.dp.noise_multiplier:g}: the run "
                     f"stops after round {self.rounds}")
+        self.durations = self._durations()  # each client's local update, in virtual seconds
+        self.virtual_time = 0.0
+        rc = self.cfg.rounds
+        self.buffered: BufferedRounds | None = None
+        if rc.mode == "fedbuff":
+            concurrency = rc.concurrency or clients_per_round(setup.num_clients, self.cfg.train.client_fraction)
+            self.buffered = BufferedRounds(self.cfg.seed, self.durations, concurrency, rc.buffer_size,
+                                           self._train_buffered, self._arrive)
+
+    def _durations(self) -> np.ndarray:
+        """The virtual seconds of each training client's local update (``fedrod_ray.clock``)."""
+        rc, n = self.cfg.rounds, self.setup.num_clients
+        trace = None
+        if rc.speeds == "trace":
+            try:
+                trace = read_trace(rc.trace)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"rounds.trace: {e}") from None
+        speeds = client_speeds(rc.speeds, n, self.cfg.seed, rc.speed, rc.sigma, rc.shape, trace)
+        examples = np.array([len(self.setup.partition.client_indices[c]) for c in range(n)])
+        model_bytes = sum(v.numel() * v.element_size() for v in self.global_shared.values())
+        return durations(speeds, examples, self.cfg.train.local_epochs,
+                         communication_seconds(model_bytes, rc.bandwidth))
 
     def _generic(self, state: StateDict) -> StateDict:
         return {k: v for k, v in state.items() if k in self.generic_keys}
 
     def snapshot(self) -> Snapshot:
+        buffered = self.buffered
         return Snapshot(self.next_round, self.cfg, dict(self.global_shared), dict(self.server_state),
                         dict(self.clients), dict(self.estimate_offset), dict(self.method_state),
-                        dict(self.privacy_state))
+                        dict(self.privacy_state), self.virtual_time, buffered.dispatches if buffered else 0,
+                        list(buffered.in_flight) if buffered else [])
 
     def restore(self, snap: Snapshot) -> None:
         if set(snap.global_shared) != set(self.shared_keys):
@@ -102,6 +132,9 @@ class Federation:
         self.next_round = snap.rounds_done
         self.clients.update(snap.clients)
         self.estimate_offset = dict(snap.estimate_offset)
+        self.virtual_time = snap.virtual_time
+        if self.buffered is not None:
+            self.buffered.restore(snap.dispatches, snap.in_flight)
         self.evaluation.clear()
 
     def step(self, r: int) -> dict:
@@ -110,10 +143,37 @@ class Federation:
             raise ValueError(f"round {r} requested, but the next round is {self.next_round}")
         if r >= self.rounds:
             raise ValueError(f"round {r + 1} requested, but this run trains {self.rounds} (privacy.target_epsilon)")
-        cfg = self.cfg
         t0 = time.perf_counter()
-        dp = self.dp
-        ids = dp.sample(r) if dp else sample_clients(cfg.seed, r, self.setup.num_clients, cfg.train.client_fraction)
+        record = self._buffered_round(r, t0) if self.buffered is not None else self._round(r, t0)
+        cfg = self.cfg
+        sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients, r + 1)
+                  if cfg.eval.estimate_size else None)
+        last = r + 1 == self.rounds
+        # Exact: every eval_every rounds and after the last; with the estimate, after round 1 too, which
+        # anchors it from the start (cheap: only the first round's clients have PMs of their own).
+        if (r + 1) % cfg.eval.eval_every == 0 or (last and cfg.eval.at_end) or (r == 0 and sample is not None):
+            record.update(self.evaluate(final=last))
+            if sample is not None:
+                self.estimate_offset = estimate_offset(record, sample)
+        if sample is not None:
+            record.update(anchored(sample, self.estimate_offset))
+        record["seconds"] = round(time.perf_counter() - t0, 4)
+        return record
+
+    def _round(self, r: int, t0: float) -> dict:
+        """Round ``r`` with every client sampled at its start (``rounds.mode``: sync or deadline): its record
+        up to the evaluation."""
+        cfg, dp, rc = self.cfg, self.dp, self.cfg.rounds
+        n = self.setup.num_clients
+        if rc.mode == "deadline":
+            # Over-select; the clients that would miss the deadline never report, so they are not trained.
+            sampled = sample_count(cfg.seed, r, n, over_selected(clients_per_round(n, cfg.train.client_fraction),
+                                                                  rc.over_selection, n))
+            kept, seconds = deadline_round(self.durations[sampled], rc.deadline, cfg.runtime.min_clients_per_round)
+            ids = [sampled[i] for i in kept]
+        else:
+            ids = dp.sample(r) if dp else sample_clients(cfg.seed, r, n, cfg.train.client_fraction)
+            seconds = float(self.durations[ids].max(initial=0.0))  # the slowest (a DP round may have none)
         from_local = self.rule.starts_from_local_model or self.method.starts_from_local_model
         jobs = [(cid, self.clients[cid].for_training(from_local)) for cid in ids]
         clip_norm = dp.clip_norm(self.privacy_state) if dp else None
@@ -170,36 +230,75 @@ class Federation:
             self.setup.num_clients)
         self.global_shared = {k: averaged[k] for k in self.shared_keys}
         self.next_round = r + 1
-        train_seconds = time.perf_counter() - t0
+        self.virtual_time += seconds
 
-        done = list(results.values())
+        record = self._record(r, list(results.values()), failures, t0, seconds)
+        if rc.mode == "deadline":
+            record.update(clients=len(sampled), clients_dropped=len(sampled) - len(ids))
+        if dp:
+            record.update(dp_epsilon=dp.epsilon(r + 1), dp_clip_norm=clip_norm)
+        return record
+
+    def _record(self, r: int, done: list, failures: list, t0: float, seconds: float) -> dict:
+        """A round's (or server step's) record up to the evaluation: its clients ``done`` (their
+        ``num_samples``, ``loss`` and ``personal_loss``) and their ``failures`` (``client_id``), the real time
+        since ``t0`` and the virtual ``seconds`` it took, the clock already moved on."""
         weights = np.array([res.num_samples for res in done], dtype=np.float64)
-        record = {
+        return {
             # 1-based, as everywhere users see a round: "round 3" is the third, after which 3 are done.
-            "round": r + 1, "name": cfg.name, "lr": round_lr(cfg.train, r),
-            "clients": len(ids), "clients_done": len(results), "clients_failed": len(failures),
+            "round": r + 1, "name": self.cfg.name, "lr": round_lr(self.cfg.train, r),
+            "clients": len(done) + len(failures), "clients_done": len(done), "clients_failed": len(failures),
             "failed_ids": [f.client_id for f in failures],
             # A DP round under Poisson sampling may have no client: no loss then.
             "train_loss": float(np.average([res.loss for res in done], weights=weights)) if done else math.nan,
             "personal_loss": (float(np.average([res.personal_loss for res in done], weights=weights))
                               if done and done[0].personal_loss is not None else None),
-            "train_seconds": round(train_seconds, 4),
+            "train_seconds": round(time.perf_counter() - t0, 4),
+            "virtual_time": self.virtual_time, "round_virtual_seconds": seconds,
         }
-        if dp:
-            record.update(dp_epsilon=dp.epsilon(r + 1), dp_clip_norm=clip_norm)
-        sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients, r + 1)
-                  if cfg.eval.estimate_size else None)
-        last = r + 1 == self.rounds
-        # Exact: every eval_every rounds and after the last; with the estimate, after round 1 too, which
-        # anchors it from the start (cheap: only the first round's clients have PMs of their own).
-        if (r + 1) % cfg.eval.eval_every == 0 or (last and cfg.eval.at_end) or (r == 0 and sample is not None):
-            record.update(self.evaluate(final=last))
-            if sample is not None:
-                self.estimate_offset = estimate_offset(record, sample)
-        if sample is not None:
-            record.update(anchored(sample, self.estimate_offset))
-        record["seconds"] = round(time.perf_counter() - t0, 4)
+
+    def _buffered_round(self, r: int, t0: float) -> dict:
+        """Server step ``r`` under FedBuff (``rounds.mode: fedbuff``): the next ``rounds.buffer_size`` arrivals,
+        each weighted by its staleness (server steps since it was sent out), applied to the global weights."""
+        rc = self.cfg.rounds
+        buffer, failed, now = self.buffered.step(r, self.virtual_time)
+        staleness = [r - a.version for a in buffer]
+        self.global_shared = buffered_update(self.global_shared, [a.delta for a in buffer],
+                                             [staleness_weight(s, rc.staleness) for s in staleness], rc.server_lr)
+        self.next_round = r + 1
+        seconds, self.virtual_time = now - self.virtual_time, now
+        self.buffered.dispatch(r + 1, now)  # the last arrival's replacement gets the new model
+        record = self._record(r, buffer, failed, t0, seconds)
+        record["staleness"] = float(np.mean(staleness))
         return record
+
+    def _train_buffered(self, version: int, pending: list[Arrival]) -> list[Arrival]:
+        """FedBuff's untrained clients in flight, trained against the current model (version ``version``)."""
+        ids = [a.client_id for a in pending]
+        from_local = self.rule.starts_from_local_model or self.method.starts_from_local_model
+        message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state),
+                             self.method.messages(self.method_state, ids, self._uploads(), version, self.cfg.seed))
+        trained = list(pending)
+        jobs = [(cid, self.clients[cid].for_training(from_local)) for cid in ids]
+        for slot, out in self.executor.train(version, jobs, message):
+            if isinstance(out, ClientFailure):
+                trained[slot] = dataclasses.replace(pending[slot], error=out.error)
+                self.log(f"[step {version + 1}] client {out.client_id} failed: {out.error}\n{out.traceback}")
+            else:
+                res, state = out
+                delta = {k: res.shared[k] - self.global_shared[k] for k in self.shared_keys}
+                trained[slot] = dataclasses.replace(pending[slot], delta=delta, state=state,
+                                                    num_samples=res.num_samples, loss=res.loss,
+                                                    personal_loss=res.personal_loss)
+        return trained
+
+    def _arrive(self, version: int, arrival: Arrival, failed: list[Arrival]) -> None:
+        """A FedBuff client arrives: its new state is committed; a failure counts against the server step."""
+        if arrival.error is None:
+            self.clients[arrival.client_id] = arrival.state
+        else:
+            # Checked as if the rest of the buffer will arrive intact: past the limit, the step fails already.
+            self._check_failures(version, self.cfg.rounds.buffer_size + len(failed), failed)
 
     def _uploads(self) -> dict[int, StateDict | None]:
         """Every training client's last upload (None: it never trained)."""

@@ -16,6 +16,8 @@ LAST_EVALUATION = "last evaluation"
 ESTIMATED = "every round, with `eval.estimate_size`"
 SAMPLED = "evaluation rounds, with `eval.clients` (P-FL over a sample of the training clients)"
 PRIVATE = "every round, with `privacy.enabled`"
+DEADLINE = "every round, with `rounds.mode: deadline`"
+FEDBUFF = "every server step, with `rounds.mode: fedbuff`"
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,11 @@ METRICS = (
     Metric("personal_loss", EVERY_ROUND,
            "the same for the personalized loss; empty without a personalized head"),
     Metric("train_seconds", EVERY_ROUND, "local training and aggregation, in seconds"),
+    Metric("virtual_time", EVERY_ROUND, "the virtual clock after this round: the simulated seconds the rounds so "
+           "far took on the clients' devices (`rounds`, docs/rounds.md)", label="virtual", title="virtual time (s)"),
+    Metric("round_virtual_seconds", EVERY_ROUND, "this round's simulated seconds: sync, the slowest sampled "
+           "client's update; deadline, the deadline (or the last client, if all made it); fedbuff, the time "
+           "since the last server step"),
     Metric("gfl_gm", EVALUATION, "G-FL: the generic model's (GM) accuracy on the balanced test set",
            label="G-FL", title="G-FL (GM)", accuracy=True),
     Metric("pfl_gm", EVALUATION, "P-FL of the GM: each training client's test accuracy re-weighted by its "
@@ -93,7 +100,14 @@ PRIVACY_METRICS = (
     Metric("dp_clip_norm", PRIVATE, "the clip norm S of this round's updates (with `privacy.adaptive_clip`, where "
            "the last rounds' noised count of unclipped updates moved it)", label="S", title="clip norm"),
 )
-BY_KEY = {m.key: m for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS)}
+# How rounds ran (``rounds.mode``; docs/rounds.md).
+ROUND_MODE_METRICS = (
+    Metric("clients_dropped", DEADLINE, "sampled clients that would have missed the deadline: their work is "
+           "discarded and their state unchanged", label="dropped", title="clients dropped"),
+    Metric("staleness", FEDBUFF, "the mean staleness of the buffered updates: server steps between the model a "
+           "client was sent and the one its update is applied to", label="staleness", title="mean staleness"),
+)
+BY_KEY = {m.key: m for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS)}
 # The accuracies, in the order every table and report lists them: the exact ones only.
 ACCURACIES = tuple(m.key for m in METRICS if m.accuracy)
 ESTIMATES = tuple(m.key for m in ESTIMATE_METRICS)
@@ -130,5 +144,5 @@ def markdown_table() -> str:
     """docs/runs.md's table of the metrics files' columns (tests/test_metric_schema.py keeps them equal)."""
     lines = ["| column | in the record | console | tables, plots | what it is |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| `{m.key}` | {m.when} | {m.label} | {m.title} | {m.description} |"
-              for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS)]
+              for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS)]
     return "\n".join(lines) + "\n"

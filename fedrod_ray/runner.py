@@ -166,4 +166,9 @@ def format_record(rec: dict, rounds: int) -> str:
         line += f"  |  {values_line(rec, ESTIMATES)}"
     if "dp_epsilon" in rec:
         line += f"  |  {label('dp_epsilon')} {rec['dp_epsilon']:.3f}"
+    # Off the sync default, the virtual clock and what the mode did (docs/rounds.md).
+    if "clients_dropped" in rec:
+        line += f"  |  {label('virtual_time')} {rec['virtual_time']:.1f}s  {label('clients_dropped')} {rec['clients_dropped']}"
+    if "staleness" in rec:
+        line += f"  |  {label('virtual_time')} {rec['virtual_time']:.1f}s  {label('staleness')} {rec['staleness']:.2f}"
     return line

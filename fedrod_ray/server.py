@@ -15,9 +15,13 @@ def clients_per_round(num_clients: int, fraction: float) -> int:
 
 def sample_clients(seed: int, round_idx: int, num_clients: int, fraction: float) -> list[int]:
     """The round's clients, sorted; a function of (seed, round) only, so timing and restarts never change it."""
+    return sample_count(seed, round_idx, num_clients, clients_per_round(num_clients, fraction))
+
+
+def sample_count(seed: int, round_idx: int, num_clients: int, count: int) -> list[int]:
+    """``count`` of the clients for round ``round_idx``, sorted (``rounds.mode: deadline`` over-selects)."""
     rng = np.random.default_rng([seed, round_idx, SAMPLE_TAG])
-    chosen = rng.choice(num_clients, size=clients_per_round(num_clients, fraction), replace=False)
-    return sorted(int(c) for c in chosen)
+    return sorted(int(c) for c in rng.choice(num_clients, size=count, replace=False))
 
 
 def poisson_sample(seed: int, round_idx: int, num_clients: int, rate: float) -> list[int]:

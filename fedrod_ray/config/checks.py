@@ -16,7 +16,15 @@ from ..specs.methods import ERM, HEADS
 from ..specs.models import BUFFERED_ARCHS, MODEL_PLUGINS
 from ..specs.rules import RULES
 from .building import build
-from .sections import LOGGERS, DataConfig, ExperimentConfig, PrivacyConfig, TrainConfig
+from .sections import (
+    LOGGERS,
+    DataConfig,
+    ExperimentConfig,
+    PrivacyConfig,
+    RoundsConfig,
+    RuntimeConfig,
+    TrainConfig,
+)
 from .values import ConfigError, OneOf, is_import_path, no_effect, not_one_of
 
 
@@ -133,6 +141,7 @@ def _check_effective(cfg: ExperimentConfig) -> None:
                           "whose control variate assumes each local update's momentum starts at zero; use reset")
     _check_head(cfg)
     _check_privacy(cfg)
+    _check_rounds(cfg)
     if not rule.server_model and HEADS[t.head].hypernetwork:
         raise ConfigError(f"train.generic_rule: {t.generic_rule} (local-only training) cannot use train.head="
                           f"{t.head}, whose hypernetwork the server averages; use train.head=none or linear")
@@ -221,6 +230,48 @@ def _check_privacy(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"train.head: {t.head} cannot be used with privacy.enabled: it has no global model, so "
                           f"its generic model (G-FL, final/) is the mean of the clients' own models{reads}, which "
                           f"never pass through the clipped, noised aggregate; use {private}")
+
+
+# Each rounds.* setting's users: the modes (rounds.mode) or speed models (rounds.speeds) it has an effect in.
+_ROUNDS_USERS = {
+    "speed": ("speeds", ("lognormal", "pareto", "constant")), "sigma": ("speeds", ("lognormal",)),
+    "shape": ("speeds", ("pareto",)), "trace": ("speeds", ("trace",)),
+    "deadline": ("mode", ("deadline",)), "over_selection": ("mode", ("deadline",)),
+    **{key: ("mode", ("fedbuff",)) for key in ("buffer_size", "concurrency", "staleness", "server_lr")},
+}
+
+
+def _check_rounds(cfg: ExperimentConfig) -> None:
+    """Each mode's and speed model's settings only with it, and what each mode rules out (docs/rounds.md)."""
+    r, t = cfg.rounds, cfg.train
+    for key, (selector, users) in _ROUNDS_USERS.items():
+        chosen = getattr(r, selector)
+        if chosen not in users and getattr(r, key) != getattr(RoundsConfig(), key):
+            raise no_effect(f"rounds.{key}", f"with rounds.{selector}={chosen} (only {', '.join(users)} uses it)")
+    for key, selector in (("trace", "speeds"), ("deadline", "mode")):
+        if getattr(r, selector) == key and getattr(r, key) is None:
+            raise ConfigError(f"rounds.{key}: rounds.{selector}={key} needs it; set it")
+    if r.mode != "sync" and cfg.privacy.enabled:
+        raise ConfigError(f"rounds.mode: {r.mode} cannot be used with privacy.enabled: the accountant and the "
+                          "noised mean assume every sampled client reports, in every round; use sync")
+    if r.mode != "fedbuff":
+        return
+    why = RULES[t.generic_rule].not_buffered
+    if why:
+        buffered = ", ".join(n for n, s in RULES.items() if not s.not_buffered)
+        raise ConfigError(f"train.generic_rule: {t.generic_rule} cannot be used with rounds.mode=fedbuff: {why}; "
+                          f"use {buffered}")
+    if HEADS[t.head].erm:
+        own = ", ".join(n for n, s in HEADS.items() if not s.erm)
+        raise ConfigError(f"train.head: {t.head} cannot be used with rounds.mode=fedbuff: a personalized-FL "
+                          f"baseline has a server step of its own, which FedBuff's staleness-weighted step would "
+                          f"replace; use {own}")
+    if r.concurrency is not None and r.concurrency > cfg.data.num_clients:
+        raise ConfigError(f"rounds.concurrency: {r.concurrency} clients in flight, but there are "
+                          f"{cfg.data.num_clients} (data.num_clients)")
+    if cfg.runtime.min_clients_per_round != RuntimeConfig().min_clients_per_round:
+        raise no_effect("runtime.min_clients_per_round", "with rounds.mode=fedbuff (every server step takes "
+                                                         "rounds.buffer_size updates)")
 
 
 def _check_data(cfg: ExperimentConfig) -> None:

@@ -44,6 +44,11 @@ MODES = ("auto", "local", "ray")
 # round(client_fraction * clients) of them, drawn without replacement.
 SAMPLINGS = ("poisson", "fixed")
 ACCOUNTANTS = ("rdp", "pld")  # privacy.accountant: Renyi DP, or privacy loss distributions (Poisson only)
+# rounds.mode (docs/rounds.md): sync waits for every sampled client; deadline over-selects and drops the clients
+# that miss the deadline; fedbuff is buffered asynchronous aggregation (a server step every K arrivals).
+ROUND_MODES = ("sync", "deadline", "fedbuff")
+SPEEDS = ("lognormal", "pareto", "constant", "trace")  # rounds.speeds: the clients' speeds (fedrod_ray.clock)
+STALENESS = ("sqrt", "constant")  # rounds.staleness: a FedBuff update's weight, 1/sqrt(1 + s) or 1
 
 
 # --- the experiment ---------------------------------------------------------------------------------------
@@ -175,6 +180,28 @@ class PrivacyConfig:
     accountant: Annotated[StrictStr, OneOf(ACCOUNTANTS)] = "rdp"
 
 
+@dataclass(config=CLOSED)
+class RoundsConfig:
+    """How a round runs, timed on a virtual clock (docs/rounds.md): each client's local update takes its
+    examples x train.local_epochs over its speed (examples per second), plus the model's trip at
+    ``bandwidth``; the records count that simulated time (``virtual_time``) while the computation runs as
+    fast as it can. Each mode's settings are errors in the others."""
+
+    mode: Annotated[StrictStr, OneOf(ROUND_MODES)] = "sync"  # see ROUND_MODES
+    speeds: Annotated[StrictStr, OneOf(SPEEDS)] = "lognormal"  # each client's speed, fixed by the seed (or a trace)
+    speed: PositiveFloat = 100.0  # examples/s: lognormal's median, pareto's fastest, constant's (not trace)
+    sigma: PositiveFloat = 1.0  # lognormal only: the standard deviation of log(speed)
+    shape: PositiveFloat = 1.5  # pareto only: the tail index of the slowdown speed / speed_m (heavier when smaller)
+    trace: StrictStr | None = None  # trace only: a text file of speeds (examples/s), one a line, cycled over clients
+    bandwidth: PositiveFloat | None = None  # MB/s each way for the model's trip; None: communication is free
+    deadline: PositiveFloat | None = None  # deadline only (required): virtual seconds a round waits for clients
+    over_selection: NonNegativeFloat = 0.3  # deadline only: samples ceil((1 + this) * clients per round)
+    buffer_size: PositiveInt = 10  # fedbuff only: K, the arrivals per server step
+    concurrency: PositiveInt | None = None  # fedbuff only: clients in flight; None: train.client_fraction's count
+    staleness: Annotated[StrictStr, OneOf(STALENESS)] = "sqrt"  # fedbuff only: an update's weight (STALENESS)
+    server_lr: PositiveFloat = 1.0  # fedbuff only: the server step's learning rate
+
+
 # Experiment trackers a run can log to (fedrod_ray.tracking; `pip install -e ".[tracking]"`).
 LOGGERS = ("tensorboard", "mlflow")
 
@@ -201,6 +228,7 @@ class ExperimentConfig:
     runtime: Annotated[RuntimeConfig, BeforeValidator(section)] = field(default_factory=RuntimeConfig)
     tracking: Annotated[TrackingConfig, BeforeValidator(section)] = field(default_factory=TrackingConfig)
     privacy: Annotated[PrivacyConfig, BeforeValidator(section)] = field(default_factory=PrivacyConfig)
+    rounds: Annotated[RoundsConfig, BeforeValidator(section)] = field(default_factory=RoundsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
