@@ -272,7 +272,7 @@ def test_an_app_with_a_batching_forward_answers_as_the_plain_app(runs, monkeypat
     import threading
 
     from fedrod_ray_api import images
-    from fedrod_ray_api.app import INLINE_PIXELS
+    from fedrod_ray_api.routes.predict import INLINE_PIXELS
     from fedrod_ray_api.service import batched_probabilities
 
     calls, decoded_on = [], []
