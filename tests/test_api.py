@@ -707,6 +707,7 @@ def test_a_model_that_cannot_be_served_never_starts(tmp_path, runs):
         create_app(str(tmp_path / "nan"))
 
 
+@pytest.mark.slow
 def test_api_imports_neither_ray_nor_training_code():
     # Besides export, its storage and the models: only fedrod_ray.data, for the normalisation training uses, and
     # the torch-free config (model.init's choices).
