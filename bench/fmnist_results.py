@@ -19,7 +19,8 @@ import re
 import shutil
 from pathlib import Path
 
-from fedrod_ray_tune.reproduce import COLUMNS, mean_std, status
+from fedrod_ray_tune.report import COLUMNS, mean_std
+from fedrod_ray_tune.reproduce import status
 
 from fedrod_ray.metric_schema import title
 

@@ -49,6 +49,19 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+# --- the fast lane -----------------------------------------------------------------------------------
+
+# A test that starts a Ray (through these fixtures, directly or through another fixture) is slow whether or
+# not it is marked: `pytest -m "not slow"` runs without starting one (docs/getting-started.md).
+RAY_FIXTURES = {"ray_session", "private_ray_env"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 # --- Ray: one private local instance per test session -------------------------------------------------
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # before anything imports ray

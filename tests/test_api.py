@@ -272,7 +272,7 @@ def test_an_app_with_a_batching_forward_answers_as_the_plain_app(runs, monkeypat
     import threading
 
     from fedrod_ray_api import images
-    from fedrod_ray_api.app import INLINE_PIXELS
+    from fedrod_ray_api.routes.predict import INLINE_PIXELS
     from fedrod_ray_api.service import batched_probabilities
 
     calls, decoded_on = [], []
@@ -707,6 +707,7 @@ def test_a_model_that_cannot_be_served_never_starts(tmp_path, runs):
         create_app(str(tmp_path / "nan"))
 
 
+@pytest.mark.slow
 def test_api_imports_neither_ray_nor_training_code():
     # Besides export, its storage and the models: only fedrod_ray.data, for the normalisation training uses, and
     # the torch-free config and specs (model.init's choices).

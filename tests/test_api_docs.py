@@ -10,6 +10,9 @@ import subprocess
 import pytest
 from served import make_final, uvicorn_server
 
+# Slow (a real uvicorn in a subprocess, rendered in headless chromium): not in the fast lane.
+pytestmark = pytest.mark.slow
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 BROWSER_TIMEOUT = 120  # seconds for a whole page load: generous, never a speed test
 

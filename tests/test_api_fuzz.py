@@ -24,6 +24,9 @@ from schemathesis.checks import (
 )
 from served import SHAPE, make_final
 
+# Slow (hundreds of generated requests, about two minutes on 2 cores): not in the fast lane.
+pytestmark = pytest.mark.slow
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           positive_data_acceptance]
 TOKEN = "fuzz-token"

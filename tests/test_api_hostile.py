@@ -13,6 +13,9 @@ import httpx
 import pytest
 from served import make_final, uvicorn_server
 
+# Slow (a real uvicorn in a subprocess): not in the fast lane.
+pytestmark = pytest.mark.slow
+
 BODY_TIMEOUT = 5  # seconds: long enough for 16 MiB over loopback on a loaded machine
 LIVENESS = 60  # seconds a /healthz may take before the server counts as stalled: generous, never a speed test
 JSON = {"content-type": "application/json"}

@@ -23,6 +23,9 @@ from fedrod_ray_api.schemas import EXAMPLE_PNG
 from fedrod_ray_api.settings import Connections, Settings
 from served import MARKER_ENV, edit_meta, make_final, marking_package, uvicorn_server
 
+# Slow (real servers, uvicorn in a subprocess and Ray Serve behind HAProxy): not in the fast lane.
+pytestmark = pytest.mark.slow
+
 MIB = 2**20
 LIMIT = 16 * MIB  # the default body limit
 BUDGET = 64 * MIB  # four bodies of the largest size
@@ -60,7 +63,7 @@ def run_dir(tmp_path_factory):
 
 
 # Ray Serve's header probes wait for HAProxy's default client timeout (10 s).
-@pytest.fixture(scope="module", params=["uvicorn", pytest.param("ray-serve", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["uvicorn", "ray-serve"])
 def server(request, run_dir, tmp_path_factory):
     marks = tmp_path_factory.mktemp("marks")
     # The server can import fedrodmarker: nothing but the arch check keeps a final/ from running it.

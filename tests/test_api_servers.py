@@ -111,6 +111,7 @@ def _assert_close(got, want, where="") -> None:
         assert got == want, where
 
 
+@pytest.mark.slow
 def test_fedrod_ray_serve_on_uvicorn(run_dir):
     with uvicorn_server(run_dir, "--max-body-bytes", str(LIMIT), env={"FEDROD_ADMIN_TOKEN": TOKEN}) as (
             proc, base, _):

@@ -180,6 +180,7 @@ def test_train_with_scaffold(tmp_path):
     assert json.loads((run_dir / "final" / "meta.json").read_text())["rule"] == "scaffold"
 
 
+@pytest.mark.slow
 def test_config_yaml_records_the_data_directory_used(tmp_path, shared_data_dir, monkeypatch):
     """Found through $FEDROD_DATA_DIR once, the data directory is written into the run's config, so the
     run resumes without the variable."""
@@ -334,6 +335,7 @@ def first_line(proc: subprocess.Popen, timeout: float) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "parent_ignores_sigint", "rc", "said"), [
     (signal.SIGINT, False, 130, "interrupted"),
     (signal.SIGINT, True, 130, "interrupted"),

@@ -280,6 +280,7 @@ def test_personal_head_shape(tmp_path):
         save_final(other, _meta("linear"), weights)  # the heads left out
 
 
+@pytest.mark.slow
 def test_export_imports_neither_ray_nor_training_code():
     check = ("import sys, fedrod_ray.export; bad=[m for m in sys.modules if m=='ray' or m.startswith('ray.') "
              "or m in ('fedrod_ray.local','fedrod_ray.federation','fedrod_ray.client',"

@@ -7,7 +7,8 @@ import pickle
 from pathlib import Path
 
 import pytest
-from fedrod_ray_tune.reproduce import build_spec, trial_line
+from fedrod_ray_tune.repro_spec import build_spec
+from fedrod_ray_tune.reproduce import trial_line
 from fedrod_ray_tune.sweep import TrialLines
 
 from fedrod_ray.config import config_from_dict

@@ -23,6 +23,9 @@ from fedrod_ray.checkpoint import latest_checkpoint_name, load_checkpoint
 from fedrod_ray.export import load_final
 from fedrod_ray.storage import RunStorage
 
+# Slow (a real S3 server (moto) in a subprocess, trainings killed and resumed): not in the fast lane.
+pytestmark = pytest.mark.slow
+
 BUCKET = "fedrod-runs"
 FAST = ["--set", "runtime.torch_threads=1"]
 TIMINGS = ("seconds", "train_seconds")

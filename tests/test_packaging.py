@@ -18,8 +18,7 @@ def _folder(package: str) -> Path:
 
 
 def test_every_package_folder_is_installed_and_nothing_else():
-    folders = {p.parent for p in (REPO / "fedrod_ray").rglob("__init__.py")}
-    folders |= {REPO / "api", REPO / "tune"}
+    folders = {p.parent for top in ("fedrod_ray", "api", "tune") for p in (REPO / top).rglob("__init__.py")}
     assert {_folder(p) for p in SETUPTOOLS["packages"]} == folders
 
 

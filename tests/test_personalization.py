@@ -273,6 +273,7 @@ def untimed(record: dict) -> str:
     return json.dumps({k: v for k, v in record.items() if "seconds" not in k}, sort_keys=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BASELINES)
 def test_each_baseline_trains_and_resumes_bitwise_from_its_checkpoint(name, tmp_path):
     """Two rounds, a checkpoint through its files, two more: the resumed federation trains on to the bits of

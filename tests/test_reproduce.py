@@ -12,21 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fedrod_ray_tune.reproduce import (
-    DP_CLIP_NORM,
-    DP_EPSILONS,
-    FINETUNE_EPOCHS,
-    SPEC_FILE,
-    TABLES,
-    build_spec,
-    format_table,
-    load_spec,
-    mean_std,
-    parse_seeds,
-    parse_sets,
-    reproduce,
-)
+from fedrod_ray_tune.report import format_table, mean_std
+from fedrod_ray_tune.repro_spec import SPEC_FILE, build_spec, load_spec, parse_seeds, parse_sets
+from fedrod_ray_tune.reproduce import reproduce
 from fedrod_ray_tune.sweep import start_dir
+from fedrod_ray_tune.tables import DP_CLIP_NORM, DP_EPSILONS, FINETUNE_EPOCHS, TABLES
 
 from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError

@@ -101,6 +101,7 @@ def update(step: str, n: int, client_id: int = 2):
     return result, personal
 
 
+@pytest.mark.slow
 def test_compiled_step_matches_eager_without_recompiling_for_other_client_sizes():
     import torch._dynamo
     from torch._dynamo.utils import counters

@@ -47,6 +47,7 @@ def assert_mlflow_run(client: MlflowClient, run_dir: Path, uri: str) -> None:
     assert meta == json.loads((run_dir / "final" / "meta.json").read_text())
 
 
+@pytest.mark.slow
 def test_tensorboard_and_mlflow_local_store(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util.tensor_util import make_ndarray
@@ -84,6 +85,7 @@ def mlflow_server(tmp_path_factory):
         yield f"http://127.0.0.1:{port}"
 
 
+@pytest.mark.slow
 def test_mlflow_tracking_server(tmp_path, mlflow_server):
     run_dir = tmp_path / "M"
     train("--config", CONFIG, "--run-dir", str(run_dir), "--logger", "mlflow",

@@ -17,7 +17,7 @@ import torch
 from fastapi.testclient import TestClient
 from fedrod_ray_api.app import create_app
 from fedrod_ray_api.settings import Settings
-from fedrod_ray_tune.reproduce import build_spec
+from fedrod_ray_tune.repro_spec import build_spec
 from fedrod_ray_tune.space import load_sweep
 from PIL import Image
 

@@ -64,7 +64,7 @@ def _pin_data_dir(spec) -> None:
 
 
 def register_reproduce(sub: argparse._SubParsersAction) -> None:
-    from .reproduce import TABLES
+    from .tables import TABLES
 
     p = sub.add_parser("reproduce", help="run every row of one of the paper's tables over seeds, with Ray Tune")
     p.add_argument("--table", help=f"which table: {', '.join(TABLES)}")
@@ -91,7 +91,8 @@ def register_reproduce(sub: argparse._SubParsersAction) -> None:
 def reproduce_command(args) -> int:
     import yaml
 
-    from .reproduce import build_spec, load_spec, parse_seeds, parse_sets, reproduce, status
+    from .repro_spec import build_spec, load_spec, parse_seeds, parse_sets
+    from .reproduce import reproduce, status
 
     if args.resume or args.status:
         flag = "--resume" if args.resume else "--status"
