@@ -38,6 +38,8 @@ def objective(record: dict, metric: str, estimate: bool = False) -> float:
 
 
 def run_trial(params: dict, sweep: SweepSpec) -> None:
+    """Tune's trainable: the trial of ``sweep`` with ``params`` (its searched values, dotted key -> value),
+    a ``Run`` in the trial's folder that reports every round to Tune, resumed from Tune's checkpoint."""
     from ray import tune
 
     cfg = sweep.trial_config(params)
