@@ -13,9 +13,9 @@ rounds 1..``--rounds`` after an untimed warm-up round 0, so all see the same sam
   one plain Python process per core (``multiprocessing``, 1 torch thread, no Ray), which pull clients
   from one queue, largest shard first. Busy processes slow each other down (memory bandwidth), which
   no scheduler can avoid, so this is the floor a distributed runtime can hope for.
-- Ray: the runtime as ``fedrod-ray train --mode ray`` runs it: the ``Coordinator`` actor, handed the
-  setup prepared here, with the default layout (one pooled actor per core, clients pulled largest
-  first), in a local Ray of ``--cores`` CPUs started by this script.
+- Ray: the runtime as ``fedrod-ray train --mode ray`` runs it: the coordinator actor (driven round by
+  round, ``_by_round``), handed the setup prepared here, with the default layout (one pooled actor per
+  core, clients pulled largest first), in a local Ray of ``--cores`` CPUs started by this script.
 
 Prints, per split, the median seconds per round and the ratios to both floors, and the memory (PSS) of
 the Ray processes. Run by hand, with nothing else heavy running (about 8 minutes on 2 cores):
@@ -40,12 +40,12 @@ import time
 
 import ray
 import torch
+from _by_round import Coordinator
 from _common import machine_note, make_config, md_table, median, mnist_data_section, ray_memory
 
 from fedrod_ray.client import ClientState
 from fedrod_ray.config import ExperimentConfig, config_from_dict
 from fedrod_ray.config.sections import STEPS
-from fedrod_ray.coordinator import Coordinator
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.federation import Federation
 from fedrod_ray.local import RoundInput
@@ -132,7 +132,7 @@ def run_measured_floor(setup: Setup, messages: list[RoundInput], cores: int) -> 
 
 
 def run_ray(setup: Setup, rounds: int) -> tuple[list[float], dict, dict]:
-    coordinator = Coordinator.options(num_cpus=0, max_concurrency=2).remote(setup, None)
+    coordinator = Coordinator.options(num_cpus=0, max_concurrency=2).remote(setup)
     try:
         info = ray.get(coordinator.info.remote())
         walls = []

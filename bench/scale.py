@@ -2,9 +2,9 @@
 
 Each federation: MNIST, Dir(0.3), 2% of the clients per round, the hyper head, 5 local epochs, batch
 40, the default layout (one pooled actor per core), a local Ray of all cores started here. Rounds
-0..``--rounds``-1 run through the ``Coordinator`` actor, each followed by an evaluation (G-FL, P-FL of
-the GM and of every client's PM) and a checkpoint into a fresh run directory, as
-``fedrod-ray train --mode ray`` with ``eval_every: 1`` and ``checkpoint_every: 1`` would. Round 0
+0..``--rounds``-1 run through the coordinator actor, driven round by round (``_by_round``), each followed
+by an evaluation (G-FL, P-FL of the GM and of every client's PM) and a checkpoint into a fresh run
+directory, as ``fedrod-ray train --mode ray`` with ``eval_every: 1`` and ``checkpoint_every: 1`` would. Round 0
 (warm-up, and the one full checkpoint) is left out of the medians.
 
 Printed per size: the medians of seconds per round (training), per evaluation and per checkpoint; the
@@ -45,9 +45,9 @@ import time
 from pathlib import Path
 
 import ray
+from _by_round import Coordinator
 from _common import machine_note, make_config, md_table, median, mnist_data_section, ray_memory
 
-from fedrod_ray.coordinator import Coordinator
 from fedrod_ray.setup import prepare
 
 NEVER = 10**6
@@ -68,7 +68,7 @@ def run(args, data: dict, num_clients: int, fraction: float, workdir: Path) -> d
     setup = prepare(cfg)
     run_dir = workdir / f"run_{num_clients}"
     s3_uri = f"s3://{S3_BUCKET}/run_{num_clients}_{fraction}"
-    coordinator = Coordinator.options(num_cpus=0, max_concurrency=2).remote(setup, None)
+    coordinator = Coordinator.options(num_cpus=0, max_concurrency=2).remote(setup)
 
     def save_on_the_path(uri: str) -> float:
         """Seconds for a save started and waited for: what it costs the round loop in line."""

@@ -13,9 +13,10 @@ circle exists (tests/test_layering.py reads this list and checks every import of
 4. clients: client, actors
 5. federation state: setup, state, checkpoint, dp_rounds, buffered_rounds, final
 6. executors and evaluation: executors, evaluation
-7. round loop: federation, coordinator
-8. drivers: runner, ray_runtime
-9. command line: cli
+7. round loop: federation
+8. a run: run, coordinator
+9. drivers: console, runner, ray_runtime
+10. command line: cli
 
 A package (data, models, algorithms, objectives, personalization, executors) stands for all its modules. The HTTP service (``api/``)
 imports only the first two layers; ``api/`` and ``tune/`` import the library, never the other way round.

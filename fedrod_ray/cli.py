@@ -139,7 +139,7 @@ def cmd_train(args) -> int:
         if latest_checkpoint_name(storage) is not None:
             raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
                               "or choose another --run-dir")
-    from .runner import RoundProgress, format_summary
+    from .console import RoundProgress, format_summary
     from .setup import check_model_arch
 
     check_model_arch(cfg)

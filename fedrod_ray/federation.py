@@ -41,7 +41,7 @@ class Federation:
 
     ``step(r)`` runs round r (configure -> train -> aggregate -> evaluate) and returns its record;
     ``snapshot()`` / ``restore()`` give and take the whole state. Writing metrics, checkpoints and
-    ``final/`` is the caller's (``fedrod_ray.runner`` for the CLI).
+    ``final/`` is the caller's (``fedrod_ray.run.Run``).
     """
 
     def __init__(self, setup: Setup, executor: Executor, log: Callable[[str], None] = print,

@@ -1,4 +1,5 @@
-"""The driver of a Ray run: connect (or start local Ray), start the coordinator, print a line per round."""
+"""The driver of a Ray run: connect (or start local Ray), start the coordinator actor, which holds the run,
+and print a line per round."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .config import ExperimentConfig
+from .console import format_record
 from .coordinator import Coordinator
 from .federation import RoundFailedError
-from .runner import drive
 from .setup import prepare
 from .state import Snapshot
 from .storage import RunStorage
@@ -60,6 +61,8 @@ def _init(cfg: ExperimentConfig) -> None:
 def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
             log: Callable[[str], None] = print,
             progress: Callable[[int, int, int], None] | None = None) -> list[dict]:
+    """Train on Ray: the run lives in the coordinator actor, which writes the run directory; this driver
+    prints its rounds. Arguments and result as ``runner.run_local``'s."""
     # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message; the
     # coordinator is handed the result.
     setup = prepare(cfg)
@@ -68,33 +71,16 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
     try:
         t0 = time.perf_counter()
         # The coordinator takes no CPU from the clients: it only averages and evaluates the GM. A second
-        # thread answers progress() while step() runs. It lives on this (the driver's) node, so that the
-        # run directory it checkpoints into need only be reachable from here, as the metrics are.
+        # thread answers the driver while the run trains. It lives on this (the driver's) node, so that the
+        # run directory it writes need only be reachable from here.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         coordinator = Coordinator.options(num_cpus=0, max_restarts=0, max_concurrency=2,
-                                          scheduling_strategy=here).remote(setup, snapshot)
+                                          scheduling_strategy=here).remote(setup, storage.uri, snapshot)
         info = ray.get(coordinator.info.remote())
         hosted = "any client" if info["clients_per_actor"] == 0 else f"{info['clients_per_actor']} client(s) each"
         log(f"ray: {info['num_actors']} client actor(s) ({hosted}), {info['max_in_flight']} training(s) at once; "
             f"ready in {time.perf_counter() - t0:.1f}s")
-
-        def step(r: int) -> dict:
-            ref = coordinator.step.remote(r)
-            while progress is not None and not ray.wait([ref], timeout=PROGRESS_POLL_S)[0]:
-                current = ray.get(coordinator.progress.remote())
-                if current[0] == r + 1:  # not the previous round's last figures
-                    progress(*current)
-            try:
-                return ray.get(ref)
-            except RayTaskError as e:
-                if isinstance(e.cause, RoundFailedError):
-                    raise e.cause from None
-                raise
-
-        return drive(step, lambda: ray.get(coordinator.save_checkpoint.remote(storage.uri)),
-                     lambda: ray.get(coordinator.wait_checkpoint.remote()),
-                     lambda m: ray.get(coordinator.save_final.remote(storage.uri, m)),
-                     cfg, storage, info["next_round"], info["rounds"], log)
+        return follow(coordinator, info, log, progress)
     finally:
         if coordinator is not None:
             with contextlib.suppress(RayError):
@@ -102,3 +88,38 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
             ray.kill(coordinator)
         if started:
             ray.shutdown()
+
+
+def follow(coordinator, info: dict, log: Callable[[str], None],
+           progress: Callable[[int, int, int], None] | None) -> list[dict]:
+    """Start the coordinator's run and follow it to its end: each round's line as its record comes, and the
+    progress of the round in hand, asked for every ``PROGRESS_POLL_S`` seconds. Returns every record.
+    Stopped here (Ctrl-C, SIGTERM), it has the coordinator commit the save in flight first."""
+    done = coordinator.train.remote()
+    shown = info["records"]
+    in_hand = info["next_round"] + 1
+
+    def print_new_records() -> None:
+        nonlocal shown, in_hand
+        for record in ray.get(coordinator.records.remote(shown)):
+            log(format_record(record, info["rounds"]))
+            shown, in_hand = shown + 1, record["round"] + 1
+
+    try:
+        while not ray.wait([done], timeout=PROGRESS_POLL_S)[0]:
+            print_new_records()
+            if progress is not None:
+                current = ray.get(coordinator.progress.remote())
+                if current[0] == in_hand:  # not the figures of a round whose line is still to come
+                    progress(*current)
+        print_new_records()
+        return ray.get(done)
+    except RayTaskError as e:
+        print_new_records()
+        if isinstance(e.cause, RoundFailedError):
+            raise e.cause from None
+        raise
+    except BaseException:
+        with contextlib.suppress(RayError):
+            ray.get(coordinator.stop.remote())
+        raise

@@ -1,5 +1,5 @@
 """Checkpoints saved off the round's critical path (``checkpoint.BackgroundSaves``, driven by
-``runner.drive``): a save returns at once and the next round trains while it is written, at most one is in
+``run.Run``): a save returns at once and the next round trains while it is written, at most one is in
 flight, its error is raised and never lost, and a run that ends or is interrupted first waits for it."""
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from fedrod_ray.checkpoint import (
     CheckpointWriter,
     latest_checkpoint_name,
     load_checkpoint,
+    save_checkpoint,
 )
 from fedrod_ray.config import config_from_dict
-from fedrod_ray.runner import drive
+from fedrod_ray.run import Run
 from fedrod_ray.storage import RunStorage
 
 
@@ -105,77 +106,97 @@ def test_the_next_round_cannot_change_the_checkpoint_in_flight(tmp_path, one_tor
         assert all(torch.equal(got[k], v) for k, v in st.tensors().items()), cid
 
 
-def _config(rounds: int):
-    return config_from_dict({"name": "drive_test", "data": {"dataset": "synthetic"}},
-                            [f"train.rounds={rounds}", "runtime.checkpoint_every=1"])
+class _Rounds:
+    """What a ``Run`` asks of its federation, with nothing behind it: ``step(r)`` calls ``on_step(r)`` and
+    returns a record; ``snapshot()`` is a stub checkpoint of the rounds done."""
+
+    def __init__(self, rounds: int, on_step=lambda r: None, log=lambda line: None):
+        self.cfg = config_from_dict({"name": "run_test", "data": {"dataset": "synthetic"}},
+                                    [f"train.rounds={rounds}", "runtime.checkpoint_every=1"])
+        self.rounds, self.next_round, self.on_step, self.log = rounds, 0, on_step, log
+        self.setup = None
+
+    def step(self, r: int) -> dict:
+        self.on_step(r)
+        self.next_round = r + 1
+        return {"round": r + 1, "seconds": 0.0, "lr": 0.1, "clients": 1, "clients_done": 1, "clients_failed": 0,
+                "train_loss": 0.5}
+
+    def snapshot(self):
+        return make_checkpoint(self.next_round)
+
+    def restore(self, snap) -> None:
+        self.next_round = snap.rounds_done
 
 
-def _record(r: int) -> dict:
-    return {"round": r + 1, "seconds": 0.0, "lr": 0.1, "clients": 1, "clients_done": 1, "clients_failed": 0,
-            "train_loss": 0.5}
+@pytest.fixture
+def finals(monkeypatch) -> list:
+    """Each ``final/`` a run writes, as the checkpoint that ``latest`` names at that moment."""
+    written = []
+    monkeypatch.setattr("fedrod_ray.run.write_final",
+                        lambda storage, setup, snap, metrics: written.append(latest_checkpoint_name(storage)))
+    return written
 
 
-def test_drive_saves_while_the_next_round_runs_and_waits_before_final(tmp_path):
+def test_a_run_saves_while_the_next_round_runs_and_waits_before_final(tmp_path, finals):
     """Round r+1 starts with round r's save in flight; the last save is committed before ``final/``."""
     storage = _Gated(str(tmp_path / "run"), delay=0.3)
-    writer, saves = CheckpointWriter(storage), BackgroundSaves()
-    done = {"rounds": 0}
     seen = []
 
-    def step(r: int) -> dict:
+    def step(r: int) -> None:
         seen.append((r, latest_checkpoint_name(storage)))
         if r == 1:
             _open(storage)  # round 0's save was held until round 1 ran
-        done["rounds"] = r + 1
-        return _record(r)
 
-    def finish(metrics: dict) -> None:
-        seen.append(("final", latest_checkpoint_name(storage)))
-
-    drive(step, lambda: saves.save(writer, make_checkpoint(done["rounds"])), saves.wait, finish, _config(3),
-          storage, 0, 3, log=lambda s: None)
+    records = Run(_Rounds(3, step), storage).train()
     assert seen[:2] == [(0, None), (1, None)]
-    assert seen[-1] == ("final", "round_000003")
+    assert finals == ["round_000003"]
+    assert [r["round"] for r in records] == [1, 2, 3]
 
 
-def test_an_interrupted_drive_first_commits_the_save_in_flight(tmp_path):
+def test_a_run_writes_final_before_its_last_record_goes_out(tmp_path, finals):
+    """A Tune trial's last report may end its process: ``final/`` is written before it."""
+    told = []
+    Run(_Rounds(2), RunStorage(str(tmp_path / "run"))).train(lambda record: told.append((record["round"], len(finals))))
+    assert told == [(1, 0), (2, 1)]
+
+
+def test_a_run_resumed_after_its_last_round_writes_final(tmp_path, finals):
+    """Killed between its last checkpoint and ``final/``: resumed, it trains nothing and writes ``final/``."""
+    storage = RunStorage(str(tmp_path / "run"))
+    save_checkpoint(storage, make_checkpoint(2))
+    assert Run(_Rounds(2), storage, load_checkpoint(storage)).train() == []
+    assert finals == ["round_000002"]
+
+
+def test_an_interrupted_run_first_commits_the_save_in_flight(tmp_path, finals):
     """Ctrl-C (or SIGTERM, which the CLI turns into the same exception) in round 3: round 2's save, still
     being written, is committed before the interruption goes on up, so a resume continues after round 2."""
     storage = _Gated(str(tmp_path / "run"), delay=0.5)
-    writer, saves = CheckpointWriter(storage), BackgroundSaves()
     _open(storage)
-    done = {"rounds": 0}
 
-    def step(r: int) -> dict:
+    def step(r: int) -> None:
         if r == 2:
             raise KeyboardInterrupt
-        done["rounds"] = r + 1
-        return _record(r)
 
     with pytest.raises(KeyboardInterrupt):
-        drive(step, lambda: saves.save(writer, make_checkpoint(done["rounds"])), saves.wait,
-              lambda m: pytest.fail("final/ written by an interrupted run"), _config(4), storage, 0, 4,
-              log=lambda s: None)
+        Run(_Rounds(4, step), storage).train()
     assert latest_checkpoint_name(storage) == "round_000002"
+    assert finals == [], "final/ written by an interrupted run"
 
 
-def test_a_failed_save_stops_the_run_before_final_and_is_said_on_an_interruption(tmp_path):
+def test_a_failed_save_stops_the_run_before_final_and_is_said_on_an_interruption(tmp_path, finals):
     root = str(tmp_path / "run")
-    saves = BackgroundSaves()
-    writer = CheckpointWriter(_CrashAt(root, "latest"))
     with pytest.raises(CheckpointSaveError, match="round 1's checkpoint"):
-        drive(lambda r: _record(r), lambda: saves.save(writer, make_checkpoint(1)), saves.wait,
-              lambda m: pytest.fail("final/ written after a failed save"), _config(1), RunStorage(root), 0, 1,
-              log=lambda s: None)
+        Run(_Rounds(1), _CrashAt(root, "latest")).train()
+    assert finals == [], "final/ written after a failed save"
 
-    def interrupted(r: int) -> dict:
+    def interrupted(r: int) -> None:
         if r == 1:
             raise KeyboardInterrupt
-        return _record(r)
 
     said = []
     with pytest.raises(KeyboardInterrupt):
-        drive(interrupted, lambda: saves.save(writer, make_checkpoint(1)), saves.wait, lambda m: None,
-              _config(3), RunStorage(root), 0, 3, log=said.append)
+        Run(_Rounds(3, interrupted, said.append), _CrashAt(root, "latest")).train()
     assert said[-1] == (f"the checkpoint save in flight failed too: saving round 1's checkpoint into {root}/"
                         "checkpoints failed: OSError: killed after the folder was moved, before `latest` was")

@@ -24,7 +24,7 @@ import fedrod_ray
 from fedrod_ray.checkpoint import load_checkpoint
 from fedrod_ray.cli import main
 from fedrod_ray.config import load_config
-from fedrod_ray.runner import RoundProgress
+from fedrod_ray.console import RoundProgress
 from fedrod_ray.storage import RunStorage
 
 REPO = Path(__file__).resolve().parents[1]

@@ -205,8 +205,8 @@ def test_a_run_killed_with_a_save_in_flight_resumes_from_the_save_before(s3, uni
 
 
 def test_a_ray_run_in_the_bucket_checkpoints_and_resumes(s3, uninterrupted, ray_session):
-    """runtime.mode ray: the coordinator actor saves the checkpoints into the bucket (in the background,
-    while the next round trains) and the driver the metrics; resumed from the bucket, the run ends bitwise
+    """runtime.mode ray: the coordinator actor writes the run into the bucket (its checkpoints in the
+    background, while the next round trains); resumed from the bucket, the run ends bitwise
     equal to the in-process one. The driver runs as a task of the tests' Ray, whose runtime_env gives it and
     the actors it starts the server's environment, as a Ray job's does on a cluster."""
     uri = f"s3://{BUCKET}/runs/ray"

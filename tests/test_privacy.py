@@ -20,6 +20,7 @@ from fedrod_ray.accounting import Mechanism, epsilon, noise_for_epsilon
 from fedrod_ray.algorithms.fedavg import FedAvg
 from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.config import ConfigError, check_resume, config_from_dict
+from fedrod_ray.console import format_record
 from fedrod_ray.dp_rounds import check_shared
 from fedrod_ray.executors.batched import in_process_executor
 from fedrod_ray.executors.in_process import InProcessExecutor
@@ -34,7 +35,7 @@ from fedrod_ray.privacy import (
     update_noise_multiplier,
     update_norm,
 )
-from fedrod_ray.runner import format_record, run_local
+from fedrod_ray.runner import run_local
 from fedrod_ray.server import poisson_sample
 from fedrod_ray.setup import make_host, prepare
 from fedrod_ray.storage import RunStorage

@@ -20,6 +20,7 @@ from fedrod_ray_tune.trial import objective
 
 from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError, load_config
+from fedrod_ray.export import load_final
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "tune" / "quickstart.yaml"
@@ -156,6 +157,11 @@ def test_asha_stops_a_trial_that_cannot_learn_and_nothing_is_left_behind(ray_ses
     assert stopped and all(r["train.lr"] == 1e-7 and r["rounds"] < 3 for r in stopped), rows
     assert all(r["status"] == "finished" and r["rounds"] == 3 for r in rows if r["train.lr"] == 0.05)
     assert rows[0]["train.lr"] == 0.05  # best first
+    # final/ is a finished trial's only: a stopped trial has its run's files up to where it stopped.
+    trials = sorted(p.parent for p in (tmp_path / "sweep" / "trials").glob("*/params.json"))
+    finals = sorted(json.loads((t / "params.json").read_text())["train.lr"] for t in trials if (t / "final").exists())
+    assert finals == sorted(r["train.lr"] for r in rows if r["status"] == "finished")
+    assert all((t / "metrics.jsonl").is_file() for t in trials)
 
     # Nothing of the sweep's is left (the actors and groups an earlier test left dying may still go).
     def new_since_before() -> tuple[set, set]:
@@ -187,6 +193,23 @@ def test_a_sweep_on_the_estimate_reports_it_every_round_and_tables_the_exact_fig
     assert ["gfl_gm" in r for r in reports] == [True, True, True]
     # The table's objective is the exact one.
     assert row["rounds"] == 3 and row["objective"] == objective(reports[-1], "hmean") == objective(row, "hmean")
+
+    # The trial's folder is a run directory: its run's files, and final/ of its last round, which a resumed
+    # run trains on from.
+    trial = result.parent
+    assert_trial_run_directory(trial, ROUNDS)
+    assert load_final(str(trial)).meta.metrics["gfl_gm"] == reports[-1]["gfl_gm"]
+    assert main(["train", "--resume", str(trial), "--set", "train.rounds=4"]) == 0
+    assert load_final(str(trial)).meta.round == 4
+
+
+def assert_trial_run_directory(trial: Path, rounds: int) -> None:
+    """A trial that ran to its end: config.yaml, a metrics record per round, its checkpoints and final/."""
+    assert load_config(trial / "config.yaml").runtime.mode == "ray"
+    assert [json.loads(line)["round"] for line in (trial / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, rounds + 1))
+    assert (trial / "checkpoints" / "latest").read_text() == f"round_{rounds:06d}"
+    assert load_final(str(trial)).meta.round == rounds
 
 
 def _parses(path: Path) -> bool:
@@ -270,6 +293,8 @@ def test_a_killed_sweep_resumes_without_redoing_finished_rounds_or_trials(tmp_pa
         assert after[trial][:len(rounds)] == rounds
     for trial, rounds in after.items():  # those started after the kill too: no round twice
         assert rounds == list(range(1, ROUNDS + 1)), (trial, rounds)
+        # The trial's own metrics files too: a resumed trial keeps them to its checkpoint's round.
+        assert_trial_run_directory(sweep_dir / "trials" / trial, ROUNDS)
     assert (sweep_dir / "results.md").is_file()
 
 

@@ -1,7 +1,8 @@
 """Run a sweep with Ray Tune and write its results into the sweep directory.
 
     <sweep_dir>/sweep.yaml      the sweep as run (what --resume reads)
-    <sweep_dir>/trials/         Ray Tune's experiment: each trial's reports and checkpoints
+    <sweep_dir>/trials/         Ray Tune's experiment: each trial's reports and checkpoints, and each trial's
+                                run directory (config.yaml, metrics, checkpoints/, final/: docs/tune.md)
     <sweep_dir>/results.csv     one row per trial: searched values, rounds, status, final and best metrics
     <sweep_dir>/results.md      the same, as a Markdown table, best first
     <sweep_dir>/pareto.png      G-FL against P-FL (PM), one point per trial, the Pareto front marked

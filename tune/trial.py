@@ -2,8 +2,10 @@
 
 The trial function is the federation's coordinator (it runs in the placement group's first bundle);
 the client actors it starts are captured into the group's other bundles, one pooled actor per client
-slot. After each round it reports the round's metrics with a checkpoint holding the federation's full
-snapshot, so a stopped sweep resumes a trial after its last reported round.
+slot. It trains a ``run.Run`` whose run directory is the trial's folder, so a trial writes what a run
+writes (config.yaml, the metrics files, checkpoints/, and final/ at its last round). After each round it
+reports the round's metrics to Tune with a checkpoint holding the federation's full snapshot, so a stopped
+sweep resumes a trial after its last reported round; a trial the scheduler stops writes no final/.
 """
 
 from __future__ import annotations
@@ -15,13 +17,12 @@ import torch
 from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.executors.ray import RayExecutor, plan_layout
 from fedrod_ray.federation import Federation
+from fedrod_ray.run import Run
 from fedrod_ray.setup import prepare
 from fedrod_ray.storage import RunStorage
 from fedrod_ray.tracking import scalars
 
 from .space import SweepSpec
-
-# Whatever of these the round's record has (the accuracies only on evaluation rounds, some only at the last).
 
 
 def objective(record: dict, metric: str, estimate: bool = False) -> float:
@@ -37,9 +38,13 @@ def objective(record: dict, metric: str, estimate: bool = False) -> float:
 
 
 def run_trial(params: dict, sweep: SweepSpec) -> None:
+    """Tune's trainable: the trial of ``sweep`` with ``params`` (its searched values, dotted key -> value),
+    a ``Run`` in the trial's folder that reports every round to Tune, resumed from Tune's checkpoint."""
     from ray import tune
 
     cfg = sweep.trial_config(params)
+    storage = trial_run_dir()
+    cfg.run_dir = storage.uri  # as a run's config.yaml records where it was
     torch.set_num_threads(1)
     setup = prepare(cfg)
     # The trial's own resources, not the cluster's: its client slots.
@@ -47,25 +52,37 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
              for k, v in sweep.client_resources.items()}
     executor = RayExecutor(setup, plan_layout(cfg.runtime, len(setup.all_client_ids), slots))
     try:
-        fed = Federation(setup, executor, log=print)
+        snapshot = None
         checkpoint = tune.get_checkpoint()
         if checkpoint is not None:
             with checkpoint.as_directory() as folder:
-                fed.restore(load_checkpoint(RunStorage(folder)))
-        for r in range(fed.next_round, fed.rounds):
-            record = fed.step(r)
+                snapshot = load_checkpoint(RunStorage(folder))
+        run = Run(Federation(setup, executor, log=print), storage, snapshot, track=False)
+        estimate = bool(cfg.eval.estimate_size)
+
+        def report(record: dict) -> None:
             # Every numeric field of the record (what a tracking callback logs), the round included.
             metrics = {"round": record["round"], **scalars(record)}
             # What ASHA decides on, every round: the estimate where there is one (never mixed with exact
             # figures), else the exact evaluation (a sweep's trial without an estimate: every round).
-            estimate = bool(cfg.eval.estimate_size)
             if estimate or "gfl_gm" in record:
                 metrics["objective"] = objective(record, sweep.metric, estimate)
-            # Saved here, not in the background as a run's are: tune.report persists (copies) the folder to
-            # the trial's storage before it returns, so the folder must be complete when reported, and
-            # reporting a round late would let the scheduler stop the trial a round late.
+            # Saved here, whole, not in the background as the run's own are: tune.report persists (copies)
+            # the folder to the trial's storage before it returns, so the folder must be complete when
+            # reported, and reporting a round late would let the scheduler stop the trial a round late.
             with tempfile.TemporaryDirectory() as folder:
-                save_checkpoint(RunStorage(folder), fed.snapshot())
+                save_checkpoint(RunStorage(folder), run.snapshot())
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
+
+        run.train(report)
     finally:
         executor.close()
+
+
+def trial_run_dir() -> RunStorage:
+    """The trial's run directory: its folder in the sweep's storage (``<sweep_dir>/trials/<trial>``), beside
+    Tune's reports and checkpoints. Not ``get_trial_dir()``, a staging folder under ``/tmp/ray/session_*``
+    on the sweep driver's node, which a resumed sweep (another Ray session) does not find again."""
+    from ray import tune
+
+    return RunStorage(tune.get_context().get_storage().trial_fs_path)
