@@ -73,21 +73,27 @@ class Run:
         """Every round's record, earlier runs' too when resumed."""
         return self.metrics.records
 
-    def train(self, on_record: Callable[[dict], None] = lambda record: None) -> list[dict]:
+    def train(self, on_record: Callable[[dict], None] = lambda record: None, last_after_final: bool = False,
+              ) -> list[dict]:
         """Train every round left, then write ``final/``; returns every round's record.
 
-        ``on_record(record)`` is called after each round is recorded: after the last, once ``final/`` is
-        written, since a Tune trial's last report may end its process. Stopped early (an exception:
-        Ctrl-C, SIGTERM, a failed round or save), the save in flight is committed first (``stop``).
+        ``on_record(record)`` is called as soon as each round is recorded (a console line shows the last round
+        while its checkpoint is saved); with ``last_after_final``, the last round's once ``final/`` is written
+        (a Tune trial: its last report may end its process). Stopped early (an exception: Ctrl-C, SIGTERM, a
+        failed round or save), the save in flight is committed first (``stop``).
         """
         try:
             if self.next_round == self.rounds:
                 self.finish()  # resumed from its last round's checkpoint, with final/ perhaps not written
             while self.next_round < self.rounds:
                 record = self.round()
-                if self.next_round == self.rounds:
+                last = self.next_round == self.rounds
+                if not (last and last_after_final):
+                    on_record(record)
+                if last:
                     self.finish()
-                on_record(record)
+                    if last_after_final:
+                        on_record(record)
         except BaseException:
             self.stop()
             raise

@@ -154,11 +154,16 @@ def test_a_run_saves_while_the_next_round_runs_and_waits_before_final(tmp_path, 
     assert [r["round"] for r in records] == [1, 2, 3]
 
 
-def test_a_run_writes_final_before_its_last_record_goes_out(tmp_path, finals):
-    """A Tune trial's last report may end its process: ``final/`` is written before it."""
+def test_a_run_tells_each_record_at_once_or_its_last_after_final(tmp_path, finals):
+    """A console shows the last round while its checkpoint is saved; a Tune trial's last report may end its
+    process, so with ``last_after_final`` ``final/`` is written before it."""
     told = []
-    Run(_Rounds(2), RunStorage(str(tmp_path / "run"))).train(lambda record: told.append((record["round"], len(finals))))
-    assert told == [(1, 0), (2, 1)]
+    Run(_Rounds(2), RunStorage(str(tmp_path / "a"))).train(lambda record: told.append((record["round"], len(finals))))
+    assert told == [(1, 0), (2, 0)]
+    told.clear()
+    Run(_Rounds(2), RunStorage(str(tmp_path / "b"))).train(lambda record: told.append((record["round"], len(finals))),
+                                                           last_after_final=True)
+    assert told == [(1, 1), (2, 2)]
 
 
 def test_a_run_resumed_after_its_last_round_writes_final(tmp_path, finals):

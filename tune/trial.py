@@ -74,7 +74,7 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
                 save_checkpoint(RunStorage(folder), run.snapshot())
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
 
-        run.train(report)
+        run.train(report, last_after_final=True)
     finally:
         executor.close()
 
