@@ -25,7 +25,7 @@ PFL = {
     "MTL": _method("mtl", "ce", lam=0.1),
     "LG-FedAvg": _method("lg_fedavg", "ce"),
     "FedPer": _method("fedper", "ce"),
-    "Per-FedAvg": {**_method("perfedavg", "ce"), **PLAIN_STEPS},
+    "Per-FedAvg": {**_method("perfedavg", "ce", beta=0.01), **PLAIN_STEPS},
     "pFedMe": {**_method("pfedme", "ce"), **PLAIN_STEPS},
     "Ditto": _method("ditto", "ce", lam=1.0),
     "FedFOMO": _method("fedfomo", "ce"),
