@@ -30,23 +30,23 @@ from .values import ConfigError, OneOf, is_import_path, no_effect, not_one_of
 
 def build_rule_params(rule: str, params: dict[str, Any] | None) -> Any:
     """The ``Params`` of generic rule ``rule`` from ``train.rule_params``; a ConfigError names the field."""
-    if rule not in RULES:
-        raise not_one_of("train.generic_rule", rule, RULES)
-    try:
-        return build(RULES[rule].params, params or {}, "train.rule_params.")
-    except ConfigError as e:
-        raise ConfigError(f"{e} (train.generic_rule={rule})") from None
+    return _build_params(RULES, "train.generic_rule", rule, "train.rule_params", params)
 
 
 def build_head_params(head: str, params: dict[str, Any] | None) -> Any:
     """The ``Params`` of personalization method ``head`` from ``train.head_params``; a ConfigError names the
     field."""
-    if head not in HEADS:
-        raise not_one_of("train.head", head, HEADS)
+    return _build_params(HEADS, "train.head", head, "train.head_params", params)
+
+
+def _build_params(specs: dict, key: str, name: str, params_key: str, params: dict[str, Any] | None) -> Any:
+    """The ``Params`` of plug-in ``name`` (chosen by ``key``) from its settings under ``params_key``."""
+    if name not in specs:
+        raise not_one_of(key, name, specs)
     try:
-        return build(HEADS[head].params, params or {}, "train.head_params.")
+        return build(specs[name].params, params or {}, f"{params_key}.")
     except ConfigError as e:
-        raise ConfigError(f"{e} (train.head={head})") from None
+        raise ConfigError(f"{e} ({key}={name})") from None
 
 
 def validate(cfg: ExperimentConfig) -> ExperimentConfig:
