@@ -34,10 +34,9 @@ def format_record(rec: dict, rounds: int) -> str:
     if "dp_epsilon" in rec:
         line += f"  |  {label('dp_epsilon')} {rec['dp_epsilon']:.3f}"
     # Off the sync default, the virtual clock and what the mode did (docs/rounds.md).
-    if "clients_dropped" in rec:
-        line += f"  |  {label('virtual_time')} {rec['virtual_time']:.1f}s  {label('clients_dropped')} {rec['clients_dropped']}"
-    if "staleness" in rec:
-        line += f"  |  {label('virtual_time')} {rec['virtual_time']:.1f}s  {label('staleness')} {rec['staleness']:.2f}"
+    for key, spec in (("clients_dropped", "d"), ("staleness", ".2f")):
+        if key in rec:
+            line += f"  |  {label('virtual_time')} {rec['virtual_time']:.1f}s  {label(key)} {rec[key]:{spec}}"
     return line
 
 

@@ -174,11 +174,8 @@ class Federation:
         else:
             ids = dp.sample(r) if dp else sample_clients(cfg.seed, r, n, cfg.train.client_fraction)
             seconds = float(self.durations[ids].max(initial=0.0))  # the slowest (a DP round may have none)
-        from_local = self.rule.starts_from_local_model or self.method.starts_from_local_model
-        jobs = [(cid, self.clients[cid].for_training(from_local)) for cid in ids]
         clip_norm = dp.clip_norm(self.privacy_state) if dp else None
-        message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state),
-                             self.method.messages(self.method_state, ids, self._uploads(), r, cfg.seed), clip_norm)
+        jobs, message = self._send(r, ids, clip_norm)
         # theta, psi under the rule's weights; nu (hyper) by sample count whatever the rule; the rule's
         # uploads unweighted. Each folds in the order of ``ids``, so the runtimes agree bitwise. With DP, every
         # shared weight is summed unweighted instead (``clipped``): a sample count would break the sensitivity.
@@ -274,12 +271,8 @@ class Federation:
 
     def _train_buffered(self, version: int, pending: list[Arrival]) -> list[Arrival]:
         """FedBuff's untrained clients in flight, trained against the current model (version ``version``)."""
-        ids = [a.client_id for a in pending]
-        from_local = self.rule.starts_from_local_model or self.method.starts_from_local_model
-        message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state),
-                             self.method.messages(self.method_state, ids, self._uploads(), version, self.cfg.seed))
+        jobs, message = self._send(version, [a.client_id for a in pending])
         trained = list(pending)
-        jobs = [(cid, self.clients[cid].for_training(from_local)) for cid in ids]
         for slot, out in self.executor.train(version, jobs, message):
             if isinstance(out, ClientFailure):
                 trained[slot] = dataclasses.replace(pending[slot], error=out.error)
@@ -299,6 +292,16 @@ class Federation:
         else:
             # Checked as if the rest of the buffer will arrive intact: past the limit, the step fails already.
             self._check_failures(version, self.cfg.rounds.buffer_size + len(failed), failed)
+
+    def _send(self, r: int, ids: list[int], clip_norm: float | None = None) -> tuple[list, RoundInput]:
+        """What round (or server step) ``r`` sends clients ``ids``: each one's job (its id and the state it
+        trains from) and the message they share (the current global weights, the rule's broadcast, the
+        method's per-client messages, the DP clip norm)."""
+        from_local = self.rule.starts_from_local_model or self.method.starts_from_local_model
+        jobs = [(cid, self.clients[cid].for_training(from_local)) for cid in ids]
+        message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state),
+                             self.method.messages(self.method_state, ids, self._uploads(), r, self.cfg.seed), clip_norm)
+        return jobs, message
 
     def _uploads(self) -> dict[int, StateDict | None]:
         """Every training client's last upload (None: it never trained)."""
