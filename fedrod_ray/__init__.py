@@ -11,7 +11,7 @@ circle exists (tests/test_layering.py reads this list and checks every import of
 2. pieces: data, models, partition, metrics, algorithms, export
 3. local math: step, objectives, local, batched, personalization
 4. clients: client, actors
-5. federation state: setup, state, checkpoint, dp_rounds, buffered_rounds, final
+5. federation state: setup, client_store, state, checkpoint, dp_rounds, buffered_rounds, final
 6. executors and evaluation: executors, evaluation
 7. round loop: federation
 8. a run: run, coordinator

@@ -41,6 +41,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .client import ClientState
+from .client_store import CLIENTS_DIR, Entry, Segment, StoredClients
 from .config import config_from_record
 from .state import Arrival, Snapshot
 from .storage import RunStorage
@@ -51,7 +52,7 @@ FORMAT_VERSION = 3
 READABLE = (2, 3)
 KEEP = 2
 COMPACT_RATIO = 3
-CLIENTS_DIR = "checkpoints/clients"
+SEGMENT_CLIENTS = 256  # client states per file a save writes: what it holds in memory at once
 PRIVACY = "privacy"  # client-level DP's server state, in global.safetensors (absent: it keeps none)
 ARRIVAL = "arrival"  # FedBuff's clients in flight, in global.safetensors: arrival/<send-out>/{delta,state}/<key>
 
@@ -67,38 +68,42 @@ def _name(rounds_done: int) -> str:
 class CheckpointWriter:
     """Saves a federation's snapshots into one run directory, each writing only what changed.
 
-    Change is detected by identity: the federation replaces a client's ``ClientState`` whenever it
-    trains and never writes into one, so a state object this writer has saved is unchanged. A new
-    writer (a resumed run) starts with a full save.
+    A client's state is unchanged when it is the same ``client_store.Entry`` (the store replaces an entry
+    whenever the state changes) as this writer saved last time, or when it is already in a file of this
+    run directory (the store's own files, which the checkpoint names instead of writing them again). A
+    snapshot of states in memory only (not a ``StoredClients``) is saved whole.
     """
 
     def __init__(self, storage: RunStorage):
         self.storage = storage
-        self.saved: dict[int, tuple[ClientState, str | None]] = {}  # client -> (state saved, its file)
-        self.file_sizes: dict[str, int] = {}  # client-state file -> how many states it holds
+        self.saved: dict[int, tuple[Entry, Segment]] = {}  # client -> (entry saved, the file holding it)
 
     def save(self, snap: Snapshot) -> str:
         storage = self.storage
         name = _name(snap.rounds_done)
         self._remove_leftovers()
-        entries = {cid: self.saved.get(cid) for cid in snap.clients}
-        changed = {cid for cid, st in snap.clients.items() if entries[cid] is None or entries[cid][0] is not st}
-        referenced = {e[1] for cid, e in entries.items() if cid not in changed and e[1] is not None}
-        live = sum(bool(st.tensors()) for st in snap.clients.values())
-        if sum(self.file_sizes[f] for f in referenced) + len(changed) > COMPACT_RATIO * max(live, 1):
-            changed = set(snap.clients)
-        written = {cid: snap.clients[cid] for cid in sorted(changed) if snap.clients[cid].tensors()}
-        file = None
-        if written:
-            file = f"{name}-{uuid.uuid4().hex[:8]}.safetensors"
-            storage.write_bytes(f"{CLIENTS_DIR}/{file}", st_save(
-                {f"{cid}/{k}": v.contiguous() for cid, st in written.items() for k, v in st.tensors().items()}))
-            self.file_sizes[file] = len(written)
-        for cid, st in snap.clients.items():
-            if cid in changed:
-                self.saved[cid] = (st, file if cid in written else None)
-        for cid in set(self.saved) - set(snap.clients):
-            del self.saved[cid]
+        clients = StoredClients.of(snap.clients)
+        files: dict[int, Segment] = {}
+        changed = []
+        for cid, entry in clients.entries.items():
+            if not entry.tensors:
+                continue
+            if entry.segment is not None and entry.segment.in_clients_dir(storage):
+                files[cid] = entry.segment
+            elif cid in self.saved and self.saved[cid][0] is entry:
+                files[cid] = self.saved[cid][1]
+            else:
+                changed.append(cid)
+        live = len(files) + len(changed)
+        if sum(s.size for s in set(files.values())) + len(changed) > COMPACT_RATIO * max(live, 1):
+            changed, files = sorted([*files, *changed]), {}
+        written: dict[int, tuple[Entry, Segment]] = {}
+        for start in range(0, len(changed), SEGMENT_CLIENTS):
+            states = {cid: clients[cid] for cid in changed[start:start + SEGMENT_CLIENTS]}
+            segment = Segment.write(storage, f"{name}-{uuid.uuid4().hex[:8]}", states)
+            written.update({cid: (clients.entries[cid], segment) for cid in states})
+        files.update({cid: segment for cid, (_, segment) in written.items()})
+        self.saved = {cid: (clients.entries[cid], segment) for cid, segment in files.items()}
 
         # Written in place on an object store (the manifest last), else renamed into place when complete.
         folder = f"checkpoints/{name}"
@@ -119,8 +124,8 @@ class CheckpointWriter:
             "estimate_offset": snap.estimate_offset,
             "clock": {"virtual_time": snap.virtual_time, "dispatches": snap.dispatches,
                       "in_flight": [_arrival_meta(a) for a in snap.in_flight]},
-            "clients": {str(cid): {"rounds_trained": st.rounds_trained, "file": self.saved[cid][1]}
-                        for cid, st in sorted(snap.clients.items())},
+            "clients": {str(cid): {"rounds_trained": e.rounds_trained if (e := clients.entries.get(cid)) else 0,
+                                   "file": files[cid].file if cid in files else None} for cid in sorted(clients.ids)},
         }
         self._discard(name)  # a complete folder of this round that ``latest`` never named (a resumed run)
         storage.write_bytes(f"{folder}/global.safetensors", st_save(global_tensors))
@@ -129,7 +134,8 @@ class CheckpointWriter:
         if folder != f"checkpoints/{name}":
             storage.move_dir(folder, f"checkpoints/{name}")
         storage.write_bytes("checkpoints/latest", name.encode())
-        self._retain()
+        clients.written(storage, written)
+        self._retain(clients)
         return name
 
     def _remove_leftovers(self) -> None:
@@ -146,20 +152,22 @@ class CheckpointWriter:
         self.storage.delete_file(f"checkpoints/{name}/manifest.json")
         self.storage.delete_dir(f"checkpoints/{name}")
 
-    def _retain(self) -> None:
-        """Keep the newest KEEP round folders and the client files their manifests name."""
+    def _retain(self, clients: StoredClients) -> None:
+        """Keep the newest KEEP round folders and the client files their manifests name or the client store
+        reads from now."""
         rounds = [d for d in self.storage.list_dirs("checkpoints")
                   if d.startswith("round_") and _complete(self.storage, d)]
         for old in rounds[:-KEEP]:
             self._discard(old)
-        needed = set()
+        files = self.storage.list_files(CLIENTS_DIR)
+        # After the listing: a file the store writes meanwhile is either not listed or already live.
+        needed = clients.live_files(self.storage)
         for kept in rounds[-KEEP:]:
             manifest = _read_manifest(self.storage, kept)
             needed |= {c.get("file") for c in manifest.get("clients", {}).values()}
-        for file in self.storage.list_files(CLIENTS_DIR):
+        for file in files:
             if file not in needed and ".tmp-" not in file:
                 self.storage.delete_file(f"{CLIENTS_DIR}/{file}")
-                self.file_sizes.pop(file, None)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -259,22 +267,17 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
     method_prefix = f"method/{config.train.head}/"
     method = {k[len(method_prefix):]: v for k, v in tensors.items() if k.startswith(method_prefix)}
     privacy = {k[len(PRIVACY) + 1:]: v for k, v in tensors.items() if k.startswith(f"{PRIVACY}/")}
-    # Format 2 kept every client's state in the round folder; format 3 names a shared file per client.
-    if version == 2:
-        source = {cid: f"checkpoints/{name}/clients.safetensors" for cid in manifest["clients"]}
-    else:
-        source = {cid: f"{CLIENTS_DIR}/{m['file']}" for cid, m in manifest["clients"].items() if m["file"]}
-    per_client: dict[int, dict[str, torch.Tensor]] = {}
-    for file in sorted(set(source.values())):
-        for k, v in st_load(storage.read_bytes(file)).items():
-            cid, rest = k.split("/", 1)
-            # A shared file also holds older versions of clients that a later save wrote again.
-            if source.get(cid) == file:
-                per_client.setdefault(int(cid), {})[rest] = v
-    clients = {
-        int(cid): ClientState.from_tensors(per_client.get(int(cid), {}), meta["rounds_trained"])
-        for cid, meta in manifest["clients"].items()
-    }
+    # Format 2 kept every client's state in the round folder; format 3 names a shared file per client. The
+    # states are read from them when asked for (``client_store.StoredClients``).
+    segments: dict[str, Segment] = {}
+    entries: dict[int, Entry] = {}
+    for cid, meta in manifest["clients"].items():
+        rel = (f"checkpoints/{name}/clients.safetensors" if version == 2
+               else f"{CLIENTS_DIR}/{meta['file']}" if meta["file"] else None)
+        if rel is not None or meta["rounds_trained"]:
+            segment = segments.setdefault(rel, Segment(storage, rel)) if rel is not None else None
+            entries[int(cid)] = Entry(meta["rounds_trained"], segment, rel is not None, None if rel else False)
+    clients = StoredClients(sorted(int(cid) for cid in manifest["clients"]), entries, {})
     # A checkpoint of a version before the estimate's offset (or the virtual clock) holds none: the next exact
     # evaluation sets it (the clock starts at zero).
     clock = manifest.get("clock", {})

@@ -16,7 +16,7 @@ the sample was from the exact figures at the last exact evaluation (``anchored``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -24,6 +24,7 @@ import torch
 
 from .aggregate import StateDict
 from .client import ClientState, EvalCounts, estimate_test_set
+from .client_store import ClientStore
 from .executors.base import Executor, Job
 from .local import RoundInput, class_distribution
 from .metrics import (
@@ -40,6 +41,7 @@ from .setup import Setup
 
 EVAL_SAMPLE_TAG = 5  # seeds eval.clients' sample of the training clients
 PM_BATCH = 64  # clients whose global-reading PM is scored at once: (64, test size, classes) logits
+PM_JOBS = 256  # clients whose PM one executor call evaluates (their states in memory at once)
 
 
 class Evaluation:
@@ -77,21 +79,20 @@ class Evaluation:
         self._pm_counts.clear()
         self._pm_estimates.clear()
 
-    def evaluate(self, executor: Executor, global_shared: StateDict, clients: dict[int, ClientState],
+    def evaluate(self, executor: Executor, global_shared: StateDict, clients: ClientStore,
                  round_idx: int, final: bool = False) -> dict:
         """The metrics of the GM ``global_shared`` and the PMs of ``clients`` after round ``round_idx``
         (0-based); ``final`` adds the fine-tuned P-FL of ``eval.finetune_epochs``."""
         test, weights = self.setup.test, self.setup.pfl_weights
         ids = self.client_ids
-        scored = {cid: clients[cid] for cid in ids}
-        pm, stale, fresh_clients = self._pm_jobs(self._pm_states(scored, global_shared, round_idx + 1),
-                                                 self._pm_counts)
+        pm, stale, fresh_clients = self._pm_jobs(clients, ids, global_shared, round_idx + 1, self._pm_counts)
         ft_jobs = self._finetune_jobs(clients) if final else []
         message = RoundInput(global_shared)
         # The executor (on Ray, the client actors) evaluates the PMs that changed, and fine-tunes, while
         # this thread scores the GM and every client's global-reading PM from one pass of the GM.
         with ThreadPoolExecutor(1) as pool:
-            pending = (pool.submit(self._executor_evaluation, executor, stale, ft_jobs, message, round_idx)
+            pending = (pool.submit(self._executor_evaluation, executor, clients, stale, global_shared,
+                                   round_idx + 1, ft_jobs, message, round_idx)
                        if stale or ft_jobs else None)
             generic = self.generic_model(global_shared, clients)
             self.model.load_partial(generic)
@@ -103,11 +104,10 @@ class Evaluation:
             # A client that never trained has no model of its own: its PM is the global reading.
             pm.correct.update({cid: pm_global.correct[cid] for cid in fresh_clients})
             pm.total.update({cid: pm_global.total[cid] for cid in fresh_clients})
-            evaluated, tuned = pending.result() if pending is not None else (EvalCounts(), EvalCounts())
+            evaluated, rounds, tuned = (pending.result() if pending is not None
+                                        else (EvalCounts(), {}, EvalCounts()))
         pm.merge(evaluated)
-        for cid, state in stale:
-            if cid in evaluated.correct:
-                self._pm_counts[cid] = (state.rounds_trained, evaluated.correct[cid], evaluated.total[cid])
+        self._remember(self._pm_counts, evaluated, rounds)
         pm.failed.update({cid: e for cid, e in pm_global.failed.items() if cid not in pm.failed})
         for cid, error in sorted(pm.failed.items()):
             self.log(f"client {cid}: personalized model not evaluated: {error}")
@@ -140,7 +140,7 @@ class Evaluation:
             out["finetune_failed"] = len(tuned.failed)
         return out
 
-    def estimate(self, executor: Executor, global_shared: StateDict, clients: dict[int, ClientState],
+    def estimate(self, executor: Executor, global_shared: StateDict, clients: ClientStore,
                  rounds_done: int) -> dict:
         """The estimate of G-FL and of the training clients' P-FL of the GM and of their PMs (as
         ``evaluate``'s gfl_gm, pfl_gm and pfl_pm) on the sample ``estimate_test``: the same counts, from
@@ -148,11 +148,10 @@ class Evaluation:
         test = self.estimate_test
         dists = test.pfl_weights(self.setup.class_dists)
         m = self.setup.num_clients
-        train_clients = {cid: clients[cid] for cid in range(m)}
-        pm, stale, fresh_clients = self._pm_jobs(self._pm_states(train_clients, global_shared, rounds_done),
-                                                 self._pm_estimates)
+        pm, stale, fresh_clients = self._pm_jobs(clients, range(m), global_shared, rounds_done, self._pm_estimates)
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(executor.evaluate, stale, True) if stale else None
+            pending = (pool.submit(self._evaluate_pms, executor, clients, stale, global_shared, rounds_done, True)
+                       if stale else None)
             generic = self.generic_model(global_shared, clients)
             self.model.load_partial(generic)
             z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
@@ -160,40 +159,55 @@ class Evaluation:
             correct, total = class_correct(preds, test.y, test.num_classes)
             pm_global = self._global_reading_pms(clients, fresh_clients, global_shared, generic, z, logits,
                                                  _gm_counts(preds, test, fresh_clients, correct, total), test)
-            evaluated = pending.result() if pending is not None else EvalCounts()
+            evaluated, rounds = pending.result() if pending is not None else (EvalCounts(), {})
         pm.merge(pm_global)
         pm.merge(evaluated)
-        for cid, state in stale:
-            if cid in evaluated.correct:
-                self._pm_estimates[cid] = (state.rounds_trained, evaluated.correct[cid], evaluated.total[cid])
+        self._remember(self._pm_estimates, evaluated, rounds)
         return {
             "gfl_gm_est": accuracy(correct, total),
             "pfl_gm_est": float(pfl_accuracy(correct, total, dists)[:m].mean()),
             "pfl_pm_est": _mean(list(_pfl(pm, dists).values())),
         }
 
-    def generic_model(self, global_shared: StateDict, clients: dict[int, ClientState]) -> StateDict:
+    def generic_model(self, global_shared: StateDict, clients: ClientStore) -> StateDict:
         """The GM's weights (``personalization.generic_weights``)."""
         return generic_weights(self.method, self.model.personal_keys(), global_shared, clients, self.initial,
                                self.setup.num_clients)
 
-    def _pm_states(self, clients: dict[int, ClientState], global_shared: StateDict,
-                   rounds_done: int) -> dict[int, ClientState]:
-        """What each client's PM is evaluated from (``Personalization.pm_job``), for the trained ones."""
-        if not self.method.pm_from_global:
-            return clients
-        m = self.setup.num_clients
-        return {cid: self.method.pm_job(st, global_shared, rounds_done) if cid < m else st
-                for cid, st in clients.items()}
+    def _pm_state(self, clients: ClientStore, cid: int, global_shared: StateDict, rounds_done: int) -> ClientState:
+        """What client ``cid``'s PM is evaluated from (``Personalization.pm_job``, for a training client)."""
+        state = clients[cid]
+        if self.method.pm_from_global and cid < self.setup.num_clients:
+            return self.method.pm_job(state, global_shared, rounds_done)
+        return state
 
-    def _executor_evaluation(self, executor: Executor, stale: list[Job], ft_jobs: list[Job], message: RoundInput,
-                             round_idx: int) -> tuple[EvalCounts, EvalCounts]:
-        evaluated = executor.evaluate(stale) if stale else EvalCounts()
+    def _evaluate_pms(self, executor: Executor, clients: ClientStore, stale: list[int], global_shared: StateDict,
+                      rounds_done: int, estimate: bool = False) -> tuple[EvalCounts, dict[int, int]]:
+        """The executor's PM counts of the ``stale`` clients, and the rounds each PM had trained. Their states
+        are read PM_JOBS at a time, so that an evaluation holds no more of them than that."""
+        out, rounds = EvalCounts(), {}
+        for start in range(0, len(stale), PM_JOBS):
+            jobs = [(cid, self._pm_state(clients, cid, global_shared, rounds_done))
+                    for cid in stale[start:start + PM_JOBS]]
+            out.merge(executor.evaluate(jobs, estimate))
+            rounds.update({cid: state.rounds_trained for cid, state in jobs})
+        return out, rounds
+
+    def _executor_evaluation(self, executor: Executor, clients: ClientStore, stale: list[int],
+                             global_shared: StateDict, rounds_done: int, ft_jobs: list[Job], message: RoundInput,
+                             round_idx: int) -> tuple[EvalCounts, dict[int, int], EvalCounts]:
+        evaluated, rounds = self._evaluate_pms(executor, clients, stale, global_shared, rounds_done)
         tuned = (executor.finetune(ft_jobs, message, self.cfg.eval.finetune_epochs, round_idx)
                  if ft_jobs else EvalCounts())
-        return evaluated, tuned
+        return evaluated, rounds, tuned
 
-    def _finetune_jobs(self, clients: dict[int, ClientState]) -> list[Job]:
+    @staticmethod
+    def _remember(cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]], evaluated: EvalCounts,
+                  rounds: dict[int, int]) -> None:
+        for cid, correct in evaluated.correct.items():
+            cache[cid] = (rounds[cid], correct, evaluated.total[cid])
+
+    def _finetune_jobs(self, clients: ClientStore) -> list[Job]:
         """Held-out new clients, and every (sampled: ``eval.clients``) training client with ``eval.finetune_train``,
         when fine-tuning is on."""
         ev = self.cfg.eval
@@ -202,23 +216,31 @@ class Evaluation:
         ids = [cid for cid in self.client_ids if ev.finetune_train or cid >= self.setup.num_clients]
         return [(cid, clients[cid].for_training()) for cid in ids]
 
-    @staticmethod
-    def _pm_jobs(clients: dict[int, ClientState], cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]]
-                 ) -> tuple[EvalCounts, list[Job], list[int]]:
-        """The PM counts in ``cache`` still valid, the clients whose PM must be evaluated afresh (trained
-        since their last evaluation), and those that never trained. A PM changes only when its client trains."""
+    def _pm_jobs(self, clients: ClientStore, ids: Iterable[int], global_shared: StateDict, rounds_done: int,
+                 cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[EvalCounts, list[int], list[int]]:
+        """Of clients ``ids``: the PM counts in ``cache`` still valid, the clients whose PM must be evaluated
+        afresh (trained since their last evaluation), and those without a model of their own (never
+        trained). A PM changes only when its client trains (with ``pm_from_global``: every round), so only
+        those states are read."""
         cached, stale, fresh = EvalCounts(), [], []
-        for cid, state in clients.items():
-            if state.local_model is None and state.personal is None:
+        m = self.setup.num_clients
+        for cid in ids:
+            if self.method.pm_from_global and cid < m:
+                state = self._pm_state(clients, cid, global_shared, rounds_done)
+                has_model = state.local_model is not None or state.personal is not None
+                rounds = state.rounds_trained
+            else:
+                has_model, rounds = clients.has_model(cid), clients.rounds_trained(cid)
+            if not has_model:
                 fresh.append(cid)
-            elif cid in cache and cache[cid][0] == state.rounds_trained:
+            elif cid in cache and cache[cid][0] == rounds:
                 _, cached.correct[cid], cached.total[cid] = cache[cid]
             else:
-                stale.append((cid, state))
+                stale.append(cid)
         return cached, stale, fresh
 
     @torch.inference_mode()
-    def _global_reading_pms(self, clients: dict[int, ClientState], ids: list[int], global_shared: StateDict,
+    def _global_reading_pms(self, clients: ClientStore, ids: list[int], global_shared: StateDict,
                             generic: StateDict, z: torch.Tensor, logits: torch.Tensor, gm: EvalCounts,
                             test: TestSet) -> EvalCounts:
         """Per-class correct counts on ``test`` (each client's own examples where it has some) of each client's
@@ -229,16 +251,17 @@ class Evaluation:
         With no such head, a linear head still at its initial zeros, or no global reading at all, that PM is
         the GM, whose counts are ``gm``."""
         out = EvalCounts(total={cid: gm.total[cid] for cid in ids})
+        personal = {cid: clients[cid].personal for cid in ids}  # read once: each may be on disk
         if self.model.variant == "linear":
             shape = self.model.personal_head.weight.shape
-            out.correct = {cid: gm.correct[cid] for cid in ids if clients[cid].personal is None}
+            out.correct = {cid: gm.correct[cid] for cid in ids if personal[cid] is None}
             for cid in ids:
-                head = (clients[cid].personal or {}).get("personal_head.weight")
+                head = (personal[cid] or {}).get("personal_head.weight")
                 if cid not in out.correct and (head is None or head.shape != shape):
                     out.failed[cid] = f"ValueError: its personal head is not a {tuple(shape)} personal_head.weight"
             ids = [cid for cid in ids if cid not in out.correct and cid not in out.failed]
         method = self.method
-        heads = (method.reading_heads(self.model, [clients[cid].personal for cid in ids[:1]],
+        heads = (method.reading_heads(self.model, [personal[cid] for cid in ids[:1]],
                                       self._dists(ids[:1]), self.initial) if ids else None)
         if method.global_reading is None or heads is None:
             out.correct.update({cid: gm.correct[cid] for cid in ids})
@@ -252,7 +275,7 @@ class Evaluation:
         onehot = torch.nn.functional.one_hot(y, num_classes).to(torch.float64)
         for start in range(0, len(ids), PM_BATCH):
             batch = ids[start:start + PM_BATCH]
-            phi = method.reading_heads(self.model, [clients[cid].personal for cid in batch], self._dists(batch),
+            phi = method.reading_heads(self.model, [personal[cid] for cid in batch], self._dists(batch),
                                        self.initial)
             if test.clients is None:
                 preds = (logits + torch.einsum("nd,mcd->mnc", z, phi)).argmax(-1)

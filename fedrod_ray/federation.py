@@ -20,6 +20,7 @@ from .algorithms import build_rule
 from .buffered import buffered_update, staleness_weight
 from .buffered_rounds import BufferedRounds
 from .client import ClientFailure, ClientState
+from .client_store import ClientStore, LocalModels
 from .clock import client_speeds, communication_seconds, deadline_round, durations, over_selected, read_trace
 from .config import ConfigError
 from .dp_rounds import ClientLevelDP, check_shared
@@ -64,9 +65,10 @@ class Federation:
         self.global_shared: StateDict = {k: state[k].detach().clone() for k in self.shared_keys}
         self.server_state: StateDict = self.rule.init_server_state(self._generic(self.global_shared))
         self.method_state: StateDict = self.method.init_server_state(setup.num_clients)
-        # Every client's committed state. It is only ever replaced, never written into, so a snapshot
-        # is a shallow copy and stays valid while training goes on.
-        self.clients: dict[int, ClientState] = {cid: ClientState() for cid in setup.all_client_ids}
+        # Every client's committed state, the runtime.client_cache most recently used in memory, the rest on
+        # disk. A state is only ever replaced, never written into, so a snapshot stays valid while training
+        # goes on.
+        self.clients = ClientStore(len(setup.all_client_ids), self.cfg.runtime.client_cache)
         self.evaluation = Evaluation(setup, self.model, self.method, self.initial, log)
         self.estimate_offset: dict[str, float] = {}
         self.next_round = 0
@@ -113,7 +115,7 @@ class Federation:
     def snapshot(self) -> Snapshot:
         buffered = self.buffered
         return Snapshot(self.next_round, self.cfg, dict(self.global_shared), dict(self.server_state),
-                        dict(self.clients), dict(self.estimate_offset), dict(self.method_state),
+                        self.clients.snapshot(), dict(self.estimate_offset), dict(self.method_state),
                         dict(self.privacy_state), self.virtual_time, buffered.dispatches if buffered else 0,
                         list(buffered.in_flight) if buffered else [])
 
@@ -126,11 +128,8 @@ class Federation:
         self.method_state = dict(snap.method_state) or self.method.init_server_state(self.setup.num_clients)
         if self.dp is not None:
             self.privacy_state = dict(snap.privacy_state) or self.dp.init_state()
-        unknown = sorted(set(snap.clients) - set(self.clients))
-        if unknown:
-            raise ValueError(f"the snapshot holds clients this federation does not have: {unknown[:10]}")
+        self.clients.restore(snap.clients)
         self.next_round = snap.rounds_done
-        self.clients.update(snap.clients)
         self.estimate_offset = dict(snap.estimate_offset)
         self.virtual_time = snap.virtual_time
         if self.buffered is not None:
@@ -303,9 +302,9 @@ class Federation:
                              self.method.messages(self.method_state, ids, self._uploads(), r, self.cfg.seed), clip_norm)
         return jobs, message
 
-    def _uploads(self) -> dict[int, StateDict | None]:
-        """Every training client's last upload (None: it never trained)."""
-        return {cid: self.clients[cid].local_model for cid in range(self.setup.num_clients)}
+    def _uploads(self) -> LocalModels:
+        """Every training client's last upload (None: it never trained), read when asked for."""
+        return self.clients.local_models(self.setup.num_clients)
 
     def _report(self, round_number: int, finished: int, sampled: int) -> None:
         self.round_progress = (round_number, finished, sampled)

@@ -48,6 +48,9 @@ class Run:
 
     def __init__(self, federation: Federation, storage: RunStorage, snapshot: Snapshot | None = None,
                  track: bool = True):
+        # The client store writes the states its cache cannot hold into the run directory, where the
+        # checkpoints name them.
+        federation.clients.attach(storage)
         if snapshot is not None:
             federation.restore(snapshot)
         self.federation, self.storage = federation, storage

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .aggregate import StateDict
@@ -41,7 +42,9 @@ class Snapshot:
     config: ExperimentConfig
     global_shared: StateDict
     server_state: StateDict  # owned by config.train.generic_rule (empty if it keeps none)
-    clients: dict[int, ClientState]
+    # Every client's state: a federation's ``client_store.StoredClients`` (read from disk when asked for), or
+    # states in memory.
+    clients: Mapping[int, ClientState]
     # With eval.estimate_size: exact minus sample estimate of each estimated metric at the last exact
     # evaluation (``evaluation.estimate_offset``); empty before the first one.
     estimate_offset: dict[str, float] = field(default_factory=dict)

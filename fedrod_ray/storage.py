@@ -16,6 +16,7 @@ import os
 import posixpath
 import uuid
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 # pyarrow's names (``FileSystem.type_name``) of the stores whose objects appear whole on completion.
@@ -66,6 +67,10 @@ class RunStorage:
     def read_bytes(self, rel: str) -> bytes:
         with self.fs.open_input_stream(self.path(rel)) as f:
             return f.read()
+
+    def open_random(self, rel: str) -> pa.NativeFile:
+        """The file for reads at any offset (``read_at``): on an object store, each one a ranged GET."""
+        return self.fs.open_input_file(self.path(rel))
 
     def exists(self, rel: str) -> bool:
         return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound

@@ -17,6 +17,7 @@ from fedrod_ray.checkpoint import (
     save_checkpoint,
 )
 from fedrod_ray.client import ClientState
+from fedrod_ray.client_store import ClientStore
 from fedrod_ray.config import check_resume, config_from_dict
 from fedrod_ray.results import MetricsLog
 from fedrod_ray.state import Snapshot
@@ -263,18 +264,25 @@ def _client_files(storage: RunStorage) -> dict[str, set[str]]:
     return out
 
 
+def _store(clients: dict[int, ClientState], storage: RunStorage | None = None, capacity: int = 100) -> ClientStore:
+    store = ClientStore(len(clients), capacity, storage)
+    store.update(clients)
+    return store
+
+
 def test_a_save_writes_only_the_clients_that_changed(tmp_path):
     storage = RunStorage(str(tmp_path / "run"))
     writer = CheckpointWriter(storage)
     snap = make_checkpoint(0)
-    snap.clients = {cid: _state(cid, 1) for cid in range(10)}
+    store = _store({cid: _state(cid, 1) for cid in range(10)})
+    snap.clients = store.snapshot()
     writer.save(snap)
     [first] = _client_files(storage).values()
     assert first == {str(c) for c in range(10)}
 
-    # Round 1 trains clients 3 and 7: their states are replaced, the others are the same objects.
-    snap = Snapshot(1, snap.config, snap.global_shared, snap.server_state,
-                    {**snap.clients, 3: _state(30, 2), 7: _state(70, 2)})
+    # Round 1 trains clients 3 and 7: their states are replaced, the others are the same.
+    store.update({3: _state(30, 2), 7: _state(70, 2)})
+    snap = Snapshot(1, snap.config, snap.global_shared, snap.server_state, store.snapshot())
     writer.save(snap)
     files = _client_files(storage)
     assert sorted(files.values(), key=len) == [{"3", "7"}, first]
@@ -290,6 +298,30 @@ def test_a_save_writes_only_the_clients_that_changed(tmp_path):
     _assert_dicts_equal(older.clients[3].tensors(), _state(3, 1).tensors())
 
 
+def test_a_save_names_the_files_the_client_store_wrote_instead_of_copying_them(tmp_path):
+    """States the store's cache could not hold are in the store's own files in the run directory: a save
+    names those files and writes only the states still in memory; the checkpoint loads bitwise."""
+    storage = RunStorage(str(tmp_path / "run"))
+    writer = CheckpointWriter(storage)
+    snap = make_checkpoint(0)
+    store = _store({cid: _state(cid, 1) for cid in range(10)}, storage, capacity=3)
+    assert store.in_memory == 3
+    [spilled] = _client_files(storage).values()  # the 7 least recently committed, in one file
+    assert spilled == {str(c) for c in range(7)}
+    writer.save(Snapshot(0, snap.config, snap.global_shared, snap.server_state, store.snapshot()))
+    files = _client_files(storage)
+    assert sorted(files.values(), key=len) == [{"7", "8", "9"}, spilled]
+    # Nothing changed since: the next save writes no client at all, and evicting the saved states is free.
+    store.update({})
+    assert store[0].rounds_trained == 1 and store.in_memory == 3
+    writer.save(Snapshot(1, snap.config, snap.global_shared, snap.server_state, store.snapshot()))
+    assert _client_files(storage) == files
+    loaded = load_checkpoint(storage)
+    for cid in range(10):
+        _assert_dicts_equal(loaded.clients[cid].tensors(), _state(cid, 1).tensors())
+        assert loaded.clients[cid].rounds_trained == 1
+
+
 def test_superseded_states_are_compacted_away(tmp_path):
     """Files stay while any client still points at them. Once the files that the live states point at
     hold more than COMPACT_RATIO (3) x as many states, a save writes every state afresh, and the old
@@ -297,15 +329,15 @@ def test_superseded_states_are_compacted_away(tmp_path):
     storage = RunStorage(str(tmp_path / "run"))
     writer = CheckpointWriter(storage)
     base = make_checkpoint(0)
-    clients = {cid: _state(cid, 1) for cid in range(10)}
+    store = _store({cid: _state(cid, 1) for cid in range(10)})
     on_disk = []
     # Round r trains clients 0 .. 9 - r: the files hold 10, then 10+9, 10+9+8 (27 <= 30), then 34 > 30.
     for r, trained in enumerate([[], range(9), range(8), range(7), range(1)]):
-        clients = {**clients, **{c: _state(100 * r + c, 1 + r) for c in trained}}
-        writer.save(Snapshot(r, base.config, base.global_shared, base.server_state, clients))
+        store.update({c: _state(100 * r + c, 1 + r) for c in trained})
+        writer.save(Snapshot(r, base.config, base.global_shared, base.server_state, store.snapshot()))
         on_disk.append(sorted(len(ids) for ids in _client_files(storage).values()))
         loaded = load_checkpoint(storage)
-        for cid, st in clients.items():
+        for cid, st in store.items():
             _assert_dicts_equal(loaded.clients[cid].tensors(), st.tensors())
     assert on_disk[:3] == [[10], [9, 10], [8, 9, 10]]
     assert on_disk[3] == [8, 9, 10, 10]  # all 10 afresh; round 2's checkpoint still needs the rest

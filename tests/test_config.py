@@ -172,6 +172,7 @@ def test_bad_choice_names_the_field(override, field):
     ("data.new_clients=-1", "data.new_clients"),
     ("train.client_fraction=1.5", "train.client_fraction"),
     ("runtime.client_resources.num_gpus=-1", "runtime.client_resources.num_gpus"),
+    ("runtime.client_cache=-1", "runtime.client_cache"),
 ])
 def test_out_of_range_names_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -192,6 +193,8 @@ def test_out_of_range_names_the_field(override, field):
      r"train\.momentum_buffers: keep has no effect with train\.momentum=0"),
     (["eval.estimate_size=100"], r"eval\.estimate_size: has no effect when every round is evaluated exactly"),
     (["eval.estimate_size=100", "eval.eval_every=5", "train.rounds=1"], r"eval\.estimate_size: has no effect"),
+    (["data.num_clients=100", "runtime.client_cache=100"],
+     r"runtime\.client_cache: has no effect with data\.num_clients=100 \(every client's state stays in memory\)"),
 ])
 def test_a_setting_without_effect_is_an_error(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -7,10 +7,12 @@ import math
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from fedrod_ray.aggregate import weighted_average
 from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.client import ClientState
+from fedrod_ray.client_store import ClientStore
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.evaluation import _gm_counts, anchored, confidence_halfwidth, estimate_offset
 from fedrod_ray.executors.in_process import InProcessExecutor
@@ -19,6 +21,7 @@ from fedrod_ray.federation import Federation, RoundFailedError
 from fedrod_ray.local import RoundInput
 from fedrod_ray.metric_schema import ESTIMATES
 from fedrod_ray.metrics import class_correct, features_and_logits, personal_class_correct
+from fedrod_ray.run import Run
 from fedrod_ray.runner import run_local
 from fedrod_ray.server import sample_clients
 from fedrod_ray.setup import make_host, prepare
@@ -78,9 +81,9 @@ class CountingExecutor(InProcessExecutor):
         super().__init__(host)
         self.asked: list[list[int]] = []
 
-    def evaluate(self, jobs):
+    def evaluate(self, jobs, estimate=False):
         self.asked.append([cid for cid, _ in jobs])
-        return super().evaluate(jobs)
+        return super().evaluate(jobs, estimate)
 
 
 def test_pm_evaluation_runs_only_clients_that_trained_since_the_last(tmp_path):
@@ -360,3 +363,101 @@ def test_a_run_can_skip_the_evaluation_after_its_last_round():
     fed = make_federation("train.rounds=3", "eval.eval_every=2", "eval.at_end=false")
     records = [fed.step(r) for r in range(3)]
     assert ["gfl_gm" in record for record in records] == [False, True, False]
+
+
+def _records(records: list[dict]) -> str:
+    # As JSON: a reading a method has not is NaN in both, which == would call different.
+    return json.dumps([{k: v for k, v in r.items() if "seconds" not in k} for r in records])
+
+
+def _same_clients(a, b) -> None:
+    assert list(a) == list(b)
+    for cid in a:
+        assert a[cid].rounds_trained == b[cid].rounds_trained, cid
+        assert _same(a[cid].tensors(), b[cid].tensors()), cid
+
+
+@pytest.mark.parametrize("overrides", [
+    ("train.generic_rule=feddyn", "train.momentum_buffers=keep", "train.momentum=0.5", "eval.finetune_epochs=1"),
+    ("train.generic_rule=scaffold", "train.head=hyper", "eval.finetune_epochs=1"),
+    ("train.head=fedfomo", "train.balanced_loss=ce"),
+    ("train.head=mtl", "train.balanced_loss=ce"),
+    ("train.head=perfedavg", "train.balanced_loss=ce", "train.momentum=0", "train.weight_decay=0"),
+    ("rounds.mode=fedbuff", "rounds.buffer_size=2", "rounds.concurrency=4"),
+    ("privacy.enabled=true", "privacy.noise_multiplier=0.5", "train.head=hyper"),
+], ids=["feddyn-linear-keep", "scaffold-hyper", "fedfomo", "mtl", "perfedavg", "fedbuff", "dp"])
+@pytest.mark.parametrize("cache", [0, 1])
+def test_a_tiny_client_cache_trains_and_evaluates_bitwise_as_all_in_memory(overrides, cache):
+    """runtime.client_cache: with at most `cache` states in memory between rounds (the rest read back from
+    the store's files), every record, the global weights and every client's state are those of the run that
+    keeps them all in memory."""
+    common = (*overrides, "train.rounds=4", "eval.clients=5")
+    ref = make_federation(*common)
+    fed = make_federation(*common, f"runtime.client_cache={cache}")
+    expected, records = [], []
+    for r in range(4):
+        expected.append(ref.step(r))
+        records.append(fed.step(r))
+        assert fed.clients.in_memory <= cache
+    assert _records(records) == _records(expected)
+    assert _same(fed.global_shared, ref.global_shared)
+    assert sum(st.rounds_trained > 0 for st in ref.clients.values()) > cache
+    _same_clients(fed.clients, ref.clients)
+    assert fed.clients.in_memory <= cache
+
+
+def test_the_client_store_keeps_at_most_its_bound_and_a_client_that_never_trained_costs_no_entry(tmp_path):
+    store = ClientStore(50, 3, RunStorage(str(tmp_path)))
+    states = {cid: ClientState(local_model={"w": torch.full((4,), float(cid))}, rounds_trained=1)
+              for cid in range(0, 50, 5)}
+    for cid, state in states.items():
+        store[cid] = state
+        assert store.in_memory <= 3
+    for cid in [*states, *states]:  # every read brings one back, pushing the oldest out
+        assert torch.equal(store[cid].local_model["w"], states[cid].local_model["w"])
+        assert store.in_memory <= 3
+    assert store[1] == ClientState() and store.rounds_trained(1) == 0 and not store.has_model(1)
+    assert len(store.snapshot().entries) == len(states)  # none for the clients that never trained
+    with pytest.raises(KeyError):
+        store[50]
+
+
+@pytest.mark.parametrize("cache", [1, 1000])
+def test_a_run_with_the_client_store_resumes_from_its_checkpoint_bitwise(tmp_path, cache):
+    """A run stopped after round 2 and resumed from its checkpoint ends with the records, weights and client
+    states of the uninterrupted run, its clients' states read from the checkpoint's files."""
+    overrides = ["train.rounds=4", "train.client_fraction=0.5", "train.head=hyper", "runtime.torch_threads=1"]
+    if cache < 6:
+        overrides.append(f"runtime.client_cache={cache}")
+    full, part = RunStorage(str(tmp_path / "full")), RunStorage(str(tmp_path / "part"))
+    records = run_local(config_from_dict(BASE, overrides), full, log=lambda s: None)
+    run_local(config_from_dict(BASE, [*overrides, "train.rounds=2"]), part, log=lambda s: None)
+    resumed = run_local(config_from_dict(BASE, overrides), part, load_checkpoint(part), log=lambda s: None)
+    assert _records(resumed) == _records(records)
+    a, b = load_checkpoint(full), load_checkpoint(part)
+    assert _same(a.global_shared, b.global_shared)
+    _same_clients(a.clients, b.clients)
+
+
+def test_each_state_is_written_once_by_the_client_store_or_by_a_checkpoint(tmp_path):
+    """With a cache of two states and three clients a round, one of a round's states goes to the store's files
+    as the round commits and the others into the round's checkpoint (no evaluation reads the clients in
+    between), which the store then reads from: no version of a client's state is ever in two files."""
+    storage = RunStorage(str(tmp_path))
+    fed = make_federation("train.rounds=4", "train.client_fraction=0.5", "runtime.client_cache=2",
+                          "eval.eval_every=2")
+    run = Run(fed, storage)
+    for _ in range(4):
+        run.round()
+        run.saves.wait()
+        files = [_file_clients(storage, name) for name in storage.list_files("checkpoints/clients")]
+        assert len(files) > 1
+        for cid in fed.clients:
+            # Its versions are its rounds trained (superseded ones stay while a kept checkpoint names them).
+            assert sum(cid in held for held in files) <= fed.clients.rounds_trained(cid), cid
+    run.finish()
+
+
+def _file_clients(storage: RunStorage, name: str) -> set[int]:
+    with safe_open(storage.path("checkpoints/clients", name), framework="pt") as f:
+        return {int(k.split("/")[0]) for k in f.keys()}  # noqa: SIM118 - safe_open is no dict

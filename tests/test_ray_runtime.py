@@ -130,9 +130,9 @@ ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources
     "variant, layout_overrides",
     [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ()),
      ("hyper_scaffold", ()), ("linear_compiled", ()), ("linear_keep", ()), ("fedfomo", ()),
-     ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ())],
+     ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ()), ("hyper", ("runtime.client_cache=1",))],
     ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold", "linear-compiled",
-         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg"],
+         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1"],
 )
 def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
                                                      variant, layout_overrides):
@@ -155,7 +155,7 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     executor.train = recording_train
     try:
         n = len(setup.all_client_ids)
-        if layout_overrides:
+        if layout_overrides == ONE_ACTOR_PER_CLIENT:
             assert executor.layout.num_actors == n == len(executor.actors) == 4
             assert executor.layout.clients_per_actor == 1 and executor.layout.max_in_flight == 2
         else:
@@ -659,13 +659,15 @@ def test_resume_after_sigkill_equals_uninterrupted_run(uninterrupted_run, tmp_pa
 
 @pytest.mark.slow
 def test_ray_resume_after_sigkill_equals_uninterrupted_run(uninterrupted_run, tmp_path, private_ray_env):
-    """The same on Ray (its own local instance), compared with the in-process run: same bits."""
+    """The same on Ray (its own local instance), compared with the in-process run: same bits. Resumed with
+    two client states in memory: the coordinator reads the others from the checkpoint's files."""
     b = tmp_path / "B"
     ray_args = ("--mode", "ray", "--set", "runtime.address=local")
     kill_after_two_rounds(train_cmd(b, *ray_args), b, env=private_ray_env)
     private_ray_env.reap_after_killed_driver()
     latest = (b / "checkpoints" / "latest").read_text().strip()
-    proc = run_cli([*CLI, "--resume", str(b), "--set", "runtime.torch_threads=1"], env=private_ray_env)
+    proc = run_cli([*CLI, "--resume", str(b), "--set", "runtime.torch_threads=1", "--set", "runtime.client_cache=2"],
+                   env=private_ray_env)
     assert re.search(r"ray: \d+ client actor\(s\)", proc.stdout), proc.stdout
     assert_resumed_after_latest(proc.stdout, b, latest)
     assert_same_run(uninterrupted_run, b)

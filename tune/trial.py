@@ -10,6 +10,7 @@ sweep resumes a trial after its last reported round; a trial the scheduler stops
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 
 import torch
@@ -52,12 +53,12 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
              for k, v in sweep.client_resources.items()}
     executor = RayExecutor(setup, plan_layout(cfg.runtime, len(setup.all_client_ids), slots))
     try:
-        snapshot = None
         checkpoint = tune.get_checkpoint()
-        if checkpoint is not None:
-            with checkpoint.as_directory() as folder:
-                snapshot = load_checkpoint(RunStorage(folder))
-        run = Run(Federation(setup, executor, log=print), storage, snapshot, track=False)
+        with contextlib.ExitStack() as stack:
+            # Restored while Tune's folder is there: the run copies the client files it reads.
+            folder = stack.enter_context(checkpoint.as_directory()) if checkpoint is not None else None
+            snapshot = load_checkpoint(RunStorage(folder)) if folder is not None else None
+            run = Run(Federation(setup, executor, log=print), storage, snapshot, track=False)
         estimate = bool(cfg.eval.estimate_size)
 
         def report(record: dict) -> None:

@@ -151,6 +151,9 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     if rt.mode == "ray" and rt.device != "cpu":
         raise no_effect("runtime.device", "with runtime.mode=ray (actors use a GPU when "
                                           "runtime.client_resources asks for num_gpus)")
+    if rt.client_cache != RuntimeConfig().client_cache and rt.client_cache >= cfg.data.num_clients:
+        raise no_effect("runtime.client_cache", f"with data.num_clients={cfg.data.num_clients} (every client's state "
+                                                "stays in memory)")
     if rt.batched_clients and rt.mode == "ray":
         raise no_effect("runtime.batched_clients", "with runtime.mode=ray (each actor trains its clients one at a "
                                                    "time)", "set runtime.mode=local")

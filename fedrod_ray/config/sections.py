@@ -147,6 +147,9 @@ class RuntimeConfig:
     min_clients_per_round: PositiveInt = 1
     max_failed_fraction: Annotated[float, Field(strict=True, ge=0, le=1), BeforeValidator(number)] = 0.5
     checkpoint_every: PositiveInt = 1
+    # Client states kept in memory between rounds, the most recently used; the others are read from the client
+    # store on disk (the checkpoint's client files) when needed. 0: none, only the round's own clients are.
+    client_cache: NonNegativeInt = 1000
     progress_seconds: NonNegativeFloat = 30.0  # not on a terminal: a progress line inside a round at most this often
 
 

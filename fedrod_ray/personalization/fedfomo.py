@@ -92,8 +92,9 @@ class FedFomo(OwnModels):
         epsilon = max(0.0, p.epsilon - p.epsilon_decay * round_idx)
         affinity = server_state[AFFINITY]
         out = {}
+        uploaded = [c for c, up in uploads.items() if up is not None]
         for cid in ids:
-            have = [c for c, up in uploads.items() if up is not None and c != cid]
+            have = [c for c in uploaded if c != cid]
             chosen = choose(affinity[cid], have, p.models, epsilon,
                             np.random.default_rng([seed, round_idx, cid, CHOICE_TAG]))
             msg = {IDS: torch.tensor(chosen, dtype=torch.long)}
