@@ -27,6 +27,7 @@ from servers import s3_server
 
 from fedrod_ray.checkpoint import CheckpointWriter
 from fedrod_ray.client import ClientState
+from fedrod_ray.client_store import ClientStore
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.models import build_model
 from fedrod_ray.state import Snapshot
@@ -43,7 +44,7 @@ def main() -> int:
     cfg = config_from_dict({"name": "checkpoint_storage"}, [f"data.num_clients={args.clients}", "train.head=hyper"])
     weights = {k: v for k, v in build_model("mnist_cnn", 10, (1, 28, 28), "hyper", 16, 0).state_dict().items()
                if not k.startswith("personal_head")}
-    clients = {c: ClientState() for c in range(args.clients)}
+    clients = ClientStore(args.clients, args.clients)  # as a federation holds them, all in memory
     with tempfile.TemporaryDirectory() as tmp, s3_server(Path(tmp)) as env:
         os.environ.update(env)
         import boto3
@@ -52,10 +53,10 @@ def main() -> int:
         writers = {"local": CheckpointWriter(RunStorage(f"{tmp}/run")), "s3": CheckpointWriter(RunStorage("s3://bench/run"))}
         times: dict[str, list[float]] = {k: [] for k in writers}
         for save in range(1, args.saves + 1):
-            for c in range(args.changed * save, args.changed * (save + 1)):
-                clients[c % args.clients] = ClientState(local_model={k: v + save for k, v in weights.items()},
-                                                        rounds_trained=save)
-            snap = Snapshot(save, cfg, weights, {}, dict(clients))
+            clients.update({c % args.clients: ClientState(local_model={k: v + save for k, v in weights.items()},
+                                                          rounds_trained=save)
+                            for c in range(args.changed * save, args.changed * (save + 1))})
+            snap = Snapshot(save, cfg, weights, {}, clients.snapshot())
             for kind, writer in writers.items():
                 t0 = time.perf_counter()
                 writer.save(snap)

@@ -7,10 +7,12 @@ Layout under ``<run_dir>/checkpoints/``:
                                       and client-level DP's server state, FedBuff's updates in flight
     round_000007/manifest.json        config, round, rule, and for every client the file holding its state
     clients/<save>.safetensors        the states of the clients that changed since the save before
+    clients/store-<id>.safetensors    states the client store wrote when its cache overflowed
     latest                            the name of the newest complete round folder
 
 A client's state changes only when it trains, so a save writes the round's clients, not all of them,
-and the manifest points every other client at the file an earlier save wrote. When the files still
+and the manifest points every other client at the file an earlier save, or the client store
+(``client_store``), wrote. When the files still
 referenced hold more than ``COMPACT_RATIO`` times the live states (old versions of clients that trained
 again), the next save writes every client afresh and the old files go.
 
