@@ -33,14 +33,14 @@ from pathlib import Path
 import torch
 from _common import _memory, machine_note, md_table, median
 
-from fedrod_ray.checkpoint import CheckpointWriter, load_checkpoint
 from fedrod_ray.config import config_from_dict
+from fedrod_ray.data.partition import Partition
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.federation import Federation
-from fedrod_ray.partition import Partition
-from fedrod_ray.server import sample_clients
-from fedrod_ray.setup import Setup, make_host, prepare
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.federation_state.checkpoint import CheckpointWriter, load_checkpoint
+from fedrod_ray.federation_state.setup import Setup, make_host, prepare
+from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.round_loop.federation import Federation
+from fedrod_ray.server_math.server import sample_clients
 
 DATA = {
     "fmnist": {"dataset": "fmnist", "download": False},

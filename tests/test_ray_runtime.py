@@ -24,17 +24,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedrod_ray import faults
-from fedrod_ray.checkpoint import CheckpointWriter, load_checkpoint
-from fedrod_ray.client import ClientState
+from fedrod_ray.clients import faults
+from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.executors.ray import Layout, LostCall, RayExecutor, plan_layout
-from fedrod_ray.federation import Federation, RoundFailedError
-from fedrod_ray.privacy import clip_update, update_norm
-from fedrod_ray.server import sample_clients
-from fedrod_ray.setup import make_host, prepare
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.federation_state.checkpoint import CheckpointWriter, load_checkpoint
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.round_loop.federation import Federation, RoundFailedError
+from fedrod_ray.server_math.privacy import clip_update, update_norm
+from fedrod_ray.server_math.server import sample_clients
 
 REPO = Path(__file__).resolve().parents[1]
 TIME_FIELDS = ("seconds", "train_seconds")
@@ -301,8 +301,8 @@ def test_plan_layout_rejects_what_the_cluster_cannot_fit(resources, cluster):
 
 
 # --- 3. an actor killed in the middle of a call -------------------------------------------------------
-# The call is made to hang by the fault hook (fedrod_ray.faults), so the kill lands while exactly that call
-# runs; the executor's ``lost_calls`` then says which call died with its actor.
+# The call is made to hang by the fault hook (fedrod_ray.clients.faults), so the kill lands while exactly that
+# call runs; the executor's ``lost_calls`` then says which call died with its actor.
 
 
 def arm_fault(monkeypatch, marker: Path, call: str, client: int, round_idx: int | None = None) -> None:
@@ -709,8 +709,8 @@ NODE_LOSS_SCRIPT = textwrap.dedent("""
     from ray.util.state import list_actors
     from fedrod_ray.config import config_from_dict
     from fedrod_ray.executors.ray import RayExecutor, plan_layout
-    from fedrod_ray.federation import Federation
-    from fedrod_ray.setup import prepare
+    from fedrod_ray.round_loop.federation import Federation
+    from fedrod_ray.federation_state.setup import prepare
 
     def is_training(pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
