@@ -4,9 +4,10 @@ round, against a 100-client federation of the same participants, in-process.
 For each dataset the big federation (``runtime.client_cache`` states in memory, the rest in the client store
 on disk) runs ``--rounds`` rounds; after each, a checkpoint is saved (on the round's path, timed) as a run
 with ``checkpoint_every: 1`` saves it. The small one holds exactly the big one's round-r participants (their
-shards, as a partition of 100 clients, all trained each round, all in memory): round r of the big federation
-and one round of the small federation of its participants alternate, so that a changing load weighs on both
-alike, and "round vs 100" is the median of their ratios. The last big round is evaluated (``eval.clients``
+shards, as a partition of 100 clients, all trained each round, all in memory): after an untimed warm-up
+round, round r of the big federation and one round of the small federation of its participants run back
+to back, in alternating order, so that a changing load weighs on both alike, and "round vs 100" is the
+median of their ratios. The last big round is evaluated (``eval.clients``
 of the training clients: G-FL and P-FL with their 95% half-widths), then the checkpoint is loaded into a new
 federation ("resume": load and restore, the data already prepared).
 
@@ -95,11 +96,14 @@ def timed(args, dataset: str) -> dict:
     storage = RunStorage(tempfile.mkdtemp(prefix="fedrod-client-store-"))
     big.clients.attach(storage)
     writer = CheckpointWriter(storage)
+    federation(participants(setup, 0)).step(0)  # warm-up, untimed: the process's first training
     ratios, rounds, saves, small_rounds = [], [], [], []
     for r in range(args.rounds):
-        record = big.step(r)
         small = federation(participants(setup, r))
-        small_record = small.step(0)
+        if r % 2:  # which of the two goes first alternates
+            small_record, record = small.step(0), big.step(r)
+        else:
+            record, small_record = big.step(r), small.step(0)
         rounds.append(record["train_seconds"])
         small_rounds.append(small_record["train_seconds"])
         ratios.append(record["train_seconds"] / small_record["train_seconds"])

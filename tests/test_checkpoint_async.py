@@ -22,6 +22,7 @@ from fedrod_ray.federation_state.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from fedrod_ray.federation_state.client_store import ClientStore
 from fedrod_ray.lifecycle.run import Run
 from fedrod_ray.outputs.storage import RunStorage
 
@@ -115,6 +116,7 @@ class _Rounds:
                                     [f"train.rounds={rounds}", "runtime.checkpoint_every=1"])
         self.rounds, self.next_round, self.on_step, self.log = rounds, 0, on_step, log
         self.setup = None
+        self.clients = ClientStore(3, 3)  # make_checkpoint's
 
     def step(self, r: int) -> dict:
         self.on_step(r)

@@ -340,7 +340,7 @@ def test_perfedavg_pm_is_the_global_model_after_one_step_on_the_clients_data():
     assert all(r["pfl_pm"] != r["pfl_gm"] for r in records)
     host = fed.executor.host
     cid = 0
-    state = fed.evaluation._pm_states(fed.clients, fed.global_shared, 3)[cid]
+    state = fed.evaluation._pm_state(fed.clients, cid, fed.global_shared, 3)
     assert state.local_model is fed.global_shared and state.rounds_trained == 3
     host.method.load_pm(host.model, state, lambda: host.data(cid), host.context_of(cid, 2))
     moved = [k for k, v in host.model.state_dict().items() if not torch.equal(v, fed.global_shared[k])]

@@ -16,6 +16,7 @@ States are never written into, only replaced, so an entry and its cached state s
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
 import tempfile
@@ -193,6 +194,10 @@ class StoredClients(Mapping[int, ClientState]):
 
     def __contains__(self, cid: object) -> bool:
         return cid in self.ids
+
+    def __deepcopy__(self, memo: dict) -> StoredClients:
+        """A copy of every state, in memory, apart from the store."""
+        return StoredClients.of({cid: copy.deepcopy(self[cid], memo) for cid in self.ids})
 
     def written(self, storage: RunStorage, saved: dict[int, tuple[Entry, Segment]]) -> None:
         """A checkpoint wrote these entries' states into these segments (the store learns where they are)."""
