@@ -481,3 +481,17 @@ def test_metrics_resume_drops_a_line_cut_short_by_a_kill(tmp_path):
     assert [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] == [
         {"round": 1, "gfl_gm": 0.1}, {"round": 2, "gfl_gm": 0.2}, {"round": 3, "gfl_gm": 0.9}]
     assert (run / "metrics.csv").read_text().splitlines() == ["round,gfl_gm", "1,0.1", "2,0.2", "3,0.9"]
+
+
+def test_a_federations_manifest_lists_only_the_clients_with_a_state(tmp_path):
+    """A client that never trained costs the manifest nothing either; loaded, it has the default state."""
+    storage = RunStorage(str(tmp_path / "run"))
+    store = ClientStore(1000, 10)
+    store.update({7: _state(7, 1), 500: _state(500, 3)})
+    base = make_checkpoint(0)
+    save_checkpoint(storage, Snapshot(0, base.config, base.global_shared, base.server_state, store.snapshot()))
+    manifest = json.loads(storage.read_bytes("checkpoints/round_000000/manifest.json"))
+    assert manifest["num_clients"] == 1000 and set(manifest["clients"]) == {"7", "500"}
+    loaded = load_checkpoint(storage).clients
+    assert len(loaded) == 1000 and loaded[3] == ClientState() and loaded[500].rounds_trained == 3
+    _assert_dicts_equal(loaded[7].tensors(), _state(7, 1).tensors())

@@ -85,6 +85,7 @@ class CheckpointWriter:
         name = _name(snap.rounds_done)
         self._remove_leftovers()
         clients = StoredClients.of(snap.clients)
+        federation = isinstance(clients.ids, range) and clients.ids.start == 0
         files: dict[int, Segment] = {}
         changed = []
         for cid, entry in clients.entries.items():
@@ -126,9 +127,14 @@ class CheckpointWriter:
             "estimate_offset": snap.estimate_offset,
             "clock": {"virtual_time": snap.virtual_time, "dispatches": snap.dispatches,
                       "in_flight": [_arrival_meta(a) for a in snap.in_flight]},
+            # Clients 0 .. num_clients - 1, of which those with a state are listed (any other client's is the
+            # default); a snapshot of other ids lists every one.
             "clients": {str(cid): {"rounds_trained": e.rounds_trained if (e := clients.entries.get(cid)) else 0,
-                                   "file": files[cid].file if cid in files else None} for cid in sorted(clients.ids)},
+                                   "file": files[cid].file if cid in files else None}
+                        for cid in (sorted(clients.entries) if federation else sorted(clients.ids))},
         }
+        if federation:
+            manifest["num_clients"] = len(clients.ids)
         self._discard(name)  # a complete folder of this round that ``latest`` never named (a resumed run)
         storage.write_bytes(f"{folder}/global.safetensors", st_save(global_tensors))
         # Compact: an indented dump goes through json's pure-Python encoder, slow at 10,000 clients.
@@ -279,7 +285,9 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
         if rel is not None or meta["rounds_trained"]:
             segment = segments.setdefault(rel, Segment(storage, rel)) if rel is not None else None
             entries[int(cid)] = Entry(meta["rounds_trained"], segment, rel is not None, None if rel else False)
-    clients = StoredClients(sorted(int(cid) for cid in manifest["clients"]), entries, {})
+    ids = (range(manifest["num_clients"]) if "num_clients" in manifest
+           else sorted(int(cid) for cid in manifest["clients"]))
+    clients = StoredClients(ids, entries, {})
     # A checkpoint of a version before the estimate's offset (or the virtual clock) holds none: the next exact
     # evaluation sets it (the clock starts at zero).
     clock = manifest.get("clock", {})
