@@ -11,8 +11,9 @@ median of their ratios. The last big round is evaluated (``eval.clients``
 of the training clients: G-FL and P-FL with their 95% half-widths), then the checkpoint is loaded into a new
 federation ("resume": load and restore, the data already prepared).
 
-Memory per idle client: each federation again in a process of its own, its RSS growth from right after the
-data is prepared (and split) to the end of the same rounds, checkpoints, evaluation and resume; the big
+Memory per idle client: each federation again in a process of its own, its RSS growth (garbage collected and
+freed memory returned to the system at both ends) from right after the data is prepared (and split) to the end
+of the same rounds, checkpoints, evaluation and resume, the resumed federation beside the first; the big
 federation's growth minus the small one's, over the clients it has beyond them.
 
     FEDROD_DATA_DIR=/work/shared/data python bench/client_store.py --set runtime.torch_threads=1
@@ -22,7 +23,9 @@ federation's growth minus the small one's, over the clients it has beyond them.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -84,6 +87,10 @@ def federation(setup: Setup) -> Federation:
 
 
 def rss() -> int:
+    """This process's resident memory once the garbage is collected and freed memory handed back (glibc's
+    malloc_trim): what it holds, not what it once touched."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     return _memory(os.getpid())[1]
 
 
