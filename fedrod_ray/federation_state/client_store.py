@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 import struct
 import tempfile
 import threading
@@ -124,6 +125,14 @@ class Segment:
         self.__init__(state["storage"], state["rel"])
 
 
+def _index(cid: object) -> int | None:
+    """A client id as a plain int (a numpy integer too, which ``range`` would compare one by one), else None."""
+    try:
+        return operator.index(cid)
+    except TypeError:
+        return None
+
+
 def _tensor(raw: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     if not raw:
         return torch.empty(shape, dtype=dtype)
@@ -167,6 +176,7 @@ class StoredClients(Mapping[int, ClientState]):
     def __init__(self, ids: range | list[int], entries: dict[int, Entry], memory: dict[int, ClientState],
                  store: ClientStore | None = None):
         self.ids, self.entries, self.memory, self.store = ids, entries, memory, store
+        self._members = ids if isinstance(ids, range) else frozenset(ids)
 
     @classmethod
     def of(cls, clients: Mapping[int, ClientState]) -> StoredClients:
@@ -182,7 +192,7 @@ class StoredClients(Mapping[int, ClientState]):
         entry = self.entries.get(cid)
         if entry is not None:
             return entry.load(cid)
-        if cid in self.ids:
+        if cid in self:
             return ClientState()
         raise KeyError(cid)
 
@@ -193,7 +203,7 @@ class StoredClients(Mapping[int, ClientState]):
         return len(self.ids)
 
     def __contains__(self, cid: object) -> bool:
-        return cid in self.ids
+        return (i := _index(cid)) is not None and i in self._members
 
     def __deepcopy__(self, memo: dict) -> StoredClients:
         """A copy of every state, in memory, apart from the store."""
@@ -251,7 +261,7 @@ class ClientStore(Mapping[int, ClientState]):
         return iter(self.ids)
 
     def __contains__(self, cid: object) -> bool:
-        return cid in self.ids
+        return (i := _index(cid)) is not None and i in self.ids
 
     def __getitem__(self, cid: int) -> ClientState:
         with self._lock:
@@ -261,7 +271,7 @@ class ClientStore(Mapping[int, ClientState]):
                 return state
             entry = self._entries.get(cid)
             if entry is None:
-                if cid not in self.ids:
+                if cid not in self:
                     raise KeyError(cid)
                 return ClientState()
             state = entry.load(cid)
@@ -286,7 +296,7 @@ class ClientStore(Mapping[int, ClientState]):
         """Commit new states (then, if the cache overflows, write the oldest ones out together)."""
         with self._lock:
             for cid, state in states.items():
-                if cid not in self.ids:
+                if cid not in self:
                     raise KeyError(f"client {cid} is not in this federation of {len(self.ids)}")
                 self._set(cid, entry_of(state))
                 self._cache[cid] = state
@@ -332,7 +342,7 @@ class ClientStore(Mapping[int, ClientState]):
         """Replace every state by ``clients``' (a snapshot, or states in memory). A snapshot's segments in
         another directory are copied into this store's, so that it never reads a folder it does not own."""
         clients = StoredClients.of(clients)
-        unknown = sorted(cid for cid in clients if cid not in self.ids)
+        unknown = sorted(cid for cid in clients if cid not in self)
         if unknown:
             raise ValueError(f"the snapshot holds clients this federation does not have: {unknown[:10]}")
         with self._lock:
