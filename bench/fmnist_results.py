@@ -49,6 +49,8 @@ JOBS = {
     "pfl_tuned_a0.1": "Main table, Dir(0.1): local-only, MTL and Ditto (λ selected by `sweep_lambda`)",
     "pfl_plain_a0.1": "Main table, Dir(0.1): Per-FedAvg and pFedMe (parameters selected by their sweeps)",
     "seeds_a0.1": "Seeds 1 and 2, Dir(0.1)",
+    "privacy": "Client-level DP: privacy–utility, 1,000 clients, Dir(0.3), P-FL over 100 sampled clients "
+               "([privacy](privacy.md#figures))",
 }
 
 # The jobs whose curves.png the page shows under their table (G-FL and P-FL (PM) by evaluated round).
