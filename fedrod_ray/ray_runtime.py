@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .config import ExperimentConfig
 from .console import format_record
 from .coordinator import Coordinator
+from .executors.shared_setup import share
 from .federation import RoundFailedError
 from .setup import prepare
 from .state import Snapshot
@@ -63,19 +64,21 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
             progress: Callable[[int, int, int], None] | None = None) -> list[dict]:
     """Train on Ray: the run lives in the coordinator actor, which writes the run directory; this driver
     prints its rounds. Arguments and result as ``runner.run_local``'s."""
-    # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message; the
-    # coordinator is handed the result.
+    # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message. Its arrays go
+    # into the object store, and the coordinator is handed their references: this driver keeps no copy.
     setup = prepare(cfg)
     started = connect(cfg)
     coordinator = None
     try:
         t0 = time.perf_counter()
+        shared = share(setup)
+        del setup
         # The coordinator takes no CPU from the clients: it only averages and evaluates the GM. A second
         # thread answers the driver while the run trains. It lives on this (the driver's) node, so that the
         # run directory it writes need only be reachable from here.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         coordinator = Coordinator.options(num_cpus=0, max_restarts=0, max_concurrency=2,
-                                          scheduling_strategy=here).remote(setup, storage.uri, snapshot)
+                                          scheduling_strategy=here).remote(shared, storage.uri, snapshot)
         info = ray.get(coordinator.info.remote())
         hosted = "any client" if info["clients_per_actor"] == 0 else f"{info['clients_per_actor']} client(s) each"
         log(f"ray: {info['num_actors']} client actor(s) ({hosted}), {info['max_in_flight']} training(s) at once; "
