@@ -9,7 +9,7 @@ the schema allows is one the server takes, short of what no schema can say: an u
 
 from __future__ import annotations
 
-from fedrod_ray.export import ModelMeta
+from fedrod_ray.models.export import ModelMeta
 
 from .schemas import DISTRIBUTION_FIELDS, PERSONAL_FIELDS, HeadRequest, PredictRequest, ReloadRequest
 

@@ -57,7 +57,7 @@ def serve_command(args) -> int:
 
     from pydantic import ValidationError
 
-    from fedrod_ray.export import ExportError
+    from fedrod_ray.models.export import ExportError
 
     from .service import load
     from .settings import ADMIN_TOKEN_ENV

@@ -12,7 +12,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from fedrod_ray.data.transforms import normalize
-from fedrod_ray.export import ModelMeta
+from fedrod_ray.models.export import ModelMeta
 
 from . import png
 from .errors import ApiError

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from fedrod_ray.data.transforms import normalize
-from fedrod_ray.export import FINAL_DIR, ExportError, ServedModel, load_final
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.models.export import FINAL_DIR, ExportError, ServedModel, load_final
+from fedrod_ray.outputs.storage import RunStorage
 
 from .errors import ApiError, Conflict, NotFound
 from .heads import HeadCache, class_dist, head_id

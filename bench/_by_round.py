@@ -12,12 +12,12 @@ from __future__ import annotations
 import ray
 import torch
 
-from fedrod_ray.checkpoint import BackgroundSaves, CheckpointWriter
 from fedrod_ray.executors.ray import RayExecutor, plan_layout
-from fedrod_ray.federation import Federation
-from fedrod_ray.setup import Setup
-from fedrod_ray.state import Snapshot
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.federation_state.checkpoint import BackgroundSaves, CheckpointWriter
+from fedrod_ray.federation_state.setup import Setup
+from fedrod_ray.federation_state.state import Snapshot
+from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.round_loop.federation import Federation
 
 
 class CoordinatorByRound:

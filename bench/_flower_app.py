@@ -2,7 +2,7 @@
 driver and in every client actor; not part of the library): the job as a Flower ServerApp and ClientApp.
 
 The server runs Flower's FedAvg, except that each round's training goes to fedrod-ray's sampled clients
-(``server.sample_clients``): each message tells its node which client to be. A client actor loads the dataset
+(``server_math.server.sample_clients``): each message tells its node which client to be. A client actor loads the dataset
 and its partition once, with fedrod-ray's loader, and trains fedrod-ray's model with plain SGD on the
 client's examples, as fedrod-ray's local update does for FedAvg.
 """
@@ -20,12 +20,12 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
+from fedrod_ray.client_update.local import round_lr
 from fedrod_ray.data import load_dataset
 from fedrod_ray.data.transforms import normalize
-from fedrod_ray.local import round_lr
+from fedrod_ray.federation_state.setup import partition_dataset
 from fedrod_ray.personalization import build_method, method_model
-from fedrod_ray.server import sample_clients
-from fedrod_ray.setup import partition_dataset
+from fedrod_ray.server_math.server import sample_clients
 
 ROUNDS = 1  # set by flower_compare before the simulation starts
 ROUND_ENDS: list[float] = []  # perf_counter() after the initial weights and after each round

@@ -31,13 +31,13 @@ import time
 import torch
 from _common import machine_note, make_config, md_table, median, mnist_data_section
 
-from fedrod_ray.client import ClientFailure, ClientState
+from fedrod_ray.client_update.local import RoundInput
+from fedrod_ray.clients.client import ClientFailure, ClientState
 from fedrod_ray.executors.batched import BatchedExecutor
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.federation import Federation
-from fedrod_ray.local import RoundInput
-from fedrod_ray.server import sample_clients
-from fedrod_ray.setup import make_host, prepare
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.round_loop.federation import Federation
+from fedrod_ray.server_math.server import sample_clients
 
 HEADS = {"none": {"head": "none", "balanced_loss": "ce"}, "linear": {"head": "linear"}, "hyper": {"head": "hyper"}}
 

@@ -25,12 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _common import machine_note, md_table
 from servers import s3_server
 
-from fedrod_ray.checkpoint import CheckpointWriter
-from fedrod_ray.client import ClientState
+from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import config_from_dict
+from fedrod_ray.federation_state.checkpoint import CheckpointWriter
+from fedrod_ray.federation_state.state import Snapshot
 from fedrod_ray.models import build_model
-from fedrod_ray.state import Snapshot
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.outputs.storage import RunStorage
 
 
 def main() -> int:

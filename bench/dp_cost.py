@@ -32,12 +32,12 @@ from collections.abc import Callable
 import torch
 from _common import machine_note, make_config, md_table, median, mnist_data_section
 
-import fedrod_ray.client as client_module
-import fedrod_ray.dp_rounds as dp_module
-from fedrod_ray import accounting
+import fedrod_ray.clients.client as client_module
+import fedrod_ray.federation_state.dp_rounds as dp_module
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.federation import Federation
-from fedrod_ray.setup import make_host, prepare
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.round_loop.federation import Federation
+from fedrod_ray.server_math import accounting
 
 HEADS = {"none": {"head": "none", "balanced_loss": "ce"}, "linear": {"head": "linear"}, "hyper": {"head": "hyper"}}
 

@@ -34,10 +34,10 @@ import torch
 from _common import machine_note, make_config, md_table
 
 from fedrod_ray.data import resolve_data_dir
-from fedrod_ray.evaluation import anchored, estimate_offset
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.federation import Federation
-from fedrod_ray.setup import make_host, prepare
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.round_loop.evaluation import anchored, estimate_offset
+from fedrod_ray.round_loop.federation import Federation
 
 NEVER = 10**6
 KEYS = ("gfl_gm", "pfl_gm", "pfl_pm")

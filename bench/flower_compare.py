@@ -58,8 +58,8 @@ def fedrod_side(rounds: int) -> list[float]:
     """Seconds of each round of the job on fedrod-ray's Ray runtime (``fedrod-ray train --mode ray``)."""
     import ray
 
-    from fedrod_ray.ray_runtime import run_ray
-    from fedrod_ray.storage import RunStorage
+    from fedrod_ray.drivers.ray_runtime import run_ray
+    from fedrod_ray.outputs.storage import RunStorage
 
     ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False, log_to_driver=False)
     try:

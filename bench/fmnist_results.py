@@ -22,7 +22,7 @@ from pathlib import Path
 from fedrod_ray_tune.report import COLUMNS, mean_std
 from fedrod_ray_tune.reproduce import status
 
-from fedrod_ray.metric_schema import title
+from fedrod_ray.outputs.metric_schema import title
 
 ROOT = Path(__file__).resolve().parent.parent
 DEST = ROOT / "bench" / "results" / "fmnist"

@@ -1,7 +1,8 @@
 """How fast one client update trains, per technique, against today's eager step measured in the same run.
 
-One update (``fedrod_ray.local.local_update``): one client of 600 examples, 5 local epochs, batch 40
-(75 steps), 1 torch thread, Fed-RoD with the linear and the hyper head (balanced softmax, rule fedavg), for
+One update (``fedrod_ray.client_update.local.local_update``): one client of 600 examples, 5 local epochs,
+batch 40 (75 steps), 1 torch thread, Fed-RoD with the linear and the hyper head (balanced softmax, rule
+fedavg), for
   * MNIST (mnist_cnn, 1x28x28; real MNIST, client 0 of an IID split over 100 clients),
   * CIFAR-10-shaped data (cifar_cnn, 3x32x32 random uint8 images, 10 classes, crop/flip augmentation on).
 
@@ -11,7 +12,8 @@ Techniques (``--techniques``):
   * fused     SGD(fused=True): one fused kernel per parameter group;
   * retain    glibc's malloc keeps freed memory in the process (mallopt: trim threshold 256 MiB, mmap
               threshold 32 MiB), so that a step's fresh tensors cost no page faults;
-  * compiled  ``train.step: compiled`` (fedrod_ray.step): torch.compile of the forward pass and both losses,
+  * compiled  ``train.step: compiled`` (fedrod_ray.client_update.step): torch.compile of the forward pass and
+    both losses,
               whose backward AOTAutograd compiles with them; the optimizer runs eagerly;
 (foreach, fused and retain are not options of the library, as they did not pay: their workers make
 foreach or fused torch.optim.SGD's default, or call mallopt.)
@@ -69,8 +71,8 @@ def client_data(shape: str, data_dir: str | None):
     """(arch, the client's data, mean, std, augment)."""
     import torch
 
-    from fedrod_ray.local import ClientData
-    from fedrod_ray.setup import make_host, prepare
+    from fedrod_ray.client_update.local import ClientData
+    from fedrod_ray.federation_state.setup import make_host, prepare
 
     if shape == "mnist":
         setup = prepare(make_config(mnist_data_section(data_dir) | {"num_clients": 100, "partition": "iid"}))
@@ -90,8 +92,8 @@ def worker(spec: dict) -> dict:
     import torch
 
     from fedrod_ray.algorithms import build_rule
+    from fedrod_ray.client_update.local import RoundInput, local_update
     from fedrod_ray.config import TrainConfig
-    from fedrod_ray.local import RoundInput, local_update
     from fedrod_ray.models import build_model
     from fedrod_ray.personalization import build_method
 

@@ -1,7 +1,7 @@
 """What Meta-BSM costs: one client update with ``train.balanced_loss: meta_bsm`` against ``bsm``.
 
-Times ``fedrod_ray.local.local_update`` (its own wall time, ``LocalResult.seconds``) of Fed-RoD (linear) for
-one client of 600 examples, 1 local epoch, batch 40 (15 steps), 1 torch thread, for
+Times ``fedrod_ray.client_update.local.local_update`` (its own wall time, ``LocalResult.seconds``) of Fed-RoD
+(linear) for one client of 600 examples, 1 local epoch, batch 40 (15 steps), 1 torch thread, for
   * MNIST-shaped data (mnist_cnn, 1x28x28; real MNIST when found, client 0 of an IID split over 100 clients),
   * CIFAR-10-shaped data (cifar_cnn, 3x32x32 random uint8 images, 10 classes, no augmentation),
 each with a meta set of 10 examples per class (100 rows, used whole in every step). One warm-up update,
@@ -20,11 +20,11 @@ import torch
 from _common import machine_note, md_table, median, mnist_data_section
 
 from fedrod_ray.algorithms import build_rule
+from fedrod_ray.client_update.local import ClientData, RoundInput, local_update
 from fedrod_ray.config import TrainConfig, config_from_dict
-from fedrod_ray.local import ClientData, RoundInput, local_update
+from fedrod_ray.federation_state.setup import make_host, prepare
 from fedrod_ray.models import build_model
 from fedrod_ray.objectives import model_parts
-from fedrod_ray.setup import make_host, prepare
 
 N, META_PER_CLASS = 600, 10
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)

@@ -32,9 +32,9 @@ from _common import machine_note, md_table
 
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.federation import Federation
-from fedrod_ray.server import clients_per_round
-from fedrod_ray.setup import make_host, prepare
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.round_loop.federation import Federation
+from fedrod_ray.server_math.server import clients_per_round
 
 METHODS = {"FedAvg": {"head": "none", "balanced_loss": "ce"}, "Fed-RoD": {"head": "hyper"}}
 

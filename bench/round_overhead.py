@@ -43,14 +43,14 @@ import torch
 from _by_round import Coordinator
 from _common import machine_note, make_config, md_table, median, mnist_data_section, ray_memory
 
-from fedrod_ray.client import ClientState
+from fedrod_ray.client_update.local import RoundInput
+from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import ExperimentConfig, config_from_dict
 from fedrod_ray.config.sections import STEPS
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.federation import Federation
-from fedrod_ray.local import RoundInput
-from fedrod_ray.server import sample_clients
-from fedrod_ray.setup import Setup, make_host, prepare
+from fedrod_ray.federation_state.setup import Setup, make_host, prepare
+from fedrod_ray.round_loop.federation import Federation
+from fedrod_ray.server_math.server import sample_clients
 
 NEVER = 10**6  # an eval_every / checkpoint_every beyond the last round
 

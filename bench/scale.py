@@ -48,7 +48,7 @@ import ray
 from _by_round import Coordinator
 from _common import machine_note, make_config, md_table, median, mnist_data_section, ray_memory
 
-from fedrod_ray.setup import prepare
+from fedrod_ray.federation_state.setup import prepare
 
 NEVER = 10**6
 

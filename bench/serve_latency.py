@@ -55,9 +55,9 @@ def build_run(root: Path) -> Path:
     """A final/ of an MNIST-shaped hyper model, as training would save it."""
     import torch
 
-    from fedrod_ray.export import ModelMeta, save_final
     from fedrod_ray.models import build_model
-    from fedrod_ray.storage import RunStorage
+    from fedrod_ray.models.export import ModelMeta, save_final
+    from fedrod_ray.outputs.storage import RunStorage
 
     model = build_model("mnist_cnn", 10, (1, 28, 28), "hyper", 16, seed=0)
     with torch.no_grad():  # a non-zero hypernetwork output layer, as after training
@@ -191,7 +191,8 @@ def serve_running(mode: str):
     """A private local Ray with Ray Serve in ``mode`` (``SERVE_MODES``) listening on SERVE_PORT."""
     env = LOCAL_RAY_ENV if SERVE_MODES[mode] == "high-throughput" else dict.fromkeys(HIGH_THROUGHPUT_ENV, "0")
     # Only this process talks to its private Ray: no token auth, whose token Ray would write to ~/.ray (and
-    # so switch auth on for the user's own `ray start`), as fedrod_ray.ray_runtime does for its local Ray.
+    # so switch auth on for the user's own `ray start`), as fedrod_ray.drivers.ray_runtime does for its local
+    # Ray.
     with mock.patch.dict(os.environ, {**env, "RAY_AUTH_MODE": "disabled"}):
         try:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)

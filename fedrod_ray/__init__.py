@@ -4,22 +4,23 @@ A shared feature extractor with a generic head trained by a balanced loss (for t
 model) and a personalized head per client (for each client's own model), trained in-process or by Ray
 actors.
 
-Layers, bottom to top. A module imports only from its own layer and those below it, and no import
-circle exists (tests/test_layering.py reads this list and checks every import of every module):
+Layers, bottom to top: folders (subpackages), and the command line's module. A module imports only from its
+own layer and those below it, and no import circle exists (tests/test_layering.py reads this list and checks
+every import of every module; docs/design.md says what each folder holds):
 
-1. base: config, specs, plugins, storage, aggregate, scheduling, server, clock, buffered, losses, metric_schema, plotting, results, tracking, faults, privacy, accounting
-2. pieces: data, models, partition, metrics, algorithms, export
-3. local math: step, objectives, local, batched, personalization
-4. clients: client, actors
-5. federation state: setup, state, checkpoint, dp_rounds, buffered_rounds, final
-6. executors and evaluation: executors, evaluation
-7. round loop: federation
-8. a run: run, coordinator
-9. drivers: console, runner, ray_runtime
+1. base: config, specs, server_math, timing, outputs
+2. pieces: data, models, algorithms
+3. local math: client_update, objectives, personalization
+4. clients: clients
+5. federation state: federation_state
+6. executors: executors
+7. round loop: round_loop
+8. a run: lifecycle
+9. drivers: drivers
 10. command line: cli
 
-A package (data, models, algorithms, objectives, personalization, executors) stands for all its modules. The HTTP service (``api/``)
-imports only the first two layers; ``api/`` and ``tune/`` import the library, never the other way round.
+A folder stands for all its modules. The HTTP service (``api/``) imports only the first two layers;
+``api/`` and ``tune/`` import the library, never the other way round.
 """
 
 __version__ = "0.3.0"

@@ -82,7 +82,7 @@ class Terminated(KeyboardInterrupt):
 
 
 def _resume_hint(storage) -> str:
-    from .checkpoint import latest_checkpoint_name
+    from .federation_state.checkpoint import latest_checkpoint_name
 
     if latest_checkpoint_name(storage) is None:
         return "no round was checkpointed yet: start it again with the same command"
@@ -113,8 +113,8 @@ def _stop_on_sigterm(storage):
 
 
 def cmd_train(args) -> int:
-    from .checkpoint import CheckpointFormatError, latest_checkpoint_name, load_checkpoint
-    from .storage import RunStorage
+    from .federation_state.checkpoint import CheckpointFormatError, latest_checkpoint_name, load_checkpoint
+    from .outputs.storage import RunStorage
 
     ckpt = None
     if args.resume:
@@ -139,8 +139,8 @@ def cmd_train(args) -> int:
         if latest_checkpoint_name(storage) is not None:
             raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
                               "or choose another --run-dir")
-    from .console import RoundProgress, format_summary
-    from .setup import check_model_arch
+    from .drivers.console import RoundProgress, format_summary
+    from .federation_state.setup import check_model_arch
 
     check_model_arch(cfg)
     # config.yaml records where the data and the run really were, so a resume finds them again.
@@ -152,9 +152,9 @@ def cmd_train(args) -> int:
 
         cfg.data.data_dir = str(resolve_data_dir(None).resolve())
     if cfg.runtime.mode == "ray":
-        from .ray_runtime import run_ray as run
+        from .drivers.ray_runtime import run_ray as run
     else:
-        from .runner import run_local as run
+        from .drivers.runner import run_local as run
     progress = RoundProgress(cfg.train.rounds, cfg.runtime.progress_seconds)
     log = progress.log(lambda s: print(s, flush=True))
     t0 = time.perf_counter()
@@ -173,8 +173,8 @@ def cmd_train(args) -> int:
 
 def cmd_partition(args) -> int:
     from .data import load_dataset
-    from .partition import format_partition
-    from .setup import partition_dataset
+    from .data.partition import format_partition
+    from .federation_state.setup import partition_dataset
 
     cfg = load_config(args.config, _overrides(args))
     print(format_partition(partition_dataset(cfg, load_dataset(cfg.data, seed=cfg.seed))))
@@ -183,11 +183,11 @@ def cmd_partition(args) -> int:
 
 def cmd_list(args) -> int:
     from .algorithms import RULES
+    from .client_update.losses import BALANCED_LOSSES
+    from .config.plugins import plugin_sources
     from .config.sections import PARTITIONS
-    from .losses import BALANCED_LOSSES
     from .objectives import OBJECTIVES
     from .personalization import METHODS
-    from .plugins import plugin_sources
     from .specs.datasets import DATASET_PLUGINS
     from .specs.losses import LOSSES
     from .specs.methods import HEADS
@@ -226,7 +226,7 @@ def cmd_schema(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from .data import DatasetFormatError, DatasetNotFoundError
-    from .federation import RoundFailedError
+    from .round_loop.federation import RoundFailedError
 
     args = build_parser().parse_args(argv)
     try:

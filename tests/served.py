@@ -1,4 +1,4 @@
-"""A real final/ for the HTTP API's tests, saved with fedrod_ray.export from a freshly built model."""
+"""A real final/ for the HTTP API's tests, saved with fedrod_ray.models.export from a freshly built model."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from fedrod_ray.export import ModelMeta, _version_id, save_final
 from fedrod_ray.models import build_model
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.models.export import ModelMeta, _version_id, save_final
+from fedrod_ray.outputs.storage import RunStorage
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = [1, 28, 28]

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from fedrod_ray.aggregate import OrderedAverager, weighted_average
+from fedrod_ray.server_math.aggregate import OrderedAverager, weighted_average
 
 
 def test_weighted_average_of_state_dicts_by_hand():

@@ -11,18 +11,24 @@ import pytest
 import torch
 from tiny import MEAN, SHAPE, STD, N, make_data, model_and_global
 
-from fedrod_ray.aggregate import OrderedAverager
 from fedrod_ray.algorithms import RULES, build_rule
-from fedrod_ray.client import ClientFailure
+from fedrod_ray.client_update.local import (
+    TRAIN_TAG,
+    RoundInput,
+    derived_seed,
+    effective_step_sum,
+    local_update,
+)
+from fedrod_ray.client_update.losses import balanced_softmax
+from fedrod_ray.clients.client import ClientFailure
 from fedrod_ray.config import ConfigError, TrainConfig, config_from_dict
 from fedrod_ray.data.transforms import normalize
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.federation import Federation
-from fedrod_ray.local import TRAIN_TAG, RoundInput, derived_seed, effective_step_sum, local_update
-from fedrod_ray.losses import balanced_softmax
+from fedrod_ray.federation_state.setup import make_host, prepare
 from fedrod_ray.models import build_model
-from fedrod_ray.server import sample_clients
-from fedrod_ray.setup import make_host, prepare
+from fedrod_ray.round_loop.federation import Federation
+from fedrod_ray.server_math.aggregate import OrderedAverager
+from fedrod_ray.server_math.server import sample_clients
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

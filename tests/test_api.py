@@ -24,8 +24,8 @@ from fedrod_ray_api.settings import Settings
 from PIL import Image
 from served import CLIENT_IDS, MEAN, SHAPE, STD, make_final
 
-from fedrod_ray.export import ExportError, load_final, save_final
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.models.export import ExportError, load_final, save_final
+from fedrod_ray.outputs.storage import RunStorage
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-token"
@@ -712,8 +712,8 @@ def test_api_imports_neither_ray_nor_training_code():
     # Besides export, its storage and the models: only fedrod_ray.data, for the normalisation training uses, and
     # the torch-free config and specs (model.init's choices).
     check = ("import sys, fedrod_ray_api.app; bad = [m for m in sys.modules if m == 'ray' or m.startswith('ray.') or "
-             "(m.split('.')[0] == 'fedrod_ray' and m not in ('fedrod_ray', 'fedrod_ray.export', "
-             "'fedrod_ray.storage') and not m.startswith(('fedrod_ray.models', 'fedrod_ray.data', "
+             "(m.split('.')[0] == 'fedrod_ray' and m not in ('fedrod_ray', 'fedrod_ray.models.export', "
+             "'fedrod_ray.outputs.storage') and not m.startswith(('fedrod_ray.models', 'fedrod_ray.data', "
              "'fedrod_ray.config', 'fedrod_ray.specs')))]; "
              "assert not bad, bad")
     subprocess.run([sys.executable, "-c", check], cwd=REPO, check=True)

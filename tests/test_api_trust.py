@@ -14,8 +14,8 @@ from fedrod_ray_api.app import create_app
 from fedrod_ray_api.settings import Settings
 from served import MARKER_ENV, edit_meta, make_final, marking_package
 
-from fedrod_ray.export import ExportError, load_final, save_final
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.models.export import ExportError, load_final, save_final
+from fedrod_ray.outputs.storage import RunStorage
 
 TOKEN = "trust-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}

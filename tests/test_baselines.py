@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from fedrod_ray.algorithms import build_rule
-from fedrod_ray.client import FINETUNE_TAG, ClientState
+from fedrod_ray.client_update.local import RoundInput, derived_seed, local_update
+from fedrod_ray.clients.client import FINETUNE_TAG, ClientState
 from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.federation import Federation
-from fedrod_ray.local import RoundInput, derived_seed, local_update
-from fedrod_ray.metrics import personal_class_correct, pfl_accuracy
-from fedrod_ray.setup import make_host, prepare
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.models.metrics import personal_class_correct, pfl_accuracy
+from fedrod_ray.round_loop.federation import Federation
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

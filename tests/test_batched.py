@@ -19,15 +19,15 @@ import torch
 from tiny import MEAN, STD, make_data, model_and_global
 
 from fedrod_ray.algorithms import RULES, build_rule
-from fedrod_ray.batched import BatchJob, batched_local_update
-from fedrod_ray.client import ClientFailure, ClientState
+from fedrod_ray.client_update.batched import BatchJob, batched_local_update
+from fedrod_ray.client_update.local import ClientData, LocalTrainingError, RoundInput, local_update
+from fedrod_ray.client_update.losses import BALANCED_LOSSES
+from fedrod_ray.clients.client import ClientFailure, ClientState
 from fedrod_ray.config import ConfigError, TrainConfig, config_from_dict
 from fedrod_ray.executors.batched import BatchedExecutor, in_process_executor
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.federation import Federation
-from fedrod_ray.local import ClientData, LocalTrainingError, RoundInput, local_update
-from fedrod_ray.losses import BALANCED_LOSSES
-from fedrod_ray.setup import make_host, prepare
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.round_loop.federation import Federation
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,18 +9,18 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fedrod_ray.checkpoint import (
+from fedrod_ray.clients.client import ClientState
+from fedrod_ray.config import check_resume, config_from_dict
+from fedrod_ray.federation_state.checkpoint import (
     CheckpointFormatError,
     CheckpointWriter,
     latest_checkpoint_name,
     load_checkpoint,
     save_checkpoint,
 )
-from fedrod_ray.client import ClientState
-from fedrod_ray.config import check_resume, config_from_dict
-from fedrod_ray.results import MetricsLog
-from fedrod_ray.state import Snapshot
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.federation_state.state import Snapshot
+from fedrod_ray.outputs.results import MetricsLog
+from fedrod_ray.outputs.storage import RunStorage
 
 
 def _rand(*shape, seed, dtype=torch.float32):

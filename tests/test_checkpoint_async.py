@@ -13,7 +13,8 @@ import torch
 from test_checkpoint import _CrashAt, make_checkpoint
 from test_federation import make_federation
 
-from fedrod_ray.checkpoint import (
+from fedrod_ray.config import config_from_dict
+from fedrod_ray.federation_state.checkpoint import (
     BackgroundSaves,
     CheckpointSaveError,
     CheckpointWriter,
@@ -21,9 +22,8 @@ from fedrod_ray.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from fedrod_ray.config import config_from_dict
-from fedrod_ray.run import Run
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.lifecycle.run import Run
+from fedrod_ray.outputs.storage import RunStorage
 
 
 class _Gated(RunStorage):
@@ -133,7 +133,7 @@ class _Rounds:
 def finals(monkeypatch) -> list:
     """Each ``final/`` a run writes, as the checkpoint that ``latest`` names at that moment."""
     written = []
-    monkeypatch.setattr("fedrod_ray.run.write_final",
+    monkeypatch.setattr("fedrod_ray.lifecycle.run.write_final",
                         lambda storage, setup, snap, metrics: written.append(latest_checkpoint_name(storage)))
     return written
 

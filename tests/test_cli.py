@@ -21,11 +21,11 @@ from safetensors.torch import load_file
 from served import CLI_WITH_SIGINT
 
 import fedrod_ray
-from fedrod_ray.checkpoint import load_checkpoint
 from fedrod_ray.cli import main
 from fedrod_ray.config import load_config
-from fedrod_ray.console import RoundProgress
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.drivers.console import RoundProgress
+from fedrod_ray.federation_state.checkpoint import load_checkpoint
+from fedrod_ray.outputs.storage import RunStorage
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "synthetic_tiny.yaml")

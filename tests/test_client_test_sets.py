@@ -14,15 +14,15 @@ import torch
 from PIL import Image
 
 from fedrod_ray.cli import main
+from fedrod_ray.client_update.local import load_client_weights
 from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.data import DatasetFormatError, load_dataset, normalize
 from fedrod_ray.executors.batched import in_process_executor
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.executors.ray import RayExecutor, plan_layout
-from fedrod_ray.federation import Federation
-from fedrod_ray.local import load_client_weights
-from fedrod_ray.metrics import class_correct, pfl_accuracy, predict
-from fedrod_ray.setup import make_host, partition_dataset, prepare
+from fedrod_ray.federation_state.setup import make_host, partition_dataset, prepare
+from fedrod_ray.models.metrics import class_correct, pfl_accuracy, predict
+from fedrod_ray.round_loop.federation import Federation
 
 CLIENTS = 4  # 3 training clients and 1 held out
 SIZE = 28  # the built-in mnist_cnn's (model.arch: auto), which Ray's actors import without a runtime_env

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import save as st_save
 
 from fedrod_ray.data.classes import CLASS_NAMES, class_names
-from fedrod_ray.export import FORMAT_VERSION, ExportError, ModelMeta, load_final, save_final
 from fedrod_ray.models import build_model
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.models.export import FORMAT_VERSION, ExportError, ModelMeta, load_final, save_final
+from fedrod_ray.outputs.storage import RunStorage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -282,13 +282,16 @@ def test_personal_head_shape(tmp_path):
 
 @pytest.mark.slow
 def test_export_imports_neither_ray_nor_training_code():
-    check = ("import sys, fedrod_ray.export; bad=[m for m in sys.modules if m=='ray' or m.startswith('ray.') "
-             "or m in ('fedrod_ray.local','fedrod_ray.federation','fedrod_ray.client',"
-             "'fedrod_ray.coordinator')]; assert not bad, bad")
+    check = ("import sys, fedrod_ray.models.export; bad=[m for m in sys.modules if m=='ray' "
+             "or m.startswith('ray.') or m in ('fedrod_ray.client_update.local',"
+             "'fedrod_ray.round_loop.federation','fedrod_ray.clients.client',"
+             "'fedrod_ray.lifecycle.coordinator')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", check], cwd=REPO, check=True)
     # Stricter: nothing of fedrod_ray beyond the package itself, export, models, storage, config and specs (the
     # torch-free bottom layer, where models find model.init's choices).
-    strict = ("import sys, fedrod_ray.export; ok=('fedrod_ray','fedrod_ray.export','fedrod_ray.storage'); "
+    strict = ("import sys, fedrod_ray.models.export; "
+              "ok=('fedrod_ray','fedrod_ray.models.export','fedrod_ray.outputs',"
+              "'fedrod_ray.outputs.storage'); "
               "bad=[m for m in sys.modules if m.startswith('fedrod_ray') and m not in ok "
               "and not m.startswith(('fedrod_ray.models', 'fedrod_ray.config', 'fedrod_ray.specs'))]; "
               "assert not bad, bad")

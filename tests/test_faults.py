@@ -1,5 +1,5 @@
-"""The test-only fault hook (fedrod_ray.faults): inert unless armed; armed, the first matching call hangs
-until killed, after writing its marker, and the fault fires once. tests/test_ray_runtime.py kills Ray
+"""The test-only fault hook (fedrod_ray.clients.faults): inert unless armed; armed, the first matching call
+hangs until killed, after writing its marker, and the fault fires once. tests/test_ray_runtime.py kills Ray
 actors on it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from fedrod_ray import faults
+from fedrod_ray.clients import faults
 
 
 def test_unset_is_inert(monkeypatch):
@@ -47,7 +47,7 @@ def test_a_bad_spec_is_an_error_naming_the_field(monkeypatch, spec, names):
 
 
 HANG = """
-from fedrod_ray import faults
+from fedrod_ray.clients import faults
 fault = faults.from_env()
 fault.reached("train", [3], 0)  # another round
 fault.reached("evaluate", [3])  # another call

@@ -8,21 +8,21 @@ import math
 import pytest
 import torch
 
-from fedrod_ray.aggregate import weighted_average
-from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
-from fedrod_ray.client import ClientState
+from fedrod_ray.client_update.local import RoundInput
+from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import config_from_dict
-from fedrod_ray.evaluation import _gm_counts, anchored, confidence_halfwidth, estimate_offset
+from fedrod_ray.drivers.runner import run_local
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.export import load_final
-from fedrod_ray.federation import Federation, RoundFailedError
-from fedrod_ray.local import RoundInput
-from fedrod_ray.metric_schema import ESTIMATES
-from fedrod_ray.metrics import class_correct, features_and_logits, personal_class_correct
-from fedrod_ray.runner import run_local
-from fedrod_ray.server import sample_clients
-from fedrod_ray.setup import make_host, prepare
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.models.export import load_final
+from fedrod_ray.models.metrics import class_correct, features_and_logits, personal_class_correct
+from fedrod_ray.outputs.metric_schema import ESTIMATES
+from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.round_loop.evaluation import _gm_counts, anchored, confidence_halfwidth, estimate_offset
+from fedrod_ray.round_loop.federation import Federation, RoundFailedError
+from fedrod_ray.server_math.aggregate import weighted_average
+from fedrod_ray.server_math.server import sample_clients
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,8 +9,8 @@ import torch
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.executors.ray import RayExecutor, plan_layout
-from fedrod_ray.federation import Federation
-from fedrod_ray.setup import make_host, prepare
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.round_loop.federation import Federation
 
 pytestmark = [
     pytest.mark.gpu,

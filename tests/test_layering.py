@@ -1,6 +1,6 @@
-"""The package's import structure: the layers that fedrod_ray/__init__.py states, read from its docstring,
-checked against every import of every module (module level, function level and ``TYPE_CHECKING`` alike),
-parsed with ``ast`` so that nothing is imported."""
+"""The package's import structure: the layers (folders) that fedrod_ray/__init__.py states, read from its
+docstring, checked against every import of every module (module level, function level and
+``TYPE_CHECKING`` alike), parsed with ``ast`` so that nothing is imported."""
 
 from __future__ import annotations
 
@@ -75,6 +75,17 @@ def test_the_docstring_states_the_layers():
     assert not named - set(MODULES), f"layers name modules that do not exist: {sorted(named - set(MODULES))}"
 
 
+TOP_LEVEL_MODULES = {"cli"}  # the one module outside a layer's folder: the command line
+
+
+def test_the_layers_are_folders():
+    """The layer list names folders (subpackages), and no module sits at the top but the few named here."""
+    modules = {name for name in LAYERS if not (PACKAGE / name / "__init__.py").is_file()}
+    assert modules == TOP_LEVEL_MODULES, f"the layer list names modules, not folders: {sorted(modules)}"
+    flat = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert flat == TOP_LEVEL_MODULES, f"modules outside a layer's folder: {sorted(flat - TOP_LEVEL_MODULES)}"
+
+
 def test_every_module_has_a_layer():
     missing = [m for m in MODULES if m != ROOT and layer_of(m) is None]
     assert not missing, f"place these modules in a layer of fedrod_ray/__init__.py's docstring: {missing}"
@@ -134,7 +145,7 @@ def test_the_cycle_check_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-@pytest.mark.parametrize("module", ["fedrod_ray.federation", "fedrod_ray.evaluation"])
+@pytest.mark.parametrize("module", ["fedrod_ray.round_loop.federation", "fedrod_ray.round_loop.evaluation"])
 def test_the_round_loop_knows_only_the_executor_protocol(module):
     executors = {t for t in GRAPH[module] if t.startswith("fedrod_ray.executors")}
     assert executors == {"fedrod_ray.executors.base"}

@@ -8,10 +8,17 @@ import torch.nn.functional as F
 from tiny import MEAN, SHAPE, STD, N, make_data, model_and_global
 
 from fedrod_ray.algorithms import build_rule
+from fedrod_ray.client_update.local import (
+    TRAIN_TAG,
+    ClientData,
+    LocalTrainingError,
+    RoundInput,
+    derived_seed,
+    local_update,
+)
+from fedrod_ray.client_update.losses import balanced_softmax
 from fedrod_ray.config import TrainConfig
 from fedrod_ray.data.transforms import normalize
-from fedrod_ray.local import TRAIN_TAG, ClientData, LocalTrainingError, RoundInput, derived_seed, local_update
-from fedrod_ray.losses import balanced_softmax
 from fedrod_ray.models import build_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

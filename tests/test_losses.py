@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedrod_ray.losses import (
+from fedrod_ray.client_update.losses import (
     BALANCED_LOSSES,
     balanced_softmax,
     cdt,

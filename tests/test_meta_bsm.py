@@ -10,25 +10,25 @@ import torch.nn.functional as F
 from tiny import MEAN, SHAPE, STD, make_data
 from torch import nn
 
-from fedrod_ray.aggregate import weighted_average
 from fedrod_ray.algorithms import build_rule
-from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
-from fedrod_ray.client import ClientState
+from fedrod_ray.client_update.local import ClientData, RoundInput, local_update
+from fedrod_ray.client_update.losses import balanced_softmax
+from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import ConfigError, DataConfig, TrainConfig, config_from_dict
 from fedrod_ray.data import load_dataset
+from fedrod_ray.data.partition import make_partition
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.export import load_final, save_final
-from fedrod_ray.federation import Federation
-from fedrod_ray.final import final_model
-from fedrod_ray.local import ClientData, RoundInput, local_update
-from fedrod_ray.losses import balanced_softmax
+from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
+from fedrod_ray.federation_state.final import final_model
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.federation_state.state import Snapshot
 from fedrod_ray.models import FedModel, build_model
+from fedrod_ray.models.export import load_final, save_final
 from fedrod_ray.objectives import meta_per_class, model_parts
 from fedrod_ray.objectives.meta_bsm import MetaWeightNet, meta_bsm_step
-from fedrod_ray.partition import make_partition
-from fedrod_ray.setup import make_host, prepare
-from fedrod_ray.state import Snapshot
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.round_loop.federation import Federation
+from fedrod_ray.server_math.aggregate import weighted_average
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

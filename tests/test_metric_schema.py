@@ -12,17 +12,17 @@ from fedrod_ray_tune.reproduce import trial_line
 from fedrod_ray_tune.sweep import TrialLines
 
 from fedrod_ray.config import config_from_dict
-from fedrod_ray.metric_schema import ACCURACIES, EVALUATED, METRICS, markdown_table, values_line
-from fedrod_ray.runner import run_local
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.drivers.runner import run_local
+from fedrod_ray.outputs.metric_schema import ACCURACIES, EVALUATED, METRICS, markdown_table, values_line
+from fedrod_ray.outputs.storage import RunStorage
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_docs_list_the_metrics_files_columns_as_the_schema_does():
     assert markdown_table() in (REPO / "docs" / "runs.md").read_text(), (
-        "docs/runs.md's metrics table differs from fedrod_ray.metric_schema; paste the output of "
-        "python -c 'from fedrod_ray.metric_schema import markdown_table; print(markdown_table())'")
+        "docs/runs.md's metrics table differs from fedrod_ray.outputs.metric_schema; paste the output of "
+        "python -c 'from fedrod_ray.outputs.metric_schema import markdown_table; print(markdown_table())'")
 
 
 @pytest.mark.usefixtures("one_torch_thread")

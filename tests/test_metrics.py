@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedrod_ray.metrics import TestSet as EvalSet  # aliased so pytest does not collect it
-from fedrod_ray.metrics import (
+from fedrod_ray.models import build_model
+from fedrod_ray.models.metrics import TestSet as EvalSet  # aliased so pytest does not collect it
+from fedrod_ray.models.metrics import (
     accuracy,
     class_correct,
     personal_class_correct,
@@ -14,7 +15,6 @@ from fedrod_ray.metrics import (
     predict,
     stratified_sample,
 )
-from fedrod_ray.models import build_model
 
 
 def test_class_correct_by_hand():

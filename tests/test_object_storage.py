@@ -19,9 +19,9 @@ from fedrod_ray_api.app import create_app
 from servers import S3_KEY_ID, S3_SECRET, s3_server
 from test_cli import CONFIG, REPO, run_main
 
-from fedrod_ray.checkpoint import latest_checkpoint_name, load_checkpoint
-from fedrod_ray.export import load_final
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.federation_state.checkpoint import latest_checkpoint_name, load_checkpoint
+from fedrod_ray.models.export import load_final
+from fedrod_ray.outputs.storage import RunStorage
 
 # Slow (a real S3 server (moto) in a subprocess, trainings killed and resumed): not in the fast lane.
 pytestmark = pytest.mark.slow
@@ -109,7 +109,7 @@ def test_a_run_in_the_bucket(s3, uninterrupted):
 # manifest, the round's commit point, is the test after this one).
 KILLER = """
 import os, signal, sys
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.cli import main
 
 write = RunStorage.write_bytes
@@ -156,8 +156,8 @@ def test_a_save_killed_between_its_steps_and_resumed_from_the_bucket(s3, uninter
 IN_FLIGHT_KILLER = """
 import os, signal, sys, threading
 from fedrod_ray.cli import main
-from fedrod_ray.results import MetricsLog
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.outputs.results import MetricsLog
+from fedrod_ray.outputs.storage import RunStorage
 
 third_round = threading.Event()
 append = MetricsLog.append

@@ -7,7 +7,7 @@ import pytest
 
 from fedrod_ray.config import ConfigError, DataConfig, config_from_dict
 from fedrod_ray.data import load_dataset
-from fedrod_ray.partition import (
+from fedrod_ray.data.partition import (
     Partition,
     class_counts,
     dirichlet_partition,

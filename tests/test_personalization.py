@@ -16,13 +16,14 @@ from fedrod_ray_tune.space import load_sweep
 from test_federation import _same, make_federation
 from torch import nn
 
-from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
-from fedrod_ray.client import ClientState
+from fedrod_ray.client_update.local import LocalResult
+from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import ConfigError, ExperimentConfig, config_from_dict
-from fedrod_ray.export import _version_id, load_final
-from fedrod_ray.final import write_final
-from fedrod_ray.local import LocalResult
+from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
+from fedrod_ray.federation_state.final import write_final
 from fedrod_ray.models import build_model
+from fedrod_ray.models.export import _version_id, load_final
+from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.personalization import METHODS, build_method, generic_weights, mean_state
 from fedrod_ray.personalization.fedfomo import (
     AFFINITY,
@@ -37,7 +38,6 @@ from fedrod_ray.personalization.lg_fedavg import lower_layer_keys
 from fedrod_ray.personalization.perfedavg import pairs, perfedavg_step
 from fedrod_ray.personalization.pfedme import pfedme_batch
 from fedrod_ray.personalization.sgd import prox_grad_
-from fedrod_ray.storage import RunStorage
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

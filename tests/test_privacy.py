@@ -16,17 +16,20 @@ from fastapi.testclient import TestClient
 from fedrod_ray_api.app import create_app
 from fedrod_ray_tune.space import load_sweep
 
-from fedrod_ray.accounting import Mechanism, epsilon, noise_for_epsilon
 from fedrod_ray.algorithms.fedavg import FedAvg
-from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.config import ConfigError, check_resume, config_from_dict
-from fedrod_ray.console import format_record
-from fedrod_ray.dp_rounds import check_shared
+from fedrod_ray.drivers.console import format_record
+from fedrod_ray.drivers.runner import run_local
 from fedrod_ray.executors.batched import in_process_executor
 from fedrod_ray.executors.in_process import InProcessExecutor
-from fedrod_ray.export import _version_id, load_final
-from fedrod_ray.federation import Federation
-from fedrod_ray.privacy import (
+from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
+from fedrod_ray.federation_state.dp_rounds import check_shared
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.models.export import _version_id, load_final
+from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.round_loop.federation import Federation
+from fedrod_ray.server_math.accounting import Mechanism, epsilon, noise_for_epsilon
+from fedrod_ray.server_math.privacy import (
     SecureNoise,
     SeededNoise,
     adapted_clip_norm,
@@ -35,10 +38,7 @@ from fedrod_ray.privacy import (
     update_noise_multiplier,
     update_norm,
 )
-from fedrod_ray.runner import run_local
-from fedrod_ray.server import poisson_sample
-from fedrod_ray.setup import make_host, prepare
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.server_math.server import poisson_sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -25,17 +26,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedrod_ray import faults
-from fedrod_ray.checkpoint import CheckpointWriter, load_checkpoint
-from fedrod_ray.client import ClientState
+from fedrod_ray.clients import faults
+from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import config_from_dict
+from fedrod_ray.drivers import ray_runtime
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.executors.ray import Layout, LostCall, RayExecutor, plan_layout
-from fedrod_ray.federation import Federation, RoundFailedError
-from fedrod_ray.privacy import clip_update, update_norm
-from fedrod_ray.server import sample_clients
-from fedrod_ray.setup import make_host, prepare
-from fedrod_ray.storage import RunStorage
+from fedrod_ray.executors.shared_setup import DATASET_ARRAYS, PARTITION_ARRAYS, share
+from fedrod_ray.federation_state.checkpoint import CheckpointWriter, load_checkpoint
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.lifecycle.coordinator import Coordinator
+from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.round_loop.federation import Federation, RoundFailedError
+from fedrod_ray.server_math.privacy import clip_update, update_norm
+from fedrod_ray.server_math.server import sample_clients
 
 REPO = Path(__file__).resolve().parents[1]
 TIME_FIELDS = ("seconds", "train_seconds")
@@ -302,8 +306,8 @@ def test_plan_layout_rejects_what_the_cluster_cannot_fit(resources, cluster):
 
 
 # --- 3. an actor killed in the middle of a call -------------------------------------------------------
-# The call is made to hang by the fault hook (fedrod_ray.faults), so the kill lands while exactly that call
-# runs; the executor's ``lost_calls`` then says which call died with its actor.
+# The call is made to hang by the fault hook (fedrod_ray.clients.faults), so the kill lands while exactly that
+# call runs; the executor's ``lost_calls`` then says which call died with its actor.
 
 
 def arm_fault(monkeypatch, marker: Path, call: str, client: int, round_idx: int | None = None) -> None:
@@ -707,9 +711,10 @@ NODE_LOSS_SCRIPT = textwrap.dedent("""
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
     from fedrod_ray.config import config_from_dict
+from fedrod_ray.drivers import ray_runtime
     from fedrod_ray.executors.ray import RayExecutor, plan_layout
-    from fedrod_ray.federation import Federation
-    from fedrod_ray.setup import prepare
+    from fedrod_ray.round_loop.federation import Federation
+    from fedrod_ray.federation_state.setup import prepare
 
     def is_training(pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -805,9 +810,6 @@ def test_node_lost_from_cluster(tmp_path, private_ray_env):
 def test_the_coordinator_maps_the_shared_data_and_hands_its_actors_the_same_references(ray_session, tmp_path):
     """The coordinator is handed references, not data: it maps each array from the object store (its memory is
     the store's) and attaches the client actors to those same objects, not to copies put again."""
-    from fedrod_ray.coordinator import Coordinator
-    from fedrod_ray.executors.shared_setup import DATASET_ARRAYS, PARTITION_ARRAYS, share
-
     ray = ray_session
     setup = prepare(tiny_config())
     shared = share(setup)
@@ -861,10 +863,6 @@ def test_a_ray_run_keeps_no_setup_in_the_driver_and_trains_as_in_process(ray_ses
     """``run_ray`` prepares the setup in the driver (a missing dataset fails there) but lets it go once its
     arrays are in the object store: by the time the coordinator reports, nothing in the driver holds it. The
     coordinator then trains what the in-process runtime trains."""
-    import weakref
-
-    from fedrod_ray import ray_runtime
-
     prepared: list[weakref.ref] = []
 
     def prepare_and_watch(cfg):

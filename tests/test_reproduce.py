@@ -42,7 +42,7 @@ def test_the_tables_have_the_papers_rows():
     assert list(TABLES["losses"]) == ["CE", "IR", "LDAM", "CDT", "BSM"]
     assert list(TABLES["new-clients"]) == ["FedAvg", "FedDyn", "Fed-RoD (linear)", "Fed-RoD (hyper)"]
     assert list(TABLES["imbalanced"]) == [f"{r}, IM {im}" for im in (10, 100) for r in GENERIC_ROWS]
-    assert list(TABLES["privacy"]) == [f"{m}, ε = {e}" for m in ("FedAvg", "Fed-RoD (hyper)") for e in ("∞", 8, 4, 1)]
+    assert list(TABLES["privacy"]) == [f"{m}, ε = {e}" for e in ("∞", 8, 4, 1) for m in ("FedAvg", "Fed-RoD (hyper)")]
 
 
 def test_the_privacy_tables_rows_are_the_methods_with_and_without_client_level_dp():

@@ -10,11 +10,19 @@ import pytest
 import torch
 from test_federation import BASE, _same, make_federation
 
-from fedrod_ray.buffered import buffered_update, next_arrival, pick_client, staleness_weight
-from fedrod_ray.buffered_rounds import BufferedRounds
-from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
-from fedrod_ray.client import ClientState
-from fedrod_ray.clock import (
+from fedrod_ray.client_update.local import RoundInput
+from fedrod_ray.clients.client import ClientState
+from fedrod_ray.config import ConfigError, config_from_dict
+from fedrod_ray.executors.ray import RayExecutor, plan_layout
+from fedrod_ray.federation_state.buffered_rounds import BufferedRounds
+from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
+from fedrod_ray.federation_state.setup import prepare
+from fedrod_ray.federation_state.state import Arrival
+from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.round_loop.federation import Federation
+from fedrod_ray.server_math.buffered import buffered_update, next_arrival, pick_client, staleness_weight
+from fedrod_ray.server_math.server import clients_per_round, sample_clients, sample_count
+from fedrod_ray.timing.clock import (
     client_speeds,
     communication_seconds,
     deadline_round,
@@ -22,14 +30,6 @@ from fedrod_ray.clock import (
     over_selected,
     read_trace,
 )
-from fedrod_ray.config import ConfigError, config_from_dict
-from fedrod_ray.executors.ray import RayExecutor, plan_layout
-from fedrod_ray.federation import Federation
-from fedrod_ray.local import RoundInput
-from fedrod_ray.server import clients_per_round, sample_clients, sample_count
-from fedrod_ray.setup import prepare
-from fedrod_ray.state import Arrival
-from fedrod_ray.storage import RunStorage
 
 # --- the clock ----------------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import heapq
 
 import pytest
 
-from fedrod_ray.scheduling import LargestFirst, LongestQueueFirst
+from fedrod_ray.timing.scheduling import LargestFirst, LongestQueueFirst
 
 
 def policy(max_in_flight=2):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedrod_ray.server import clients_per_round, sample_clients
+from fedrod_ray.server_math.server import clients_per_round, sample_clients
 
 
 @pytest.mark.parametrize(("num_clients", "fraction"), [(100, 0.2), (20, 0.4), (10, 0.01), (7, 0.3), (3, 1.0)])

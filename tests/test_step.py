@@ -1,5 +1,5 @@
-"""fedrod_ray.step: the eager step is the local update's step, the compiled one equals it up to rounding,
-and train.step's config checks. One test compiles (tens of seconds); the others are instant."""
+"""fedrod_ray.client_update.step: the eager step is the local update's step, the compiled one equals it up to
+rounding, and train.step's config checks. One test compiles (tens of seconds); the others are instant."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from tiny import MEAN, STD, make_data, model_and_global
 
 from fedrod_ray.algorithms import build_rule
+from fedrod_ray.client_update.local import RoundInput, local_update
+from fedrod_ray.client_update.losses import balanced_softmax
+from fedrod_ray.client_update.step import make_losses, make_train_step
 from fedrod_ray.config import ConfigError, TrainConfig, config_from_dict
 from fedrod_ray.data.transforms import normalize
-from fedrod_ray.local import RoundInput, local_update
-from fedrod_ray.losses import balanced_softmax
-from fedrod_ray.step import make_losses, make_train_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -13,9 +13,9 @@ from mlflow import MlflowClient
 from servers import free_port, server_process
 from test_cli import CONFIG, run_main
 
-from fedrod_ray.metric_schema import BY_KEY
-from fedrod_ray.storage import RunStorage
-from fedrod_ray.tracking import RUN_DIR_TAG, local_store_uri, scalars
+from fedrod_ray.outputs.metric_schema import BY_KEY
+from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.outputs.tracking import RUN_DIR_TAG, local_store_uri, scalars
 
 FAST = ["--set", "runtime.torch_threads=1"]
 

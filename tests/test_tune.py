@@ -20,7 +20,7 @@ from fedrod_ray_tune.trial import objective
 
 from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError, load_config
-from fedrod_ray.export import load_final
+from fedrod_ray.models.export import load_final
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "tune" / "quickstart.yaml"

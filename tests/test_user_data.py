@@ -17,7 +17,7 @@ from PIL import Image
 from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.data import DatasetFormatError, DatasetNotFoundError, load_dataset
-from fedrod_ray.setup import partition_dataset
+from fedrod_ray.federation_state.setup import partition_dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from fedrod_example.data import write_folder
@@ -307,8 +307,8 @@ def test_auto_fits_a_folder_of_16x16_rgb_images(tmp_path):
     assert rc == 0, err
     meta = json.loads((run / "final" / "meta.json").read_text())
     assert meta["arch"] == "mnist_cnn" and meta["image_shape"] == [3, 16, 16]
-    from fedrod_ray.export import load_final
-    from fedrod_ray.storage import RunStorage
+    from fedrod_ray.models.export import load_final
+    from fedrod_ray.outputs.storage import RunStorage
 
     served = load_final(RunStorage(str(run)))
     assert served.model.body[-2].in_features == 64  # one 1 x 1 map of 64 channels

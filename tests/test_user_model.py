@@ -24,9 +24,9 @@ from PIL import Image
 from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.data import declared_image_shape, load_dataset
-from fedrod_ray.export import ExportError, load_final
+from fedrod_ray.federation_state.setup import check_model_arch
 from fedrod_ray.models import build_model, count_parameters
-from fedrod_ray.setup import check_model_arch
+from fedrod_ray.models.export import ExportError, load_final
 
 FACTORIES = '''
 from torch import nn

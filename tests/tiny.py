@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedrod_ray.local import ClientData
+from fedrod_ray.client_update.local import ClientData
 from fedrod_ray.models import build_model
 
 SHAPE = (1, 28, 28)

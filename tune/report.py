@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedrod_ray.metric_schema import ACCURACIES, BY_KEY, title
+from fedrod_ray.outputs.metric_schema import ACCURACIES, BY_KEY, title
+from fedrod_ray.outputs.plotting import figure, png, round_axis
 from fedrod_ray.personalization import METHODS
-from fedrod_ray.plotting import figure, png, round_axis
 from fedrod_ray.specs.methods import HEADS
 
 from .repro_spec import ReproSpec

@@ -22,7 +22,7 @@ import json
 import math
 from pathlib import Path
 
-from fedrod_ray.metric_schema import ACCURACIES, BY_KEY, values_line
+from fedrod_ray.outputs.metric_schema import ACCURACIES, BY_KEY, values_line
 
 from .report import CURVES, Collected, write_results
 from .repro_spec import SPEC_FILE, ReproSpec, load_spec

@@ -174,7 +174,7 @@ def _check(spec: SweepSpec) -> None:
 def check_models(configs: list[ExperimentConfig]) -> None:
     """Each distinct user model.arch of ``configs``, on its data, imports, builds and gives N x d features
     (``check_model_arch``: a ConfigError naming model.arch), before any trial starts."""
-    from fedrod_ray.setup import check_model_arch
+    from fedrod_ray.federation_state.setup import check_model_arch
 
     seen = set()
     for cfg in configs:

@@ -22,9 +22,9 @@ import yaml
 from ray.tune import Callback
 
 from fedrod_ray.config import ConfigError, ExperimentConfig, dump_config
-from fedrod_ray.metric_schema import ACCURACIES, METRICS, percent, title, values_line
-from fedrod_ray.plotting import figure, png
-from fedrod_ray.tracking import require_extra
+from fedrod_ray.outputs.metric_schema import ACCURACIES, METRICS, percent, title, values_line
+from fedrod_ray.outputs.plotting import figure, png
+from fedrod_ray.outputs.tracking import require_extra
 
 from .space import SweepSpec, load_sweep, param_space
 from .trial import objective, run_trial
@@ -64,7 +64,7 @@ def fit(spec: SweepSpec, out_dir: Path, callback: Callback, resume: bool):
     import ray
     from ray import tune
 
-    from fedrod_ray.ray_runtime import connect
+    from fedrod_ray.drivers.ray_runtime import connect
 
     # Tune saves the experiment's state (which checkpoint each trial is at) after every step, not every
     # few seconds: a sweep killed between two saves would otherwise redo the rounds in between.

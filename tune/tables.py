@@ -85,8 +85,9 @@ TABLES: dict[str, dict[str, dict[str, Any]]] = {
         "Fed-RoD (linear)": {**LINEAR, **FINETUNE},
         "Fed-RoD (hyper)": {**HYPER, **FINETUNE},
     },
+    # By epsilon, the two methods side by side: trials run in this order, so an unfinished table has pairs.
     "privacy": {f"{label}, ε = {eps}": overrides if eps == "∞" else {**overrides, **_private(eps)}
-                for label, overrides in (("FedAvg", FEDAVG), ("Fed-RoD (hyper)", HYPER)) for eps in ("∞", *DP_EPSILONS)},
+                for eps in ("∞", *DP_EPSILONS) for label, overrides in (("FedAvg", FEDAVG), ("Fed-RoD (hyper)", HYPER))},
     # The main rows with long-tailed global training data.
     "imbalanced": {f"{label}, IM {ratio}": {**overrides, "data.imbalance_ratio": ratio}
                    for ratio in IMBALANCE_RATIOS for label, overrides in MAIN.items() if label not in PFL},

@@ -14,14 +14,14 @@ import tempfile
 
 import torch
 
-from fedrod_ray.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.executors.ray import RayExecutor, plan_layout
 from fedrod_ray.executors.shared_setup import share
-from fedrod_ray.federation import Federation
-from fedrod_ray.run import Run
-from fedrod_ray.setup import prepare
-from fedrod_ray.storage import RunStorage
-from fedrod_ray.tracking import scalars
+from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
+from fedrod_ray.federation_state.setup import prepare
+from fedrod_ray.lifecycle.run import Run
+from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.outputs.tracking import scalars
+from fedrod_ray.round_loop.federation import Federation
 
 from .space import SweepSpec
 

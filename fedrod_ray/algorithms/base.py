@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from ..aggregate import StateDict
+from ..server_math.aggregate import StateDict
 from ..specs.rules import NoParams
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..aggregate import StateDict
+from ..server_math.aggregate import StateDict
 from ..specs.rules import FedProxParams
 from .base import GenericRule, LocalCorrection
 from .registry import register

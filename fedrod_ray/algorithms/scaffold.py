@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..aggregate import StateDict
+from ..server_math.aggregate import StateDict
 from .base import GenericRule, LocalCorrection, zeros_like_missing
 from .registry import register
 

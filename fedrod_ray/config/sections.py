@@ -31,7 +31,7 @@ from .values import (
 
 # --- the config's own choices (a plug-in's names are its spec's: fedrod_ray.specs) ------------------------
 
-STEPS = ("eager", "compiled")  # train.step (fedrod_ray.step)
+STEPS = ("eager", "compiled")  # train.step (fedrod_ray.client_update.step)
 # train.momentum_buffers: what a client's SGD momentum buffers do between the rounds it trains in, which the
 # paper does not say. "reset": a new optimiser per local update, buffers from zero (the usual FedAvg reading,
 # and every version before this switch); "keep": the client keeps the buffers of the parameters it trains, and
@@ -47,7 +47,7 @@ ACCOUNTANTS = ("rdp", "pld")  # privacy.accountant: Renyi DP, or privacy loss di
 # rounds.mode (docs/rounds.md): sync waits for every sampled client; deadline over-selects and drops the clients
 # that miss the deadline; fedbuff is buffered asynchronous aggregation (a server step every K arrivals).
 ROUND_MODES = ("sync", "deadline", "fedbuff")
-SPEEDS = ("lognormal", "pareto", "constant", "trace")  # rounds.speeds: the clients' speeds (fedrod_ray.clock)
+SPEEDS = ("lognormal", "pareto", "constant", "trace")  # rounds.speeds: the clients' speeds (fedrod_ray.timing.clock)
 STALENESS = ("sqrt", "constant")  # rounds.staleness: a FedBuff update's weight, 1/sqrt(1 + s) or 1
 
 
@@ -109,7 +109,7 @@ class TrainConfig:
     momentum_buffers: Annotated[StrictStr, OneOf(MOMENTUM_BUFFERS)] = "reset"  # see MOMENTUM_BUFFERS
     weight_decay: NonNegativeFloat = 1e-5
     augment: StrictBool | None = None  # None: the dataset's default (on for CIFAR)
-    # How a mini-batch's losses run (fedrod_ray.step): compiled is torch.compile, slower on CPU
+    # How a mini-batch's losses run (fedrod_ray.client_update.step): compiled is torch.compile, slower on CPU
     step: Annotated[StrictStr, OneOf(STEPS)] = "eager"
 
 
@@ -139,7 +139,7 @@ class RuntimeConfig:
     torch_threads: NonNegativeInt = 0  # 0: all cores of this process (in-process) / the actor's CPUs (Ray)
     device: StrictStr = "cpu"  # in-process only; Ray actors use a GPU when their resources hold one
     # in-process only: 0 trains a round's clients one after another; k > 0 trains up to k of them at once in
-    # one batched computation (fedrod_ray.batched; for a GPU: on CPU it is slower)
+    # one batched computation (fedrod_ray.client_update.batched; for a GPU: on CPU it is slower)
     batched_clients: NonNegativeInt = 0
     clients_per_actor: NonNegativeInt = 0  # 0: sized from the cluster's resources
     client_resources: dict[StrictStr, NonNegativeFloat] = field(default_factory=lambda: {"num_cpus": 1.0})
@@ -202,7 +202,7 @@ class RoundsConfig:
     server_lr: PositiveFloat = 1.0  # fedbuff only: the server step's learning rate
 
 
-# Experiment trackers a run can log to (fedrod_ray.tracking; `pip install -e ".[tracking]"`).
+# Experiment trackers a run can log to (fedrod_ray.outputs.tracking; `pip install -e ".[tracking]"`).
 LOGGERS = ("tensorboard", "mlflow")
 
 

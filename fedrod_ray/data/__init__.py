@@ -94,7 +94,7 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> ImageDataset:
         return from_raw(name, raw, cfg)
     if name not in DATASETS:
         # Only here: the HTTP service imports this package for its normalisation, and nothing it does not need.
-        from ..plugins import load_plugin
+        from ..config.plugins import load_plugin
 
         ds = load_plugin(DATASET_PLUGINS, name, "data.dataset", "dataset")(cfg, seed)
         if not isinstance(ds, ImageDataset):

@@ -65,7 +65,8 @@ def augment_batch(x: Tensor, generator: torch.Generator, fill: float | Sequence[
 
 def augment_draws(n: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
     """``augment_batch``'s random draws for n examples, (dy, dx, flip), on the generator's device: apart so
-    that a batched update (``fedrod_ray.batched``) can draw each client's exactly as its own update does."""
+    that a batched update (``fedrod_ray.client_update.batched``) can draw each client's exactly as its own
+    update does."""
     gdev = generator.device
     dy = torch.randint(-PAD, PAD + 1, (n,), generator=generator, device=gdev)
     dx = torch.randint(-PAD, PAD + 1, (n,), generator=generator, device=gdev)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-from ..client import ClientFailure, ClientState, EvalCounts
-from ..local import LocalResult, RoundInput
+from ..client_update.local import LocalResult, RoundInput
+from ..clients.client import ClientFailure, ClientState, EvalCounts
 
 Job = tuple[int, ClientState]  # a client id and the state its call starts from
 TrainOutcome = tuple[LocalResult, ClientState] | ClientFailure  # a client's result and new state, or its failure

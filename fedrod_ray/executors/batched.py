@@ -9,9 +9,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 
-from ..batched import BatchJob, batched_local_update
-from ..client import ClientFailure, ClientHost, clipped
-from ..local import RoundInput
+from ..client_update.batched import BatchJob, batched_local_update
+from ..client_update.local import RoundInput
+from ..clients.client import ClientFailure, ClientHost, clipped
 from .base import Job, TrainOutcome
 from .in_process import InProcessExecutor
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..client import ClientHost
+from ..clients.client import ClientHost
 
 
 class InProcessExecutor:

@@ -1,4 +1,4 @@
-"""The Ray executor: the round's client calls sent to a pool of client actors (``fedrod_ray.actors``).
+"""The Ray executor: the round's client calls sent to a pool of client actors (``fedrod_ray.clients.actors``).
 
 Each training call carries the client's state along with the round's message (put in the object store
 once per round), and the new state comes back with the result. The client actors hold the dataset, not
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from .. import faults
-from ..actors import ActorNotReady, ClientActor
-from ..client import ClientFailure, EvalCounts
+from ..client_update.local import RoundInput
+from ..clients import faults
+from ..clients.actors import ActorNotReady, ClientActor
+from ..clients.client import ClientFailure, EvalCounts
 from ..config import RuntimeConfig
-from ..local import RoundInput
-from ..scheduling import LargestFirst, LongestQueueFirst
-from ..setup import Setup
+from ..federation_state.setup import Setup
+from ..timing.scheduling import LargestFirst, LongestQueueFirst
 from .base import Job
 from .shared_setup import SharedSetup, share
 

@@ -18,9 +18,9 @@ import torch
 
 from ..config import ExperimentConfig
 from ..data import ImageDataset
-from ..metrics import TestSet
-from ..partition import Partition
-from ..setup import Setup
+from ..data.partition import Partition
+from ..federation_state.setup import Setup
+from ..models.metrics import TestSet
 
 # The setup's arrays, by the part that holds them; a None one is not shared.
 DATASET_ARRAYS = ("train_x", "train_y", "test_x", "test_y", "train_clients", "test_clients")

@@ -25,7 +25,7 @@ def feature_extractor(arch: str, image_shape: tuple[int, int, int]) -> tuple[nn.
         sized = {"image_hw": tuple(image_shape[1:])} if arch in MIN_SIDE and len(image_shape) == 3 else {}
         return BUILDERS[arch](image_shape[0], FEATURE_DIM[arch], **sized), FEATURE_DIM[arch]
     # Only here: a served built-in model imports nothing it does not need (tests/test_export.py).
-    from ..plugins import import_object, load_plugin
+    from ..config.plugins import import_object, load_plugin
 
     factory = (import_object(arch, "model.arch") if is_import_path(arch)
                else load_plugin(MODEL_PLUGINS, arch, "model.arch", "arch"))

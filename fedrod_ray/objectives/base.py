@@ -24,10 +24,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..aggregate import StateDict
+from ..client_update.step import LossesFn
 from ..config import TrainConfig
 from ..models import FedModel
-from ..step import LossesFn
+from ..server_math.aggregate import StateDict
 
 # The server's meta set on the training device: (normalised images, labels), or None when it has none.
 MetaSet = tuple[torch.Tensor, torch.Tensor] | None

@@ -18,16 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from ..client_update.losses import balanced_softmax
 from ..config import TrainConfig
-from ..losses import balanced_softmax
 from ..specs.losses import DEFAULT_GAMMA
 from .base import LocalObjective, MetaSet
 from .registry import register
 
 if TYPE_CHECKING:
-    from ..aggregate import StateDict
+    from ..client_update.step import LossesFn
     from ..models import FedModel
-    from ..step import LossesFn
+    from ..server_math.aggregate import StateDict
 
 GAMMA = "gamma"  # gamma_m's key in the client's state
 

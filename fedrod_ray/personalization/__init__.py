@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..aggregate import StateDict
 from ..config import ExperimentConfig, build_head_params
 from ..config.values import check_registry
 from ..models import FedModel, build_model
 from ..objectives import model_parts
+from ..server_math.aggregate import StateDict
 from ..specs.methods import HEADS
 from .base import Personalization, UpdateContext, mean_state
 from .registry import METHODS, register

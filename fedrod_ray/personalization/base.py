@@ -25,11 +25,11 @@ from typing import ClassVar
 
 import torch
 
-from ..aggregate import StateDict
 from ..algorithms import GenericRule
+from ..client_update.local import ClientData, LocalResult, Outcome, RoundInput
 from ..config import TrainConfig
-from ..local import ClientData, LocalResult, Outcome, RoundInput
 from ..models import FedModel
+from ..server_math.aggregate import StateDict
 from ..specs.rules import NoParams
 
 

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..aggregate import StateDict
+from ..client_update.local import ClientData, derived_seed
 from ..data.transforms import normalize
-from ..local import ClientData, derived_seed
+from ..server_math.aggregate import StateDict
 from ..specs.methods import FedFomoParams
 from .mtl import OwnModels
 from .registry import register

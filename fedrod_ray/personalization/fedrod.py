@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..local import load_client_weights, local_update
+from ..client_update.local import load_client_weights, local_update
 from .base import Personalization
 from .registry import register
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..local import round_lr
+from ..client_update.local import round_lr
 from ..specs.methods import PerFedAvgParams
 from .base import Personalization
 from .registry import register

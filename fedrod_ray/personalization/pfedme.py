@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from ..aggregate import StateDict
-from ..local import round_lr
+from ..client_update.local import round_lr
+from ..server_math.aggregate import StateDict
 from ..specs.methods import PFedMeParams
 from .base import Personalization
 from .registry import register

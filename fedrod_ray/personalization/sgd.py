@@ -11,10 +11,17 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..aggregate import StateDict
+from ..client_update.local import (
+    ClientData,
+    LocalResult,
+    LocalTrainingError,
+    batch_plan,
+    derived_seed,
+    round_lr,
+)
 from ..data.transforms import normalize, normalized_black, shift_flip
-from ..local import ClientData, LocalResult, LocalTrainingError, batch_plan, derived_seed, round_lr
 from ..models import FedModel
+from ..server_math.aggregate import StateDict
 
 Batches = Iterator[list[tuple[torch.Tensor, torch.Tensor]]]  # one list of (x, y) mini-batches per epoch
 

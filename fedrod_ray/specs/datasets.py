@@ -1,5 +1,5 @@
 """Datasets (``data.dataset``, ``fedrod_ray.data``): the built-in sets, the user's own, and the entry-point
-group through which installed packages add more (``fedrod_ray.plugins``)."""
+group through which installed packages add more (``fedrod_ray.config.plugins``)."""
 
 from __future__ import annotations
 

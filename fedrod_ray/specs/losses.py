@@ -1,6 +1,6 @@
-"""Balanced losses and local objectives (``train.balanced_loss``): a loss function of ``fedrod_ray.losses``,
-or a local objective of ``fedrod_ray.objectives`` with state and a config section of its own; what each one
-needs and rules out."""
+"""Balanced losses and local objectives (``train.balanced_loss``): a loss function of
+``fedrod_ray.client_update.losses``, or a local objective of ``fedrod_ray.objectives`` with state and a config
+section of its own; what each one needs and rules out."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ class MetaBSMConfig:
 class LossSpec:
     """``gamma``: the loss has an exponent or margin gamma (``train.gamma``); ``objective``: a local objective
     (``fedrod_ray.objectives``, with its section ``train.<name>``), else a batch mean of per-example terms
-    (``fedrod_ray.losses``), the only kind the batched local update and ``train.step: compiled`` support;
-    ``meta_set``: it takes a balanced meta set out of the clients' examples."""
+    (``fedrod_ray.client_update.losses``), the only kind the batched local update and ``train.step: compiled``
+    support; ``meta_set``: it takes a balanced meta set out of the clients' examples."""
 
     gamma: bool = False
     objective: bool = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 ARCHS = ("mnist_cnn", "cifar_cnn", "resnet20")  # fedrod_ray.models.BUILDERS
-# Entry-point group through which installed packages add feature extractors (fedrod_ray.plugins).
+# Entry-point group through which installed packages add feature extractors (fedrod_ray.config.plugins).
 MODEL_PLUGINS = "fedrod_ray.models"
 # model.init: "normal" is the paper's ("weights initialised from normal distributions"; it names no scale,
 # so He's, N(0, 2 / fan_in), which keeps a ReLU network's activations at one scale); "pytorch" is PyTorch's

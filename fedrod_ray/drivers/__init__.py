@@ -1,0 +1,3 @@
+"""The drivers of a run: in-process (``runner``), on Ray (``ray_runtime``), and what they print
+(``console``).
+"""

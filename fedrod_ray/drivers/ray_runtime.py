@@ -1,0 +1,128 @@
+"""The driver of a Ray run: connect (or start local Ray), start the coordinator actor, which holds the run,
+and print a line per round."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import ray
+from ray.exceptions import RayError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..config import ExperimentConfig
+from ..executors.shared_setup import share
+from ..federation_state.setup import prepare
+from ..federation_state.state import Snapshot
+from ..lifecycle.coordinator import Coordinator
+from ..outputs.storage import RunStorage
+from ..round_loop.federation import RoundFailedError
+from .console import format_record
+
+PROGRESS_POLL_S = 1.0
+
+
+def connect(cfg: ExperimentConfig) -> bool:
+    """Join the cluster of ``runtime.address`` (``auto``: the one running on this machine) or, in a Ray
+    job, the job's (``RAY_ADDRESS``); with no address, start a private local Ray. True if we started it.
+    """
+    if ray.is_initialized():
+        return False
+    # ray.init replaces the SIGTERM handler with a silent sys.exit; a handler the program installed (the
+    # CLI's, which says how to resume) is put back.
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
+    try:
+        _init(cfg)
+    finally:
+        if callable(sigterm):
+            signal.signal(signal.SIGTERM, sigterm)
+    return True
+
+
+def _init(cfg: ExperimentConfig) -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = cfg.runtime.address
+    job = os.environ.get("RAY_ADDRESS", "")
+    if address is None and job and not job.startswith(("http://", "https://")):
+        ray.init(log_to_driver=True)
+    elif address not in (None, "local"):
+        ray.init(address=address, log_to_driver=True)
+    else:
+        # Nothing but this run connects to its private Ray, so it needs no token auth; and a token Ray
+        # wrote to ~/.ray would switch auth on for the user's own `ray start` (deploy/README.md).
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", include_dashboard=False, log_to_driver=True)
+
+
+def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
+            log: Callable[[str], None] = print,
+            progress: Callable[[int, int, int], None] | None = None) -> list[dict]:
+    """Train on Ray: the run lives in the coordinator actor, which writes the run directory; this driver
+    prints its rounds. Arguments and result as ``runner.run_local``'s."""
+    # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message. Its arrays go
+    # into the object store, and the coordinator is handed their references: this driver keeps no copy.
+    setup = prepare(cfg)
+    started = connect(cfg)
+    coordinator = None
+    try:
+        t0 = time.perf_counter()
+        shared = share(setup)
+        del setup
+        # The coordinator takes no CPU from the clients: it only averages and evaluates the GM. A second
+        # thread answers the driver while the run trains. It lives on this (the driver's) node, so that the
+        # run directory it writes need only be reachable from here.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        coordinator = Coordinator.options(num_cpus=0, max_restarts=0, max_concurrency=2,
+                                          scheduling_strategy=here).remote(shared, storage.uri, snapshot)
+        info = ray.get(coordinator.info.remote())
+        hosted = "any client" if info["clients_per_actor"] == 0 else f"{info['clients_per_actor']} client(s) each"
+        log(f"ray: {info['num_actors']} client actor(s) ({hosted}), {info['max_in_flight']} training(s) at once; "
+            f"ready in {time.perf_counter() - t0:.1f}s")
+        return follow(coordinator, info, log, progress)
+    finally:
+        if coordinator is not None:
+            with contextlib.suppress(RayError):
+                ray.get(coordinator.close.remote())
+            ray.kill(coordinator)
+        if started:
+            ray.shutdown()
+
+
+def follow(coordinator, info: dict, log: Callable[[str], None],
+           progress: Callable[[int, int, int], None] | None) -> list[dict]:
+    """Start the coordinator's run and follow it to its end: each round's line as its record comes, and the
+    progress of the round in hand, asked for every ``PROGRESS_POLL_S`` seconds. Returns every record.
+    Stopped here (Ctrl-C, SIGTERM), it has the coordinator commit the save in flight first."""
+    done = coordinator.train.remote()
+    shown = info["records"]
+    in_hand = info["next_round"] + 1
+
+    def print_new_records() -> None:
+        nonlocal shown, in_hand
+        for record in ray.get(coordinator.records.remote(shown)):
+            log(format_record(record, info["rounds"]))
+            shown, in_hand = shown + 1, record["round"] + 1
+
+    try:
+        while not ray.wait([done], timeout=PROGRESS_POLL_S)[0]:
+            print_new_records()
+            if progress is not None:
+                current = ray.get(coordinator.progress.remote())
+                if current[0] == in_hand:  # not the figures of a round whose line is still to come
+                    progress(*current)
+        print_new_records()
+        return ray.get(done)
+    except RayTaskError as e:
+        print_new_records()
+        if isinstance(e.cause, RoundFailedError):
+            raise e.cause from None
+        raise
+    except BaseException:
+        with contextlib.suppress(RayError):
+            ray.get(coordinator.stop.remote())
+        raise

@@ -1,0 +1,36 @@
+"""The in-process driver (``runtime.mode: local``): a ``run.Run`` of a federation whose clients train in
+this process, a line printed per round."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..config import ExperimentConfig
+from ..executors.batched import in_process_executor
+from ..federation_state.setup import make_host, prepare
+from ..federation_state.state import Snapshot
+from ..lifecycle.run import Run
+from ..outputs.storage import RunStorage
+from ..round_loop.federation import Federation
+from .console import format_record
+
+
+def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
+              log: Callable[[str], None] = print,
+              progress: Callable[[int, int, int], None] | None = None) -> list[dict]:
+    """Train in this process, the clients one after another or, with ``runtime.batched_clients``, several
+    at once in one batched pass; returns every round's record (earlier runs' too, when resumed).
+
+    Args:
+        snapshot: a checkpoint to resume from.
+        log: prints a line (each round's, and the federation's own).
+        progress: ``progress(round, clients finished, clients sampled)``, called as each client finishes.
+    """
+    if cfg.runtime.torch_threads:
+        torch.set_num_threads(cfg.runtime.torch_threads)
+    setup = prepare(cfg)
+    executor = in_process_executor(make_host(setup, cfg.runtime.device), cfg.runtime.batched_clients)
+    run = Run(Federation(setup, executor, log, progress), storage, snapshot)
+    return run.train(lambda record: log(format_record(record, run.rounds)))

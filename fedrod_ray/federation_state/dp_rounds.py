@@ -1,0 +1,127 @@
+"""Client-level DP in a federation (``privacy``; docs/privacy.md): which clients a round samples, the clip norm
+it sends them, the noised aggregate of their clipped updates, and the epsilon spent so far.
+
+The math is ``fedrod_ray.server_math.privacy``'s and the accounting ``fedrod_ray.server_math.accounting``'s.
+This holds what a run derives from its config before it starts (sigma from a target epsilon, the rounds a
+budget lasts, the updates' noise multiplier under adaptive clipping) and reads and writes the one piece of
+server state client-level DP keeps: adaptive clipping's clip norm (``Snapshot.privacy_state``). The noise of
+round r comes from a generator seeded by (seed, r) (or the OS's CSPRNG, ``privacy.secure_rng``), so a resumed
+run draws what the uninterrupted one drew.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..client_update.local import derived_seed
+from ..config import ConfigError, ExperimentConfig
+from ..models.export import Privacy
+from ..server_math.accounting import Mechanism, epsilon, noise_for_epsilon, rounds_within
+from ..server_math.aggregate import StateDict
+from ..server_math.privacy import (
+    SecureNoise,
+    SeededNoise,
+    adapted_clip_norm,
+    noised_mean,
+    update_noise_multiplier,
+)
+from ..server_math.server import clients_per_round, poisson_sample, sample_clients
+
+NOISE_TAG = 7  # seeds a round's noise apart from everything else the run draws
+CLIP_NORM = "clip_norm"  # adaptive clipping's server state: the clip norm of the next round (float64)
+# Andrew et al. (2021): the count's noise std, by default, is the expected number of clients per round over this.
+COUNT_NOISE_DIVISOR = 20
+
+
+def check_shared(shared: StateDict) -> None:
+    """Client-level DP clips and noises every shared tensor: a model whose shared state holds integers (batch
+    norm's batch counters) cannot be trained privately."""
+    integral = [k for k, v in shared.items() if not v.is_floating_point()]
+    if integral:
+        raise ConfigError(f"model.arch: its shared state holds integer tensors ({', '.join(integral[:3])}), which "
+                          "client-level DP can neither clip nor noise; use a model without batch-norm counters")
+
+
+class ClientLevelDP:
+    """What one run's client-level DP derives from its config, and its server step."""
+
+    def __init__(self, cfg: ExperimentConfig, num_clients: int):
+        p, t = cfg.privacy, cfg.train
+        self.config, self.seed, self.num_clients = p, cfg.seed, num_clients
+        # Poisson: each client at rate q = train.client_fraction, q * clients expected; fixed: that many, rounded.
+        # The sum of the clipped updates is divided by this number.
+        if p.sampling == "poisson":
+            self.rate, self.expected = t.client_fraction, t.client_fraction * num_clients
+        else:
+            self.expected = float(clients_per_round(num_clients, t.client_fraction))
+            self.rate = self.expected / num_clients
+        mechanism = Mechanism(p.noise_multiplier or 0.0, p.sampling, num_clients, self.rate, p.accountant)
+        self.rounds = t.rounds  # the rounds this run trains: fewer where the budget runs out first
+        if p.noise_multiplier is None:
+            try:
+                mechanism = mechanism.with_noise(noise_for_epsilon(mechanism, p.target_epsilon, p.delta, t.rounds))
+            except ValueError as e:
+                raise ConfigError(f"privacy.target_epsilon: {e}") from None
+        elif p.target_epsilon is not None:
+            self.rounds = rounds_within(mechanism, p.target_epsilon, p.delta, t.rounds)
+            if self.rounds == 0:
+                raise ConfigError(f"privacy.target_epsilon: one round at privacy.noise_multiplier="
+                                  f"{p.noise_multiplier:g} already spends {epsilon(mechanism, 1, p.delta):.4g}")
+        self.mechanism = mechanism
+        self.noise_multiplier = mechanism.noise_multiplier  # sigma, as set or derived
+        self.update_noise = self.noise_multiplier  # the updates' own: more under adaptive clipping
+        self.count_noise = 0.0
+        if p.adaptive_clip is not None:
+            self.count_noise = p.adaptive_clip.count_noise or self.expected / COUNT_NOISE_DIVISOR
+            try:
+                self.update_noise = update_noise_multiplier(self.noise_multiplier, self.count_noise)
+            except ValueError as e:
+                raise ConfigError(f"privacy.adaptive_clip.count_noise: {e}; raise it, or lower the noise "
+                                  "multiplier") from None
+        self.secure_noise = SecureNoise() if p.secure_rng else None
+
+    def epsilon(self, rounds: int) -> float:
+        """Epsilon at ``privacy.delta`` after ``rounds`` rounds."""
+        return epsilon(self.mechanism, rounds, self.config.delta)
+
+    def sample(self, round_idx: int) -> list[int]:
+        """The round's clients, drawn as the accountant assumes."""
+        draw = poisson_sample if self.config.sampling == "poisson" else sample_clients
+        return draw(self.seed, round_idx, self.num_clients, self.rate)
+
+    def init_state(self) -> StateDict:
+        if self.config.adaptive_clip is None:
+            return {}
+        return {CLIP_NORM: torch.tensor(self.config.clip_norm, dtype=torch.float64)}
+
+    def clip_norm(self, state: StateDict) -> float:
+        """The clip norm of the round that ``state`` (the server's DP state) starts."""
+        return float(state[CLIP_NORM]) if self.config.adaptive_clip is not None else self.config.clip_norm
+
+    def aggregate(self, total: StateDict | None, count: int, unclipped: int, anchor: StateDict, state: StateDict,
+                  round_idx: int) -> tuple[StateDict, StateDict]:
+        """(the new shared weights, the new DP state) from the float64 sum ``total`` of the ``count`` clipped
+        uploads of round ``round_idx``, ``unclipped`` of which were within the clip norm, and the round's
+        global weights ``anchor``: ``privacy.noised_mean``, then adaptive clipping's next clip norm, both
+        with this round's noise."""
+        noise = self.secure_noise or SeededNoise(derived_seed(self.seed, round_idx, NOISE_TAG))
+        clip = self.clip_norm(state)
+        std = self.update_noise * clip if self.update_noise else 0.0  # without noise, S may be infinite
+        weights = noised_mean(total, count, anchor, self.expected, std, noise)
+        a = self.config.adaptive_clip
+        if a is None:
+            return weights, state
+        new = adapted_clip_norm(clip, unclipped, count, self.expected, a.target_quantile, a.learning_rate,
+                                self.count_noise, noise)
+        return weights, {CLIP_NORM: torch.tensor(new, dtype=torch.float64)}
+
+    def guarantee(self, rounds: int) -> Privacy:
+        """The guarantee of a model after ``rounds`` rounds, as ``final/meta.json`` states it."""
+        p, eps = self.config, self.epsilon(rounds)
+        return Privacy(epsilon=eps if math.isfinite(eps) else None, delta=p.delta,
+                       noise_multiplier=self.noise_multiplier,
+                       clip_norm=p.clip_norm if math.isfinite(p.clip_norm) else None,
+                       adaptive_clip=p.adaptive_clip is not None, sampling=p.sampling,
+                       sampling_rate=self.rate, accountant=p.accountant)

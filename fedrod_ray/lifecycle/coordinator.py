@@ -1,0 +1,58 @@
+"""The coordinator actor: it holds a Ray run's ``run.Run`` (the same lifecycle as the in-process runtime)
+on the cluster, its federation with the Ray executor (``fedrod_ray.executors.ray``), and so owns every
+client's committed state and writes the run directory.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from ..executors.ray import RayExecutor, plan_layout
+from ..executors.shared_setup import SharedSetup
+from ..federation_state.state import Snapshot
+from ..outputs.storage import RunStorage
+from ..round_loop.federation import Federation
+from .run import Run
+
+
+class CoordinatorImpl:
+    """Owns the run on the cluster. The driver hands it the prepared setup (its arrays in the object store,
+    which this actor and the client actors map, and none holds a copy of), the run directory and (to resume)
+    a snapshot, starts ``train``, and meanwhile asks, from a second thread (``max_concurrency=2``), for the
+    progress of the round in hand and the records of the rounds done."""
+
+    def __init__(self, shared: SharedSetup, storage_uri: str, snapshot: Snapshot | None = None):
+        cfg = shared.cfg
+        torch.set_num_threads(max(1, cfg.runtime.torch_threads or 1))
+        setup = shared.setup()
+        self.layout = plan_layout(cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
+        self.executor = RayExecutor(setup, self.layout, shared=shared)
+        self.run = Run(Federation(setup, self.executor, log=print), RunStorage(storage_uri), snapshot)
+
+    def info(self) -> dict:
+        return {"next_round": self.run.next_round, "rounds": self.run.rounds, "records": len(self.run.records),
+                "num_actors": self.layout.num_actors,
+                "clients_per_actor": self.layout.clients_per_actor, "max_in_flight": self.layout.max_in_flight}
+
+    def train(self) -> list[dict]:
+        """The whole run (``Run.train``); returns every round's record."""
+        return self.run.train()
+
+    def records(self, start: int) -> list[dict]:
+        """The records from the ``start``-th on (those the driver has not printed yet)."""
+        return self.run.records[start:]
+
+    def progress(self) -> tuple[int, int, int]:
+        """(round, clients finished, clients sampled) of the round in hand."""
+        return self.run.federation.round_progress
+
+    def stop(self) -> None:
+        """The driver was stopped (Ctrl-C, SIGTERM): commit the save in flight before the actor goes."""
+        self.run.stop()
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+Coordinator = ray.remote(CoordinatorImpl)

@@ -1,0 +1,3 @@
+"""The round loop, shared by every runtime: ``Federation.step(round)`` (``federation``) and the
+evaluation it runs (``evaluation``); it knows executors only by their protocol.
+"""

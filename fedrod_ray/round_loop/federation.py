@@ -1,0 +1,334 @@
+"""The round loop, shared by every runtime: configure -> local train -> aggregate -> evaluate.
+
+``Federation`` holds the server's state (global weights, the generic rule's state) and drives an
+*executor* that owns the clients (``fedrod_ray.executors``: in this process, batched, or on Ray
+actors), through the protocol of ``executors.base`` only. The math lives in pure modules (``local``,
+``aggregate``, ``algorithms``, ``metrics``) and the metrics in ``evaluation``; this file only sequences it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ..algorithms import build_rule
+from ..client_update.local import LocalResult, RoundInput, round_lr
+from ..clients.client import ClientFailure, ClientState
+from ..config import ConfigError
+from ..executors.base import Executor
+from ..federation_state.buffered_rounds import BufferedRounds
+from ..federation_state.dp_rounds import ClientLevelDP, check_shared
+from ..federation_state.setup import Setup
+from ..federation_state.state import Arrival, Snapshot
+from ..personalization import build_method
+from ..server_math.aggregate import OrderedAverager, StateDict
+from ..server_math.buffered import buffered_update, staleness_weight
+from ..server_math.server import clients_per_round, sample_clients, sample_count
+from ..timing.clock import (
+    client_speeds,
+    communication_seconds,
+    deadline_round,
+    durations,
+    over_selected,
+    read_trace,
+)
+from .evaluation import Evaluation, anchored, estimate_offset
+
+
+class RoundFailedError(RuntimeError):
+    """Too many clients of a round failed for its average to be trusted."""
+
+
+class Federation:
+    """The server's side of a federation as a pure round step: no files, no clocks beyond the record.
+
+    ``step(r)`` runs round r (configure -> train -> aggregate -> evaluate) and returns its record;
+    ``snapshot()`` / ``restore()`` give and take the whole state. Writing metrics, checkpoints and
+    ``final/`` is the caller's (``fedrod_ray.lifecycle.run.Run``).
+    """
+
+    def __init__(self, setup: Setup, executor: Executor, log: Callable[[str], None] = print,
+                 progress: Callable[[int, int, int], None] | None = None):
+        """``progress(round, clients finished, clients sampled)`` is called as each client finishes."""
+        self.setup = setup
+        self.progress = progress
+        self.round_progress = (0, 0, 0)  # (round, finished, sampled) of the round in hand
+        self.cfg = setup.cfg
+        self.executor = executor
+        self.log = log
+        self.rule = build_rule(self.cfg.train.generic_rule, self.cfg.train.rule_params)
+        self.method = build_method(self.cfg.train.head, self.cfg.train.head_params)
+        self.model = setup.build_model()
+        state = self.model.state_dict()
+        # The initial weights: what a client that never trained has (the methods whose clients keep models).
+        self.initial: dict = {k: v.detach().clone() for k, v in state.items()}
+        self.shared_keys = self.model.shared_keys()
+        self.generic_keys = set(self.model.generic_keys())
+        self.global_shared: StateDict = {k: state[k].detach().clone() for k in self.shared_keys}
+        self.server_state: StateDict = self.rule.init_server_state(self._generic(self.global_shared))
+        self.method_state: StateDict = self.method.init_server_state(setup.num_clients)
+        # Every client's committed state. It is only ever replaced, never written into, so a snapshot
+        # is a shallow copy and stays valid while training goes on.
+        self.clients: dict[int, ClientState] = {cid: ClientState() for cid in setup.all_client_ids}
+        self.evaluation = Evaluation(setup, self.model, self.method, self.initial, log)
+        self.estimate_offset: dict[str, float] = {}
+        self.next_round = 0
+        # Client-level DP (``privacy``): its sampling, clipping and noised aggregate replace the plain ones.
+        self.dp: ClientLevelDP | None = None
+        self.privacy_state: StateDict = {}
+        self.rounds = self.cfg.train.rounds  # the rounds this run trains: fewer where a DP budget runs out
+        if self.cfg.privacy.enabled:
+            check_shared(self.global_shared)
+            self.dp = ClientLevelDP(self.cfg, setup.num_clients)
+            self.privacy_state = self.dp.init_state()
+            self.rounds = self.dp.rounds
+            if self.rounds < self.cfg.train.rounds:
+                log(f"privacy: the budget of epsilon {self.cfg.privacy.target_epsilon:g} lasts {self.rounds} of "
+                    f"the {self.cfg.train.rounds} rounds at noise multiplier {self.dp.noise_multiplier:g}: the run "
+                    f"stops after round {self.rounds}")
+        self.durations = self._durations()  # each client's local update, in virtual seconds
+        self.virtual_time = 0.0
+        rc = self.cfg.rounds
+        self.buffered: BufferedRounds | None = None
+        if rc.mode == "fedbuff":
+            concurrency = rc.concurrency or clients_per_round(setup.num_clients, self.cfg.train.client_fraction)
+            self.buffered = BufferedRounds(self.cfg.seed, self.durations, concurrency, rc.buffer_size,
+                                           self._train_buffered, self._arrive)
+
+    def _durations(self) -> np.ndarray:
+        """The virtual seconds of each training client's local update (``fedrod_ray.timing.clock``)."""
+        rc, n = self.cfg.rounds, self.setup.num_clients
+        trace = None
+        if rc.speeds == "trace":
+            try:
+                trace = read_trace(rc.trace)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"rounds.trace: {e}") from None
+        speeds = client_speeds(rc.speeds, n, self.cfg.seed, rc.speed, rc.sigma, rc.shape, trace)
+        examples = np.array([len(self.setup.partition.client_indices[c]) for c in range(n)])
+        model_bytes = sum(v.numel() * v.element_size() for v in self.global_shared.values())
+        return durations(speeds, examples, self.cfg.train.local_epochs,
+                         communication_seconds(model_bytes, rc.bandwidth))
+
+    def _generic(self, state: StateDict) -> StateDict:
+        return {k: v for k, v in state.items() if k in self.generic_keys}
+
+    def snapshot(self) -> Snapshot:
+        buffered = self.buffered
+        return Snapshot(self.next_round, self.cfg, dict(self.global_shared), dict(self.server_state),
+                        dict(self.clients), dict(self.estimate_offset), dict(self.method_state),
+                        dict(self.privacy_state), self.virtual_time, buffered.dispatches if buffered else 0,
+                        list(buffered.in_flight) if buffered else [])
+
+    def restore(self, snap: Snapshot) -> None:
+        if set(snap.global_shared) != set(self.shared_keys):
+            raise ValueError("the snapshot's global weights do not fit this model: "
+                             f"{sorted(set(snap.global_shared) ^ set(self.shared_keys))}")
+        self.global_shared = dict(snap.global_shared)
+        self.server_state = dict(snap.server_state)
+        self.method_state = dict(snap.method_state) or self.method.init_server_state(self.setup.num_clients)
+        if self.dp is not None:
+            self.privacy_state = dict(snap.privacy_state) or self.dp.init_state()
+        unknown = sorted(set(snap.clients) - set(self.clients))
+        if unknown:
+            raise ValueError(f"the snapshot holds clients this federation does not have: {unknown[:10]}")
+        self.next_round = snap.rounds_done
+        self.clients.update(snap.clients)
+        self.estimate_offset = dict(snap.estimate_offset)
+        self.virtual_time = snap.virtual_time
+        if self.buffered is not None:
+            self.buffered.restore(snap.dispatches, snap.in_flight)
+        self.evaluation.clear()
+
+    def step(self, r: int) -> dict:
+        """Run round ``r`` (which must be the next one) and return its record."""
+        if r != self.next_round:
+            raise ValueError(f"round {r} requested, but the next round is {self.next_round}")
+        if r >= self.rounds:
+            raise ValueError(f"round {r + 1} requested, but this run trains {self.rounds} (privacy.target_epsilon)")
+        t0 = time.perf_counter()
+        record = self._buffered_round(r, t0) if self.buffered is not None else self._round(r, t0)
+        cfg = self.cfg
+        sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients, r + 1)
+                  if cfg.eval.estimate_size else None)
+        last = r + 1 == self.rounds
+        # Exact: every eval_every rounds and after the last; with the estimate, after round 1 too, which
+        # anchors it from the start (cheap: only the first round's clients have PMs of their own).
+        if (r + 1) % cfg.eval.eval_every == 0 or (last and cfg.eval.at_end) or (r == 0 and sample is not None):
+            record.update(self.evaluate(final=last))
+            if sample is not None:
+                self.estimate_offset = estimate_offset(record, sample)
+        if sample is not None:
+            record.update(anchored(sample, self.estimate_offset))
+        record["seconds"] = round(time.perf_counter() - t0, 4)
+        return record
+
+    def _round(self, r: int, t0: float) -> dict:
+        """Round ``r`` with every client sampled at its start (``rounds.mode``: sync or deadline): its record
+        up to the evaluation."""
+        cfg, dp, rc = self.cfg, self.dp, self.cfg.rounds
+        n = self.setup.num_clients
+        if rc.mode == "deadline":
+            # Over-select; the clients that would miss the deadline never report, so they are not trained.
+            sampled = sample_count(cfg.seed, r, n, over_selected(clients_per_round(n, cfg.train.client_fraction),
+                                                                  rc.over_selection, n))
+            kept, seconds = deadline_round(self.durations[sampled], rc.deadline, cfg.runtime.min_clients_per_round)
+            ids = [sampled[i] for i in kept]
+        else:
+            ids = dp.sample(r) if dp else sample_clients(cfg.seed, r, n, cfg.train.client_fraction)
+            seconds = float(self.durations[ids].max(initial=0.0))  # the slowest (a DP round may have none)
+        clip_norm = dp.clip_norm(self.privacy_state) if dp else None
+        jobs, message = self._send(r, ids, clip_norm)
+        # theta, psi under the rule's weights; nu (hyper) by sample count whatever the rule; the rule's
+        # uploads unweighted. Each folds in the order of ``ids``, so the runtimes agree bitwise. With DP, every
+        # shared weight is summed unweighted instead (``clipped``): a sample count would break the sensitivity.
+        generic, rest, uploads, clipped = (OrderedAverager(len(ids)) for _ in range(4))
+        unclipped = 0
+        results: dict[int, LocalResult] = {}
+        new_states: dict[int, ClientState] = {}
+        failures: list[ClientFailure] = []
+        self._report(r + 1, 0, len(ids))
+        for slot, out in self.executor.train(r, jobs, message):
+            if isinstance(out, ClientFailure):
+                res = out
+                for averager in (generic, rest, uploads, clipped):
+                    averager.skip(slot)
+                failures.append(res)
+                self.log(f"[round {r + 1}] client {res.client_id} failed: {res.error}\n{res.traceback}")
+                self._check_failures(r, len(ids), failures)
+            else:
+                res, new_states[ids[slot]] = out
+                if dp:
+                    clipped.add(slot, res.shared, 1.0)
+                    unclipped += not res.clipped
+                else:
+                    generic.add(slot, self._generic(res.shared), self.rule.aggregation_weight(res.num_samples))
+                    rest.add(slot, {k: v for k, v in res.shared.items() if k not in self.generic_keys},
+                             res.num_samples)
+                    uploads.add(slot, res.upload, 1.0)
+                results[ids[slot]] = res
+            self._report(r + 1, len(results) + len(failures), len(ids))
+        self._check_failures(r, len(ids), failures)
+        if dp:
+            # The rule's server step sees only the noised mean, and the expected number of participants.
+            averaged, privacy_state = dp.aggregate(clipped.total(), clipped.count, unclipped, self.global_shared,
+                                                   self.privacy_state, r)
+            new_generic, self.server_state = self.rule.server_update(
+                self._generic(self.global_shared), self._generic(averaged), {}, dp.expected, self.setup.num_clients,
+                self.server_state)
+            self.privacy_state = privacy_state
+        else:
+            new_generic, self.server_state = self.rule.server_update(
+                self._generic(self.global_shared), generic.result(), uploads.result(), generic.count,
+                self.setup.num_clients, self.server_state)
+            averaged = rest.result()
+        averaged = {**averaged, **new_generic}
+        # Committed with the round, all at once: a round that raises leaves every client as it was.
+        self.clients.update(new_states)
+        averaged, self.method_state = self.method.server_update(
+            {k: averaged[k] for k in self.shared_keys}, results, self._uploads(), self.method_state, self.initial,
+            self.setup.num_clients)
+        self.global_shared = {k: averaged[k] for k in self.shared_keys}
+        self.next_round = r + 1
+        self.virtual_time += seconds
+
+        record = self._record(r, list(results.values()), failures, t0, seconds)
+        if rc.mode == "deadline":
+            record.update(clients=len(sampled), clients_dropped=len(sampled) - len(ids))
+        if dp:
+            record.update(dp_epsilon=dp.epsilon(r + 1), dp_clip_norm=clip_norm)
+        return record
+
+    def _record(self, r: int, done: list, failures: list, t0: float, seconds: float) -> dict:
+        """A round's (or server step's) record up to the evaluation: its clients ``done`` (their
+        ``num_samples``, ``loss`` and ``personal_loss``) and their ``failures`` (``client_id``), the real time
+        since ``t0`` and the virtual ``seconds`` it took, the clock already moved on."""
+        weights = np.array([res.num_samples for res in done], dtype=np.float64)
+        return {
+            # 1-based, as everywhere users see a round: "round 3" is the third, after which 3 are done.
+            "round": r + 1, "name": self.cfg.name, "lr": round_lr(self.cfg.train, r),
+            "clients": len(done) + len(failures), "clients_done": len(done), "clients_failed": len(failures),
+            "failed_ids": [f.client_id for f in failures],
+            # A DP round under Poisson sampling may have no client: no loss then.
+            "train_loss": float(np.average([res.loss for res in done], weights=weights)) if done else math.nan,
+            "personal_loss": (float(np.average([res.personal_loss for res in done], weights=weights))
+                              if done and done[0].personal_loss is not None else None),
+            "train_seconds": round(time.perf_counter() - t0, 4),
+            "virtual_time": self.virtual_time, "round_virtual_seconds": seconds,
+        }
+
+    def _buffered_round(self, r: int, t0: float) -> dict:
+        """Server step ``r`` under FedBuff (``rounds.mode: fedbuff``): the next ``rounds.buffer_size`` arrivals,
+        each weighted by its staleness (server steps since it was sent out), applied to the global weights."""
+        rc = self.cfg.rounds
+        buffer, failed, now = self.buffered.step(r, self.virtual_time)
+        staleness = [r - a.version for a in buffer]
+        self.global_shared = buffered_update(self.global_shared, [a.delta for a in buffer],
+                                             [staleness_weight(s, rc.staleness) for s in staleness], rc.server_lr)
+        self.next_round = r + 1
+        seconds, self.virtual_time = now - self.virtual_time, now
+        self.buffered.dispatch(r + 1, now)  # the last arrival's replacement gets the new model
+        record = self._record(r, buffer, failed, t0, seconds)
+        record["staleness"] = float(np.mean(staleness))
+        return record
+
+    def _train_buffered(self, version: int, pending: list[Arrival]) -> list[Arrival]:
+        """FedBuff's untrained clients in flight, trained against the current model (version ``version``)."""
+        jobs, message = self._send(version, [a.client_id for a in pending])
+        trained = list(pending)
+        for slot, out in self.executor.train(version, jobs, message):
+            if isinstance(out, ClientFailure):
+                trained[slot] = dataclasses.replace(pending[slot], error=out.error)
+                self.log(f"[step {version + 1}] client {out.client_id} failed: {out.error}\n{out.traceback}")
+            else:
+                res, state = out
+                delta = {k: res.shared[k] - self.global_shared[k] for k in self.shared_keys}
+                trained[slot] = dataclasses.replace(pending[slot], delta=delta, state=state,
+                                                    num_samples=res.num_samples, loss=res.loss,
+                                                    personal_loss=res.personal_loss)
+        return trained
+
+    def _arrive(self, version: int, arrival: Arrival, failed: list[Arrival]) -> None:
+        """A FedBuff client arrives: its new state is committed; a failure counts against the server step."""
+        if arrival.error is None:
+            self.clients[arrival.client_id] = arrival.state
+        else:
+            # Checked as if the rest of the buffer will arrive intact: past the limit, the step fails already.
+            self._check_failures(version, self.cfg.rounds.buffer_size + len(failed), failed)
+
+    def _send(self, r: int, ids: list[int], clip_norm: float | None = None) -> tuple[list, RoundInput]:
+        """What round (or server step) ``r`` sends clients ``ids``: each one's job (its id and the state it
+        trains from) and the message they share (the current global weights, the rule's broadcast, the
+        method's per-client messages, the DP clip norm)."""
+        from_local = self.rule.starts_from_local_model or self.method.starts_from_local_model
+        jobs = [(cid, self.clients[cid].for_training(from_local)) for cid in ids]
+        message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state),
+                             self.method.messages(self.method_state, ids, self._uploads(), r, self.cfg.seed), clip_norm)
+        return jobs, message
+
+    def _uploads(self) -> dict[int, StateDict | None]:
+        """Every training client's last upload (None: it never trained)."""
+        return {cid: self.clients[cid].local_model for cid in range(self.setup.num_clients)}
+
+    def _report(self, round_number: int, finished: int, sampled: int) -> None:
+        self.round_progress = (round_number, finished, sampled)
+        if self.progress is not None:
+            self.progress(round_number, finished, sampled)
+
+    def _check_failures(self, r: int, sampled: int, failures: list[ClientFailure]) -> None:
+        rt = self.cfg.runtime
+        if len(failures) > rt.max_failed_fraction * sampled or sampled - len(failures) < min(
+                rt.min_clients_per_round, sampled):
+            ids = ", ".join(str(f.client_id) for f in failures)
+            raise RoundFailedError(
+                f"round {r + 1}: {len(failures)} of {sampled} clients failed (clients {ids}); the limits are "
+                f"runtime.max_failed_fraction={rt.max_failed_fraction} and "
+                f"runtime.min_clients_per_round={rt.min_clients_per_round}. First error: {failures[0].error}")
+
+    def evaluate(self, final: bool = False) -> dict:
+        """The metrics of the current state (``evaluation``); ``final`` adds the fine-tuned P-FL."""
+        return self.evaluation.evaluate(self.executor, self.global_shared, self.clients, self.next_round - 1, final)
