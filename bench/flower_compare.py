@@ -93,13 +93,14 @@ def measure(name: str, python: str, source: str | None, rounds: int) -> dict:
     # Run from bench/: Ray puts the driver's working directory first on its workers' path.
     proc = subprocess.Popen([python, "flower_compare.py", "--side", side, "--rounds", str(rounds)], cwd=HERE,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak = (0, 0)
+    peak, peak_at, t0 = (0, 0), 0.0, time.perf_counter()
 
     def sample() -> None:
-        nonlocal peak
+        nonlocal peak, peak_at
         while proc.poll() is None:
             now = tree_memory(proc.pid)
-            peak = max(peak, now, key=sum)
+            if sum(now) > sum(peak):
+                peak, peak_at = now, time.perf_counter() - t0
             time.sleep(1.0)
 
     sampler = threading.Thread(target=sample)
@@ -110,7 +111,8 @@ def measure(name: str, python: str, source: str | None, rounds: int) -> dict:
     if proc.returncode != 0 or not results:
         raise RuntimeError(f"{name} exited {proc.returncode}:\n{out[-4000:]}")
     seconds = json.loads(results[-1][len("RESULT "):])
-    print(f"{name}: rounds {', '.join(f'{s:.1f}' for s in seconds)} s; peak {sum(peak) / 2**20:.0f} MiB", flush=True)
+    print(f"{name}: rounds {', '.join(f'{s:.1f}' for s in seconds)} s; peak {sum(peak) / 2**20:.0f} MiB at "
+          f"{peak_at:.0f} s of {time.perf_counter() - t0:.0f} s", flush=True)
     return {"name": name, "seconds": seconds, "processes": peak[0], "store": peak[1]}
 
 

@@ -711,7 +711,6 @@ NODE_LOSS_SCRIPT = textwrap.dedent("""
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
     from fedrod_ray.config import config_from_dict
-from fedrod_ray.drivers import ray_runtime
     from fedrod_ray.executors.ray import RayExecutor, plan_layout
     from fedrod_ray.round_loop.federation import Federation
     from fedrod_ray.federation_state.setup import prepare
