@@ -126,3 +126,23 @@ def ray_memory() -> dict[str, tuple[int, int, int]]:
         n, r, p = groups.get(name, (0, 0, 0))
         groups[name] = (n + 1, r + rss, p + pss)
     return groups
+
+
+def tree_memory(root: int) -> tuple[int, int]:
+    """(processes, object store) bytes of process ``root`` and its descendants (a driver and the Ray it
+    started): the processes' PSS without their shared-memory mappings, and the pages allocated in Ray's
+    object store files under /dev/shm, each file counted once however many processes map it (Linux)."""
+    processes, stores = 0, {}
+    for pid in _descendants(root):
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                sizes = {key: int(rest.split()[0]) * 1024 for key, _, rest in (line.partition(":") for line in f)
+                         if key in ("Pss", "Pss_Shmem")}
+            processes += sizes["Pss"] - sizes.get("Pss_Shmem", 0)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/plasma"):
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    stores[st.st_dev, st.st_ino] = st.st_blocks * 512
+        except (OSError, KeyError):  # gone meanwhile, or not ours to read
+            continue
+    return processes, sum(stores.values())

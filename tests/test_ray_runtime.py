@@ -18,8 +18,10 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -27,10 +29,13 @@ from safetensors.torch import load_file
 from fedrod_ray.clients import faults
 from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import config_from_dict
+from fedrod_ray.drivers import ray_runtime
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.executors.ray import Layout, LostCall, RayExecutor, plan_layout
+from fedrod_ray.executors.shared_setup import DATASET_ARRAYS, PARTITION_ARRAYS, share
 from fedrod_ray.federation_state.checkpoint import CheckpointWriter, load_checkpoint
 from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.lifecycle.coordinator import Coordinator
 from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.round_loop.federation import Federation, RoundFailedError
 from fedrod_ray.server_math.privacy import clip_update, update_norm
@@ -798,3 +803,82 @@ def test_node_lost_from_cluster(tmp_path, private_ray_env):
     assert r2 == {"round": 3, "clients": 4, "clients_done": 4, "clients_failed": 0}
     assert res["finite"] is True
     assert math.isfinite(res["gfl_gm"])
+
+
+# --- 7. the data held once, in the object store -------------------------------------------------------
+
+
+def test_the_coordinator_maps_the_shared_data_and_hands_its_actors_the_same_references(ray_session, tmp_path):
+    """The coordinator is handed references, not data: it maps each array from the object store (its memory is
+    the store's) and attaches the client actors to those same objects, not to copies put again."""
+    ray = ray_session
+    setup = prepare(tiny_config())
+    shared = share(setup)
+    assert all(getattr(shared.dataset, f) is None for f in DATASET_ARRAYS)
+    assert all(getattr(shared.partition, f) is None for f in PARTITION_ARRAYS)
+    assert all(isinstance(ref, ray.ObjectRef) for ref in shared.refs.values())
+    # Back from the store, the setup is the one that was shared.
+    back = shared.setup()
+    for a, b in ((back.dataset.train_x, setup.dataset.train_x), (back.dataset.train_y, setup.dataset.train_y),
+                 (back.test.x, setup.test.x), (back.test.y, setup.test.y)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert all(map(np.array_equal, back.partition.client_indices, setup.partition.client_indices))
+    assert np.array_equal(back.partition.counts, setup.partition.counts)
+    assert back.num_clients == setup.num_clients and back.augment == setup.augment
+
+    def inspect(coordinator) -> tuple[dict[str, bool], list[str]]:
+        """In the coordinator: whether each array's memory lies in a mapping of the object store (a plasma
+        file), and the references its executor attaches the client actors with. Defined in the test so
+        that Ray sends it by value."""
+        spans = []
+        with open("/proc/self/maps") as f:
+            for line in f:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                spans.append((lo, hi, "plasma" in line))
+
+        def in_store(address: int) -> bool:
+            return any(lo <= address < hi and store for lo, hi, store in spans)
+
+        s = coordinator.run.federation.setup
+        arrays = {"dataset.train_x": s.dataset.train_x.numpy(), "dataset.train_y": s.dataset.train_y.numpy(),
+                  "test.x": s.test.x.numpy(), "test.y": s.test.y.numpy(), "partition.counts": s.partition.counts,
+                  "partition.client_indices": s.partition.client_indices[0]}
+        mapped = {k: in_store(v.__array_interface__["data"][0]) for k, v in arrays.items()}
+        attached = [r.hex() for r in coordinator.executor._attach_args[0] if isinstance(r, ray.ObjectRef)]
+        return mapped, attached
+
+    coordinator = Coordinator.options(num_cpus=0).remote(shared, str(tmp_path / "run"))
+    try:
+        mapped, attached = ray.get(coordinator.__ray_call__.remote(inspect))
+    finally:
+        ray.get(coordinator.close.remote())
+        ray.kill(coordinator)
+    assert mapped == dict.fromkeys(mapped, True)
+    refs = {k: ref.hex() for k, ref in shared.refs.items()}
+    assert attached == [refs[k] for k in ("dataset.train_x", "dataset.train_y", "partition.client_indices",
+                                          "partition.counts", "test.x", "test.y", "partition.meta_indices")]
+
+
+def test_a_ray_run_keeps_no_setup_in_the_driver_and_trains_as_in_process(ray_session, one_torch_thread, tmp_path,
+                                                                         tmp_path_factory, monkeypatch):
+    """``run_ray`` prepares the setup in the driver (a missing dataset fails there) but lets it go once its
+    arrays are in the object store: by the time the coordinator reports, nothing in the driver holds it. The
+    coordinator then trains what the in-process runtime trains."""
+    prepared: list[weakref.ref] = []
+
+    def prepare_and_watch(cfg):
+        setup = prepare(cfg)
+        prepared.extend(weakref.ref(x) for x in (setup, setup.dataset, setup.dataset.train_x, setup.test.x))
+        return setup
+
+    alive_when_ready: list[int] = []
+
+    def log(line: str) -> None:
+        if line.startswith("ray: "):
+            alive_when_ready.append(sum(ref() is not None for ref in prepared))
+
+    monkeypatch.setattr(ray_runtime, "prepare", prepare_and_watch)
+    records = ray_runtime.run_ray(tiny_config(), RunStorage(str(tmp_path / "run")), log=log)
+    assert len(prepared) == 4 and alive_when_ready == [0]
+    _, _, records_ref, _, _ = in_process_baseline("linear", tmp_path_factory.getbasetemp())
+    assert without_time(records) == without_time(records_ref)

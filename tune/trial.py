@@ -16,6 +16,7 @@ import tempfile
 import torch
 
 from fedrod_ray.executors.ray import RayExecutor, plan_layout
+from fedrod_ray.executors.shared_setup import share
 from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.federation_state.setup import prepare
 from fedrod_ray.lifecycle.run import Run
@@ -47,11 +48,13 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
     storage = trial_run_dir()
     cfg.run_dir = storage.uri  # as a run's config.yaml records where it was
     torch.set_num_threads(1)
-    setup = prepare(cfg)
+    # The trial maps the data from the object store, as its client actors do: one copy on the node.
+    shared = share(prepare(cfg))
+    setup = shared.setup()
     # The trial's own resources, not the cluster's: its client slots.
     slots = {{"num_cpus": "CPU", "num_gpus": "GPU"}.get(k, k): v * sweep.client_slots
              for k, v in sweep.client_resources.items()}
-    executor = RayExecutor(setup, plan_layout(cfg.runtime, len(setup.all_client_ids), slots))
+    executor = RayExecutor(setup, plan_layout(cfg.runtime, len(setup.all_client_ids), slots), shared=shared)
     try:
         checkpoint = tune.get_checkpoint()
         with contextlib.ExitStack() as stack:

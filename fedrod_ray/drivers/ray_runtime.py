@@ -4,6 +4,7 @@ and print a line per round."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import threading
@@ -15,6 +16,7 @@ from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..config import ExperimentConfig
+from ..executors.shared_setup import share
 from ..federation_state.setup import prepare
 from ..federation_state.state import Snapshot
 from ..lifecycle.coordinator import Coordinator
@@ -58,24 +60,38 @@ def _init(cfg: ExperimentConfig) -> None:
         ray.init(address="local", include_dashboard=False, log_to_driver=True)
 
 
+def release_freed_memory() -> None:
+    """Give the pages of what this process freed back to the system: glibc keeps large freed blocks in its heap
+    (its mmap threshold rises with the first large free), so the dropped setup would stay in the driver's
+    memory for the run's lifetime. Nothing where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
+
+
 def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
             log: Callable[[str], None] = print,
             progress: Callable[[int, int, int], None] | None = None) -> list[dict]:
     """Train on Ray: the run lives in the coordinator actor, which writes the run directory; this driver
     prints its rounds. Arguments and result as ``runner.run_local``'s."""
-    # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message; the
-    # coordinator is handed the result.
+    # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message. Its arrays go
+    # into the object store, and the coordinator is handed their references: this driver keeps no copy.
     setup = prepare(cfg)
     started = connect(cfg)
     coordinator = None
     try:
         t0 = time.perf_counter()
+        shared = share(setup)
+        del setup
+        release_freed_memory()
         # The coordinator takes no CPU from the clients: it only averages and evaluates the GM. A second
         # thread answers the driver while the run trains. It lives on this (the driver's) node, so that the
         # run directory it writes need only be reachable from here.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         coordinator = Coordinator.options(num_cpus=0, max_restarts=0, max_concurrency=2,
-                                          scheduling_strategy=here).remote(setup, storage.uri, snapshot)
+                                          scheduling_strategy=here).remote(shared, storage.uri, snapshot)
         info = ray.get(coordinator.info.remote())
         hosted = "any client" if info["clients_per_actor"] == 0 else f"{info['clients_per_actor']} client(s) each"
         log(f"ray: {info['num_actors']} client actor(s) ({hosted}), {info['max_in_flight']} training(s) at once; "

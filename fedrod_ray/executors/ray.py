@@ -27,6 +27,7 @@ from ..config import RuntimeConfig
 from ..federation_state.setup import Setup
 from ..timing.scheduling import LargestFirst, LongestQueueFirst
 from .base import Job
+from .shared_setup import SharedSetup, share
 
 RESTART_TIMEOUT_S = 120.0
 EVAL_CHUNKS_PER_ACTOR = 2  # evaluation calls per actor: small enough to balance, large enough to amortise
@@ -101,7 +102,10 @@ class _Requeued:
 class RayExecutor:
     """The executor protocol on a pool of ``ClientActor``s laid out by ``plan_layout``."""
 
-    def __init__(self, setup: Setup, layout: Layout, log: Callable[[str], None] = print):
+    def __init__(self, setup: Setup, layout: Layout, log: Callable[[str], None] = print,
+                 shared: SharedSetup | None = None):
+        """``shared``: ``setup``'s arrays already in the object store (``share``), whose references the actors
+        are handed; None: they are put there now."""
         cfg, ds, part = setup.cfg, setup.dataset, setup.partition
         self.layout = layout
         self.log = log
@@ -121,23 +125,25 @@ class RayExecutor:
         fault = faults.runtime_env()
         if fault is not None:  # only in the tests that kill an actor mid-call
             options["runtime_env"] = fault
-        # Each array enters the object store once; every actor on a node maps the same copy. The executor
+        # Each array is in the object store once; every actor on a node maps the same copy. The executor
         # holds the references, so that a restarted actor can be attached again.
-        train_x, train_y, counts, test_x, test_y = (ray.put(x) for x in (
-            ds.train_x.numpy(), ds.train_y.numpy(), part.counts, setup.test.x.numpy(), setup.test.y.numpy()))
-        test_clients = None if setup.test.clients is None else ray.put(setup.test.clients.numpy())
+        self.shared = share(setup) if shared is None else shared
+        refs = self.shared.refs
+        train_x, train_y, counts, test_x, test_y = (refs[k] for k in (
+            "dataset.train_x", "dataset.train_y", "partition.counts", "test.x", "test.y"))
+        test_clients = refs.get("test.clients")
         self.actors = [ClientActor.options(**options).remote(cfg.to_dict(), meta) for _ in range(layout.num_actors)]
         self.home: dict[int, int] = {}
         if layout.pooled:
-            self._attach_args = [[train_x, train_y, ray.put(part.client_indices), counts, test_x, test_y,
-                                  part.meta_indices, test_clients]]
+            self._attach_args = [[train_x, train_y, refs["partition.client_indices"], counts, test_x, test_y,
+                                  refs["partition.meta_indices"], test_clients]]
         else:
             self._attach_args = []
             for a, ids in enumerate(layout.assignment(setup.all_client_ids)):
                 self.home.update({c: a for c in ids})
                 own = ray.put({c: part.client_indices[c] for c in ids})
-                self._attach_args.append([train_x, train_y, own, counts, test_x, test_y, part.meta_indices,
-                                          test_clients])
+                self._attach_args.append([train_x, train_y, own, counts, test_x, test_y,
+                                          refs["partition.meta_indices"], test_clients])
         self.dead: set[int] = set()  # actors that did not come back within RESTART_TIMEOUT_S
         self.calls_done = [0] * layout.num_actors  # completed calls per actor: how the work was spread
         self.lost_calls: list[LostCall] = []  # calls that died with their actor, in the order they were lost

@@ -9,7 +9,7 @@ import ray
 import torch
 
 from ..executors.ray import RayExecutor, plan_layout
-from ..federation_state.setup import Setup
+from ..executors.shared_setup import SharedSetup
 from ..federation_state.state import Snapshot
 from ..outputs.storage import RunStorage
 from ..round_loop.federation import Federation
@@ -17,15 +17,17 @@ from .run import Run
 
 
 class CoordinatorImpl:
-    """Owns the run on the cluster. The driver hands it the prepared setup, the run directory and (to resume)
+    """Owns the run on the cluster. The driver hands it the prepared setup (its arrays in the object store,
+    which this actor and the client actors map, and none holds a copy of), the run directory and (to resume)
     a snapshot, starts ``train``, and meanwhile asks, from a second thread (``max_concurrency=2``), for the
     progress of the round in hand and the records of the rounds done."""
 
-    def __init__(self, setup: Setup, storage_uri: str, snapshot: Snapshot | None = None):
-        cfg = setup.cfg
+    def __init__(self, shared: SharedSetup, storage_uri: str, snapshot: Snapshot | None = None):
+        cfg = shared.cfg
         torch.set_num_threads(max(1, cfg.runtime.torch_threads or 1))
+        setup = shared.setup()
         self.layout = plan_layout(cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
-        self.executor = RayExecutor(setup, self.layout)
+        self.executor = RayExecutor(setup, self.layout, shared=shared)
         self.run = Run(Federation(setup, self.executor, log=print), RunStorage(storage_uri), snapshot)
 
     def info(self) -> dict:
