@@ -53,6 +53,14 @@ JOBS = {
                "([privacy](privacy.md#figures))",
 }
 
+# deploy/reproduce_fmnist.sh's personalized-FL rows run alone, a table each (`<row>_a0.3`, `<row>_a0.1`; its
+# PFL_ROWS): the page shows such a job only once published, and its row in the main table where it got further
+# than the same row of the grouped jobs above.
+ALONE = ("mtl", "lg_fedavg", "fedper", "perfedavg", "pfedme", "ditto", "fedfomo", "fedrep", "local")
+ALONE_JOBS = {f"{row}_a{alpha}": f"Main table, Dir({alpha}): one personalized-FL row alone"
+              for alpha in ("0.3", "0.1") for row in ALONE}
+JOBS.update(ALONE_JOBS)
+
 # The jobs whose curves.png the page shows under their table (G-FL and P-FL (PM) by evaluated round).
 CURVES = ("main_a0.3", "main_a0.1")
 # A row the page shows from another job: the main tables' Fed-RoD (Meta-BSM) ran before its fix (aaf1586) and
@@ -60,8 +68,9 @@ CURVES = ("main_a0.3", "main_a0.1")
 ROW_FROM = {"main_a0.3": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.3"), "main_a0.1": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.1")}
 # The main tables' other rows, run as jobs of their own (each from one commit): the page shows every row of the
 # paper's Table 1 in one table, each appended row marked ¶ with its job and commit.
-ROWS_FROM = {"main_a0.3": ("pfl_a0.3", "pfl_tuned_a0.3", "pfl_plain_a0.3"),
-             "main_a0.1": ("pfl_a0.1", "pfl_tuned_a0.1", "pfl_plain_a0.1")}
+ROWS_FROM = {f"main_a{alpha}": (f"pfl_a{alpha}", f"pfl_tuned_a{alpha}", f"pfl_plain_a{alpha}",
+                                  *(job for job in ALONE_JOBS if job.endswith(alpha)))
+             for alpha in ("0.3", "0.1")}
 
 
 def commit_of(log: Path) -> str:
@@ -143,21 +152,40 @@ def with_row_from(table: str, job: str) -> str:
     return "\n".join(lines)
 
 
+def progress(line: str) -> tuple[str, float]:
+    """A table.md row's method and how far it got: the round of a row not finished, 0 not started, inf done."""
+    cell = line.split("|")[1].strip()
+    if cell.endswith("(not started)"):
+        return cell.removesuffix(" (not started)"), 0
+    if found := re.fullmatch(r"(.+?) \(not finished: round (\d+) of .*", cell):
+        return found[1], int(found[2])
+    return re.sub(r" ‡$", "", cell), float("inf")
+
+
 def with_rows_from(table: str, job: str) -> str:
     """``table`` (``job``'s table.md) with every row of ROWS_FROM's jobs appended, marked ¶ (their footnotes
-    too), and a note naming each job's commit; a job not published yet is named as such."""
+    too), and a note naming each job's commit; a grouped job not published yet is named as such. A method that
+    several of those jobs ran shows the row that got furthest (the later job's where they tie)."""
     lines = table.splitlines()
     at = next(i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("|")) + 1
-    rows, notes = [], []
+    rows: dict[str, tuple[float, str, str]] = {}
+    notes, sources = [], {}
     for source in ROWS_FROM[job]:
         if not (DEST / source / "table.md").is_file():
-            notes.append(f"¶ `{source}`: not run yet.")
+            if source not in ALONE_JOBS:
+                sources[source] = f"¶ `{source}`: not run yet."
             continue
         theirs = [line for line in (DEST / source / "table.md").read_text().splitlines()[4:] if line]
-        rows += [line.replace("| ", "| ¶ ", 1) for line in theirs if line.startswith("|")]
+        for line in theirs:
+            if line.startswith("|"):
+                method, got = progress(line)
+                if got >= rows.get(method, (-1,))[0]:
+                    rows[method] = (got, line.replace("| ", "| ¶ ", 1), source)
         notes += [line for line in theirs if not line.startswith("|") and line not in lines + notes]
-        notes.append(f"¶ from `{source}` (commit `{(DEST / source / 'COMMIT').read_text().strip()}`, below).")
-    return "\n".join(lines[:at] + rows + lines[at:] + ["", *notes])
+        sources[source] = f"¶ from `{source}` (commit `{(DEST / source / 'COMMIT').read_text().strip()}`, below)."
+    shown = {source for _, _, source in rows.values()}
+    notes += [note for source, note in sources.items() if source in shown or "not run yet" in note]
+    return "\n".join(lines[:at] + [row for _, row, _ in rows.values()] + lines[at:] + ["", *notes])
 
 
 def page_block() -> str:
@@ -165,7 +193,8 @@ def page_block() -> str:
     for job, heading in JOBS.items():
         folder = DEST / job
         if not (folder / "table.md").is_file():
-            parts.append(f"**{heading}** (`{job}`): not run yet.")
+            if job not in ALONE_JOBS:
+                parts.append(f"**{heading}** (`{job}`): not run yet.")
             continue
         commit = (folder / "COMMIT").read_text().strip()
         table = (folder / "table.md").read_text().strip()

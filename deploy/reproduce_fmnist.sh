@@ -11,7 +11,9 @@
 # baselines: the sweeps that select their parameters (sweep_lambda, sweep_perfedavg, sweep_pfedme: tune/pfl_*.yaml),
 # the rows without such a parameter (pfl_a0.3, pfl_a0.1), local-only with those whose parameter sweep_lambda
 # chose (pfl_tuned_a0.3, pfl_tuned_a0.1), Per-FedAvg and pFedMe once their sweeps chose (pfl_plain_a0.3,
-# pfl_plain_a0.1), and seeds 1, 2 at Dir(0.1) (seeds_a0.1); client-level DP's privacy-utility table on
+# pfl_plain_a0.1), and seeds 1, 2 at Dir(0.1) (seeds_a0.1); one personalized-FL row alone, as a table of its
+# own (<row>_a0.3, <row>_a0.1 with <row> one of PFL_ROWS' keys, e.g. ditto_a0.3): a row finished that way is
+# kept by its published files whatever becomes of the others; client-level DP's privacy-utility table on
 # configs/fmnist_dp.yaml (privacy: 1,000 clients, docs/privacy.md).
 set -uo pipefail
 out=${1:?usage: reproduce_fmnist.sh OUT [JOB ...]}
@@ -27,6 +29,9 @@ two_rows=(--row FedAvg --row "Fed-RoD (hyper)")
 pfl_rows=(--row LG-FedAvg --row FedPer --row FedFOMO --row FedRep)
 pfl_tuned_rows=(--row local-only --row MTL --row Ditto)
 pfl_plain_rows=(--row Per-FedAvg --row pFedMe)
+# The personalized-FL rows by their method's name (train.head; local: the local-only rule).
+declare -A PFL_ROWS=([mtl]=MTL [lg_fedavg]=LG-FedAvg [fedper]=FedPer [perfedavg]=Per-FedAvg [pfedme]=pFedMe
+                     [ditto]=Ditto [fedfomo]=FedFOMO [fedrep]=FedRep [local]=local-only)
 
 job_args() {
   case $1 in
@@ -55,6 +60,11 @@ job_args() {
     seeds_a0.1) args=(--table main --seeds 1,2 --row FedAvg --row FedDyn --row "Fed-RoD (hyper)" ${BEST_PFL:+--row "$BEST_PFL"}) ;;
     sweep_lambda | sweep_perfedavg | sweep_pfedme) args=(--config "tune/pfl_${1#sweep_}.yaml") ;;
     privacy) args=(--table privacy --seeds 0,); job_base=configs/fmnist_dp.yaml ;;
+    *_a0.3 | *_a0.1)
+      local row=${PFL_ROWS[${1%_a0.?}]:-}
+      [ -n "$row" ] || { echo "unknown job $1" >&2; return 2; }
+      args=(--table main --seeds 0, --row "$row")
+      if [[ $1 == *_a0.3 ]]; then args+=(--set data.alpha=0.3); fi ;;
     *) echo "unknown job $1" >&2; return 2 ;;
   esac
 }

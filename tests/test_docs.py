@@ -151,3 +151,28 @@ def test_the_main_tables_gather_the_rows_run_as_jobs_of_their_own(tmp_path, monk
     assert lines[-4:] == ["⋆ no global model: ...", "¶ from `pfl_a0.3` (commit `abc1234`, below).",
                           "¶ `pfl_tuned_a0.3`: not run yet.", "¶ `pfl_plain_a0.3`: not run yet."]
     assert "† a note" in lines
+
+
+def test_a_row_run_alone_replaces_its_grouped_row_where_it_got_further(tmp_path, monkeypatch):
+    """A personalized-FL row run alone (deploy/reproduce_fmnist.sh's ditto_a0.3) shows in the main table in
+    place of the same method's row of a grouped job when it got further, and not when it got less far."""
+    spec = importlib.util.spec_from_file_location("fmnist_results", REPO / "bench" / "fmnist_results.py")
+    publisher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(publisher)
+    monkeypatch.setattr(publisher, "DEST", tmp_path)
+    head = "Table main: ...\n\n| method | G-FL (GM) |\n|---|---:|\n"
+    for job, rows in {"pfl_tuned_a0.3": ["MTL (not finished: round 90 of 100; values at round 80) | 79.00 ⋆",
+                                         "Ditto (not started) | -"],
+                      "ditto_a0.3": ["Ditto (not finished: round 45 of 100; values at round 40) | 80.00 ⋆"],
+                      "mtl_a0.3": ["MTL (not finished: round 30 of 100; values at round 20) | 70.00 ⋆"]}.items():
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "COMMIT").write_text(f"{job[:4]}123\n")
+        (tmp_path / job / "table.md").write_text(head + "".join(f"| {row} |\n" for row in rows))
+    table = head + "| FedAvg | 60.00 |"
+    lines = publisher.with_rows_from(table, "main_a0.3").splitlines()
+    assert lines[4:] == ["| FedAvg | 60.00 |",
+                         "| ¶ MTL (not finished: round 90 of 100; values at round 80) | 79.00 ⋆ |",
+                         "| ¶ Ditto (not finished: round 45 of 100; values at round 40) | 80.00 ⋆ |", "",
+                         "¶ `pfl_a0.3`: not run yet.", "¶ from `pfl_tuned_a0.3` (commit `pfl_123`, below).",
+                         "¶ `pfl_plain_a0.3`: not run yet.", "¶ from `ditto_a0.3` (commit `ditt123`, below)."]
+    assert publisher.progress("| FedPer | 50.00 |") == ("FedPer", float("inf"))
