@@ -14,17 +14,22 @@ The clients' speeds are the default heavy-tailed log-normal (median 100 examples
 every mode (the seed's). G-FL is evaluated every ``--eval-every`` rounds (FedBuff: server steps scaled to
 the same number of updates), P-FL on a sample of 10 clients only, to keep the evaluation cheap. Prints a
 Markdown table: the virtual and real seconds at the first evaluation at or above the target ("-" when not
-reached), the rounds (server steps) and client updates it took, and the best G-FL.
+reached), the rounds (server steps) and client updates it took, and the best G-FL. Each evaluation prints a
+progress line; with ``--rows FILE`` each finished run is appended to FILE (JSON lines) and a run FILE already
+holds is not run again, so a killed benchmark continues where it stopped.
 
-    FEDROD_DATA_DIR=../shared/data python bench/round_modes.py        # 1,000 clients Dir(0.3): hours on 2 cores
+    FEDROD_DATA_DIR=../shared/data python bench/round_modes.py --rows rows.jsonl   # 1,000 clients Dir(0.3)
     FEDROD_DATA_DIR=../shared/data python bench/round_modes.py --clients 100 --rounds 12 --target 0.6
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -65,6 +70,9 @@ def run(args, method: str, mode: str, deadline: float | None) -> list:
         updates += record["clients_done"]
         if "gfl_gm" in record:
             best = max(best, record["gfl_gm"])
+            print(f"  {method} {mode}: round {r + 1}/{fed.rounds}, virtual {record['virtual_time']:.0f} s, real "
+                  f"{time.perf_counter() - start:.0f} s, G-FL {100 * record['gfl_gm']:.2f}", file=sys.stderr,
+                  flush=True)
             if record["gfl_gm"] >= args.target:
                 return [method, mode, f"{record['virtual_time']:.0f}", f"{time.perf_counter() - start:.0f}",
                         r + 1, updates, f"{100 * best:.2f}"]
@@ -87,6 +95,7 @@ def main() -> None:
     p.add_argument("--methods", default="FedAvg,Fed-RoD")
     p.add_argument("--modes", default="sync,deadline,fedbuff")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", type=Path, help="JSON lines of the finished runs: appended to, and read to skip them")
     args = p.parse_args()
     torch.set_num_threads(1)
     deadline = args.deadline
@@ -100,7 +109,20 @@ def main() -> None:
     print(f"FMNIST, {args.clients} clients Dir({args.alpha}), {clients_per_round(args.clients, args.fraction)} a "
           f"round, {args.local_epochs} local epoch(s), seed {args.seed}; deadline {deadline:.1f} s, over-selection "
           f"{args.over_selection}; FedBuff K={args.buffer_size}; target G-FL {100 * args.target:.0f}%\n")
-    rows = [run(args, method, mode, deadline) for method in args.methods.split(",") for mode in args.modes.split(",")]
+    # A finished run counts only for the same settings (every option but the two lists, and the deadline).
+    settings = {k: v for k, v in vars(args).items() if k not in ("rows", "methods", "modes")} | {"deadline": deadline}
+    lines = args.rows.read_text().splitlines() if args.rows and args.rows.is_file() else []
+    done = [line["row"] for line in map(json.loads, lines) if line["settings"] == settings]
+    rows = []
+    for method in args.methods.split(","):
+        for mode in args.modes.split(","):
+            row = next((row for row in done if row[:2] == [method, mode]), None)
+            if row is None:
+                row = run(args, method, mode, deadline)
+                if args.rows:
+                    with open(args.rows, "a") as f:
+                        f.write(json.dumps({"settings": settings, "row": row}) + "\n")
+            rows.append(row)
     print(md_table("method|mode|virtual s to target|real s to target|rounds (steps)|client updates|best G-FL %",
                    rows, [False, False, True, True, True, True, True]))
 
