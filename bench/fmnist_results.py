@@ -21,6 +21,7 @@ from pathlib import Path
 
 from fedrod_ray_tune.report import COLUMNS, mean_std
 from fedrod_ray_tune.reproduce import status
+from fedrod_ray_tune.tables import DP_EPSILONS
 
 from fedrod_ray.outputs.metric_schema import title
 
@@ -53,12 +54,14 @@ JOBS = {
                "([privacy](privacy.md#figures))",
 }
 
-# deploy/reproduce_fmnist.sh's personalized-FL rows run alone, a table each (`<row>_a0.3`, `<row>_a0.1`; its
-# PFL_ROWS): the page shows such a job only once published, and its row in the main table where it got further
-# than the same row of the grouped jobs above.
+# deploy/reproduce_fmnist.sh's rows run alone, a table each: a personalized-FL row (`<row>_a0.3`, `<row>_a0.1`;
+# its PFL_ROWS) and the privacy table's pair at one epsilon (`privacy_eps<e>`). The page shows such a job only
+# once published, and its rows in the table they belong to where they got further than the same rows there.
 ALONE = ("mtl", "lg_fedavg", "fedper", "perfedavg", "pfedme", "ditto", "fedfomo", "fedrep", "local")
 ALONE_JOBS = {f"{row}_a{alpha}": f"Main table, Dir({alpha}): one personalized-FL row alone"
               for alpha in ("0.3", "0.1") for row in ALONE}
+ALONE_JOBS |= {f"privacy_eps{eps}": "Client-level DP: the privacy table's two methods at one ε alone"
+               for eps in ("inf", *DP_EPSILONS)}
 JOBS.update(ALONE_JOBS)
 
 # The jobs whose curves.png the page shows under their table (G-FL and P-FL (PM) by evaluated round).
@@ -71,6 +74,7 @@ ROW_FROM = {"main_a0.3": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.3"), "main_a0.1": (
 ROWS_FROM = {f"main_a{alpha}": (f"pfl_a{alpha}", f"pfl_tuned_a{alpha}", f"pfl_plain_a{alpha}",
                                   *(job for job in ALONE_JOBS if job.endswith(alpha)))
              for alpha in ("0.3", "0.1")}
+ROWS_FROM["privacy"] = tuple(job for job in ALONE_JOBS if job.startswith("privacy_"))
 
 
 def commit_of(log: Path) -> str:
@@ -163,12 +167,15 @@ def progress(line: str) -> tuple[str, float]:
 
 
 def with_rows_from(table: str, job: str) -> str:
-    """``table`` (``job``'s table.md) with every row of ROWS_FROM's jobs appended, marked ¶ (their footnotes
-    too), and a note naming each job's commit; a grouped job not published yet is named as such. A method that
-    several of those jobs ran shows the row that got furthest (the later job's where they tie)."""
+    """``table`` (``job``'s table.md) with every row of ROWS_FROM's jobs, marked ¶ (their footnotes too), and a
+    note naming each job's commit; a grouped job not published yet is named as such. A method that the table or
+    several of those jobs ran shows the row that got furthest (the later job's where they tie), in its place."""
     lines = table.splitlines()
     at = next(i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("|")) + 1
-    rows: dict[str, tuple[float, str, str]] = {}
+    rows: dict[str, tuple[float, str, str | None]] = {}
+    for line in lines[4:at]:
+        method, got = progress(line)
+        rows[method] = (got, line, None)
     notes, sources = [], {}
     for source in ROWS_FROM[job]:
         if not (DEST / source / "table.md").is_file():
@@ -179,13 +186,14 @@ def with_rows_from(table: str, job: str) -> str:
         for line in theirs:
             if line.startswith("|"):
                 method, got = progress(line)
-                if got >= rows.get(method, (-1,))[0]:
+                if got > rows.get(method, (-1,))[0] or (method in rows and got == rows[method][0]
+                                                         and rows[method][2] is not None):
                     rows[method] = (got, line.replace("| ", "| ¶ ", 1), source)
         notes += [line for line in theirs if not line.startswith("|") and line not in lines + notes]
         sources[source] = f"¶ from `{source}` (commit `{(DEST / source / 'COMMIT').read_text().strip()}`, below)."
     shown = {source for _, _, source in rows.values()}
     notes += [note for source, note in sources.items() if source in shown or "not run yet" in note]
-    return "\n".join(lines[:at] + [row for _, row, _ in rows.values()] + lines[at:] + ["", *notes])
+    return "\n".join(lines[:4] + [row for _, row, _ in rows.values()] + lines[at:] + (["", *notes] if notes else []))
 
 
 def page_block() -> str:

@@ -14,7 +14,8 @@
 # pfl_plain_a0.1), and seeds 1, 2 at Dir(0.1) (seeds_a0.1); one personalized-FL row alone, as a table of its
 # own (<row>_a0.3, <row>_a0.1 with <row> one of PFL_ROWS' keys, e.g. ditto_a0.3): a row finished that way is
 # kept by its published files whatever becomes of the others; client-level DP's privacy-utility table on
-# configs/fmnist_dp.yaml (privacy: 1,000 clients, docs/privacy.md).
+# configs/fmnist_dp.yaml (privacy: 1,000 clients, docs/privacy.md), or its pair at one epsilon alone
+# (privacy_epsinf, privacy_eps8, privacy_eps4, privacy_eps1).
 set -uo pipefail
 out=${1:?usage: reproduce_fmnist.sh OUT [JOB ...]}
 shift
@@ -60,6 +61,12 @@ job_args() {
     seeds_a0.1) args=(--table main --seeds 1,2 --row FedAvg --row FedDyn --row "Fed-RoD (hyper)" ${BEST_PFL:+--row "$BEST_PFL"}) ;;
     sweep_lambda | sweep_perfedavg | sweep_pfedme) args=(--config "tune/pfl_${1#sweep_}.yaml") ;;
     privacy) args=(--table privacy --seeds 0,); job_base=configs/fmnist_dp.yaml ;;
+    # The privacy table's two methods at one epsilon (privacy_epsinf: without DP), a table of their own.
+    privacy_eps*)
+      local eps=${1#privacy_eps}
+      [ "$eps" = inf ] && eps=∞
+      args=(--table privacy --seeds 0, --row "FedAvg, ε = $eps" --row "Fed-RoD (hyper), ε = $eps")
+      job_base=configs/fmnist_dp.yaml ;;
     *_a0.3 | *_a0.1)
       local row=${PFL_ROWS[${1%_a0.?}]:-}
       [ -n "$row" ] || { echo "unknown job $1" >&2; return 2; }

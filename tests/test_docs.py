@@ -176,3 +176,26 @@ def test_a_row_run_alone_replaces_its_grouped_row_where_it_got_further(tmp_path,
                          "¶ `pfl_a0.3`: not run yet.", "¶ from `pfl_tuned_a0.3` (commit `pfl_123`, below).",
                          "¶ `pfl_plain_a0.3`: not run yet.", "¶ from `ditto_a0.3` (commit `ditt123`, below)."]
     assert publisher.progress("| FedPer | 50.00 |") == ("FedPer", float("inf"))
+
+
+def test_a_pair_run_alone_takes_its_place_in_the_privacy_table(tmp_path, monkeypatch):
+    """The privacy table's pair at one epsilon run alone (privacy_eps8) replaces that pair's rows in place where
+    it got further; rows it did not get further than stay as the table has them, unmarked."""
+    spec = importlib.util.spec_from_file_location("fmnist_results", REPO / "bench" / "fmnist_results.py")
+    publisher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(publisher)
+    monkeypatch.setattr(publisher, "DEST", tmp_path)
+    head = "Table privacy: ...\n\n| method | G-FL (GM) |\n|---|---:|\n"
+    (tmp_path / "privacy_eps8").mkdir()
+    (tmp_path / "privacy_eps8" / "COMMIT").write_text("eps8123\n")
+    (tmp_path / "privacy_eps8" / "table.md").write_text(
+        head + "| FedAvg, ε = 8 (not finished: round 30 of 100; values at round 25) | 70.00 |\n"
+        "| Fed-RoD (hyper), ε = 8 (not started) | - |\n")
+    table = head + ("| FedAvg, ε = ∞ | 84.00 |\n| FedAvg, ε = 8 (not started) | - |\n"
+                    "| Fed-RoD (hyper), ε = 8 (not started) | - |\n\nε: a note")
+    assert publisher.with_rows_from(table, "privacy").splitlines()[4:] == [
+        "| FedAvg, ε = ∞ | 84.00 |", "| ¶ FedAvg, ε = 8 (not finished: round 30 of 100; values at round 25) | 70.00 |",
+        "| Fed-RoD (hyper), ε = 8 (not started) | - |", "", "ε: a note", "",
+        "¶ from `privacy_eps8` (commit `eps8123`, below)."]
+    (tmp_path / "privacy_eps8" / "table.md").unlink()
+    assert publisher.with_rows_from(table, "privacy") == table
