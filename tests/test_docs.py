@@ -122,11 +122,19 @@ def test_the_http_api_reference_has_every_operation():
     assert all(f"#### `{name}`" in text for name in doc["components"]["schemas"])
 
 
-def test_the_results_page_holds_the_tables_the_publisher_writes():
-    """bench/fmnist_results.py writes docs/results.md's tables from bench/results/: they are what it writes."""
+def _publisher(dest: Path | None = None, monkeypatch=None):
+    """bench/fmnist_results.py as a module; with ``dest``, reading the published jobs from there."""
     spec = importlib.util.spec_from_file_location("fmnist_results", REPO / "bench" / "fmnist_results.py")
     publisher = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(publisher)
+    if dest is not None:
+        monkeypatch.setattr(publisher, "DEST", dest)
+    return publisher
+
+
+def test_the_results_page_holds_the_tables_the_publisher_writes():
+    """bench/fmnist_results.py writes docs/results.md's tables from bench/results/: they are what it writes."""
+    publisher = _publisher()
     text = publisher.PAGE.read_text()
     start, end = text.index(publisher.MARK[0]) + len(publisher.MARK[0]), text.index(publisher.MARK[1])
     assert text[start:end] == "\n" + publisher.page_block() + "\n", "run python bench/fmnist_results.py --page-only"
@@ -135,10 +143,7 @@ def test_the_results_page_holds_the_tables_the_publisher_writes():
 def test_the_main_tables_gather_the_rows_run_as_jobs_of_their_own(tmp_path, monkeypatch):
     """A main table on the page holds the rows of its ROWS_FROM jobs, marked ¶ with their footnotes and each
     job's commit; a job not published yet is said to be."""
-    spec = importlib.util.spec_from_file_location("fmnist_results", REPO / "bench" / "fmnist_results.py")
-    publisher = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(publisher)
-    monkeypatch.setattr(publisher, "DEST", tmp_path)
+    publisher = _publisher(tmp_path, monkeypatch)
     (tmp_path / "pfl_a0.3").mkdir()
     (tmp_path / "pfl_a0.3" / "COMMIT").write_text("abc1234\n")
     (tmp_path / "pfl_a0.3" / "table.md").write_text(
@@ -156,10 +161,7 @@ def test_the_main_tables_gather_the_rows_run_as_jobs_of_their_own(tmp_path, monk
 def test_a_row_run_alone_replaces_its_grouped_row_where_it_got_further(tmp_path, monkeypatch):
     """A personalized-FL row run alone (deploy/reproduce_fmnist.sh's ditto_a0.3) shows in the main table in
     place of the same method's row of a grouped job when it got further, and not when it got less far."""
-    spec = importlib.util.spec_from_file_location("fmnist_results", REPO / "bench" / "fmnist_results.py")
-    publisher = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(publisher)
-    monkeypatch.setattr(publisher, "DEST", tmp_path)
+    publisher = _publisher(tmp_path, monkeypatch)
     head = "Table main: ...\n\n| method | G-FL (GM) |\n|---|---:|\n"
     for job, rows in {"pfl_tuned_a0.3": ["MTL (not finished: round 90 of 100; values at round 80) | 79.00 ⋆",
                                          "Ditto (not started) | -"],
@@ -181,10 +183,7 @@ def test_a_row_run_alone_replaces_its_grouped_row_where_it_got_further(tmp_path,
 def test_a_pair_run_alone_takes_its_place_in_the_privacy_table(tmp_path, monkeypatch):
     """The privacy table's pair at one epsilon run alone (privacy_eps8) replaces that pair's rows in place where
     it got further; rows it did not get further than stay as the table has them, unmarked."""
-    spec = importlib.util.spec_from_file_location("fmnist_results", REPO / "bench" / "fmnist_results.py")
-    publisher = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(publisher)
-    monkeypatch.setattr(publisher, "DEST", tmp_path)
+    publisher = _publisher(tmp_path, monkeypatch)
     head = "Table privacy: ...\n\n| method | G-FL (GM) |\n|---|---:|\n"
     (tmp_path / "privacy_eps8").mkdir()
     (tmp_path / "privacy_eps8" / "COMMIT").write_text("eps8123\n")
