@@ -186,8 +186,9 @@ def with_rows_from(table: str, job: str) -> str:
         for line in theirs:
             if line.startswith("|"):
                 method, got = progress(line)
-                if got > rows.get(method, (-1,))[0] or (method in rows and got == rows[method][0]
-                                                         and rows[method][2] is not None):
+                # A job's row replaces the table's own only where it got further; another job's, also on a tie.
+                prior = rows.get(method)
+                if prior is None or got > prior[0] or (got == prior[0] and prior[2] is not None):
                     rows[method] = (got, line.replace("| ", "| ¶ ", 1), source)
         notes += [line for line in theirs if not line.startswith("|") and line not in lines + notes]
         sources[source] = f"¶ from `{source}` (commit `{(DEST / source / 'COMMIT').read_text().strip()}`, below)."
