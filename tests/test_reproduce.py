@@ -229,26 +229,29 @@ def test_an_unfinished_row_says_how_far_it_got():
 
 
 def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
-    """--status writes the table of a reproduction as far as it got, from Tune's trial files, without Ray:
-    a round reported twice (a trial resumed from an earlier checkpoint) counts once, the last report of it;
-    a row whose clients' updates failed says how many, from which round; a trial Tune is still creating
-    is not there yet."""
+    """--status writes the table of a reproduction as far as it got, from each trial's folder, without Ray:
+    its searched values (trial.json; Tune's params.json in a folder of an earlier version) and its run's
+    rounds (metrics.jsonl, a last line cut short by a kill left out); a row whose clients' updates failed
+    says how many, from which round; a trial Tune is still creating is not there yet."""
     out = tmp_path / "repro"
     spec = build_spec("ablation", TINY, [0], rounds=4, rows=["FedAvg", "Fed-RoD (linear)"])
     start_dir(out, SPEC_FILE, spec.to_dict(), "a reproduction", "--out")
-    reports = {"FedAvg": [{"round": 1, "clients": 4, "clients_failed": 0}, {"round": 2, "gfl_gm": 0.1, "pfl_pm": 0.2},
-                          {"round": 3, "clients": 4, "clients_failed": 3},
-                          {"round": 2, "gfl_gm": 0.3, "pfl_pm": 0.4, "clients": 4, "clients_failed": 2},
-                          {"round": 3, "time_total_s": 5400.0, "clients": 4, "clients_failed": 1}],
+    records = {"FedAvg": [{"round": 1, "clients": 4, "clients_failed": 0, "seconds": 1800.0},
+                          {"round": 2, "gfl_gm": 0.3, "pfl_pm": 0.4, "personal_loss": None, "clients": 4,
+                           "clients_failed": 2, "seconds": 1800.0},
+                          {"round": 3, "clients": 4, "clients_failed": 1, "seconds": 1800.0}],
                "Fed-RoD (linear)": []}
-    for i, (row, lines) in enumerate(reports.items()):
-        folder = out / "trials" / f"run_trial_{i}"
+    for i, (row, lines) in enumerate(records.items()):
+        folder = out / "trials" / f"trial_{i}"
         folder.mkdir(parents=True)
-        (folder / "params.json").write_text(json.dumps({"row": row, "seed": 0}))
-        (folder / "result.json").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        # Tune's copy, cut short by a kill, beside the trial's own; the earlier version's: Tune's only.
+        (folder / "params.json").write_text("" if i == 0 else json.dumps({"row": row, "seed": 0}))
+        if i == 0:
+            (folder / "trial.json").write_text(json.dumps({"row": row, "seed": 0}))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"round": 4, "cli')
     # A trial Tune is creating: its params.json is there, still empty.
-    (out / "trials" / "run_trial_2").mkdir()
-    (out / "trials" / "run_trial_2" / "params.json").touch()
+    (out / "trials" / "trial_2").mkdir()
+    (out / "trials" / "trial_2" / "params.json").touch()
     assert main(["reproduce", "--status", str(out)]) == 0
     console = capsys.readouterr().out
     assert "0 of 2 trials finished" in console
@@ -263,10 +266,10 @@ def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
             "3 of 12, the first in round 2)") in console
     assert "| Fed-RoD (linear) (not started) |" in console
     assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
-    # Round by round, the last report of a round; a key no round reported has no column.
+    # Round by round; a key no round recorded has no column (personal_loss: None where recorded).
     assert (out / "rounds.csv").read_text().splitlines() == [
-        "row,seed,round,clients,clients_failed,gfl_gm,pfl_pm", "FedAvg,0,1,4,0,,", "FedAvg,0,2,4,2,0.3,0.4",
-        "FedAvg,0,3,4,1,,"]
+        "row,seed,round,clients,clients_failed,gfl_gm,pfl_pm,seconds", "FedAvg,0,1,4,0,,,1800.0",
+        "FedAvg,0,2,4,2,0.3,0.4,1800.0", "FedAvg,0,3,4,1,,,1800.0"]
     assert main(["reproduce", "--status", str(out), "--seeds", "2"]) == 2
     assert "--status takes the reproduction saved in OUT_DIR; drop --seeds" in capsys.readouterr().err
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,12 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 from fedrod_ray_tune.space import load_sweep
-from fedrod_ray_tune.sweep import pareto_front, run_sweep
-from fedrod_ray_tune.trial import objective
+from fedrod_ray_tune.sweep import pareto_front, run_sweep, trial_folder, tune_state_readable
+from fedrod_ray_tune.trial import objective, own_checkpoint
 
 from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError, load_config
 from fedrod_ray.models.export import load_final
+from fedrod_ray.outputs.storage import RunStorage
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "tune" / "quickstart.yaml"
@@ -296,6 +298,74 @@ def test_a_killed_sweep_resumes_without_redoing_finished_rounds_or_trials(tmp_pa
         # The trial's own metrics files too: a resumed trial keeps them to its checkpoint's round.
         assert_trial_run_directory(sweep_dir / "trials" / trial, ROUNDS)
     assert (sweep_dir / "results.md").is_file()
+
+
+def test_a_trial_folder_is_named_by_what_an_experiment_started_again_gives_the_same_trial():
+    class Trial:  # what trial_folder reads of Tune's Trial
+        trial_id, config = "f443e_00003", {"row": "Fed-RoD (hyper)", "seed": 0}
+
+    assert trial_folder(Trial()) == "trial_00003_row=Fed-RoD_hyper_,seed=0"
+    Trial.trial_id = "58481_00003"  # another experiment's id, the same trial
+    assert trial_folder(Trial()) == "trial_00003_row=Fed-RoD_hyper_,seed=0"
+    Trial.config = {"train.lr": 0.0123456789, "train.head_params.lam": 15.0}
+    assert trial_folder(Trial()) == "trial_00003_train.lr=0.01235,train.head_params.lam=15"
+
+
+def test_tunes_record_of_an_experiment_is_readable_when_its_newest_file_parses(tmp_path):
+    assert not tune_state_readable(tmp_path)  # none yet (killed before Tune wrote one)
+    (tmp_path / "experiment_state-2026-11-26_21-35-49.json").write_text('{"trial_data": []}')
+    assert tune_state_readable(tmp_path)
+    (tmp_path / "experiment_state-2026-11-26_22-51-46.json").touch()  # the newest, cut short by a kill
+    assert not tune_state_readable(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_sweep_whose_tune_record_was_cut_short_goes_on_from_each_trials_own_checkpoint(
+        ray_session, tmp_path, capsys):
+    """Tune copies its record of the experiment, and its copies of a trial's reports, into place without a
+    rename: a kill mid-copy leaves them empty (seen on a machine stopped under a reproduction). --resume
+    then starts the experiment again: the trial lands in its folder and goes on from its run's own last
+    checkpoint, to the same figures as the run that was not stopped, and the results are read from the
+    run's files."""
+    rounds_before = 2
+    spec = load_sweep(sweep_file(tmp_path, search={"train.lr": {"grid": [0.05]}}, scheduler="none",
+                                 set={"train.rounds": ROUNDS, "runtime.checkpoint_every": 1}))
+    sweep_dir = tmp_path / "sweep"
+    (uninterrupted,) = run_sweep(spec, sweep_dir)
+    (trial,) = (p for p in (sweep_dir / "trials").iterdir() if p.is_dir())
+    assert trial.name == "trial_00000_train.lr=0.05"
+    assert json.loads((trial / "trial.json").read_text()) == {"train.lr": 0.05}
+    records = (trial / "metrics.jsonl").read_text().splitlines()
+    # As the machine left it: the run's checkpoint of round 2 its latest, round 3 trained but not saved;
+    # Tune's files empty.
+    (trial / "checkpoints" / "latest").write_text(f"round_{rounds_before:06d}")
+    for name in ("final", *(p.name for p in trial.glob("checkpoint_0*"))):
+        shutil.rmtree(trial / name)
+    for path in [*(sweep_dir / "trials").glob("*.json"), *(trial / n for n in ("params.json", "result.json",
+                                                                              "progress.csv"))]:
+        path.write_bytes(b"")
+    capsys.readouterr()
+
+    (row,) = run_sweep(spec, sweep_dir, resume=True)
+    assert "cannot be read" in capsys.readouterr().out
+    assert [p.name for p in (sweep_dir / "trials").iterdir() if p.is_dir()] == [trial.name]
+    # Tune's reports of the experiment started again: round 3 only.
+    assert [json.loads(line)["round"] for line in (trial / "result.json").read_text().splitlines()] == [ROUNDS]
+    assert_trial_run_directory(trial, ROUNDS)
+    timing = ("seconds", "train_seconds", "virtual_time", "round_virtual_seconds")
+    resumed = [{k: v for k, v in json.loads(line).items() if k not in timing}
+               for line in (trial / "metrics.jsonl").read_text().splitlines()]
+    assert resumed == [{k: v for k, v in json.loads(line).items() if k not in timing} for line in records]
+    assert {k: v for k, v in row.items() if k != "status"} == {k: v for k, v in uninterrupted.items() if k != "status"}
+    assert row["status"] == uninterrupted["status"] == "finished" and row["best_round"] >= 1
+
+    # The folder's own checkpoint is the trial's only: a run of another config there is an error.
+    cfg = spec.trial_config({"train.lr": 0.05})
+    cfg.run_dir = RunStorage(str(trial)).uri
+    assert own_checkpoint(RunStorage(str(trial)), cfg).rounds_done == ROUNDS
+    cfg.train.lr = 0.01
+    with pytest.raises(ConfigError, match="holds a run of another config than its trial's"):
+        own_checkpoint(RunStorage(str(trial)), cfg)
 
 
 @pytest.mark.slow

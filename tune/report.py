@@ -63,7 +63,7 @@ def format_table(spec: ReproSpec, records: list[dict]) -> str:
     seeds = ", ".join(map(str, spec.seeds))
     heading = (f"Table {spec.table}: base {Path(spec.base).name}, {spec.rounds} rounds, seeds {seeds}; "
                "mean ± std over the seeds (sample std), accuracies in %; wall (h): a trial's wall time as it ran "
-               "(Tune's time_total_s), its seeds' mean, beside the trials that shared the machine.")
+               "(its rounds' seconds), its seeds' mean, beside the trials that shared the machine.")
     lines = [heading, "",
              "| method | " + " | ".join(map(title, columns)) + " | wall (h) |",
              "|---|" + "|".join("---:" for _ in columns) + "|---:|"]

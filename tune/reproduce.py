@@ -23,10 +23,14 @@ import math
 from pathlib import Path
 
 from fedrod_ray.outputs.metric_schema import ACCURACIES, BY_KEY, values_line
+from fedrod_ray.outputs.results import read_records
+from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.outputs.tracking import scalars
 
 from .report import CURVES, Collected, write_results
 from .repro_spec import SPEC_FILE, ReproSpec, load_spec
 from .sweep import TRIALS, TrialLines, fit, start_dir
+from .trial import PARAMS_FILE
 
 # A trial's console line: every accuracy but the new clients' GM (results.csv has it).
 LINE_METRICS = tuple(k for k in ACCURACIES if k != "pfl_gm_new")
@@ -59,21 +63,20 @@ def collect(spec: ReproSpec, grid) -> Collected:
         if result.config is None:  # a trial the run was stopped before it started: below, as "not started"
             continue
         row, seed = result.config["row"], result.config["seed"]
-        done = int((result.metrics or {}).get("round", 0))
+        # The trial's rounds as its run recorded them in its folder, not Tune's copies of its reports (a
+        # trial started again by an experiment that was, ``sweep.fit``, reports only its rounds since).
+        # Its numeric fields, as Tune's reports have them, with their values as recorded.
+        reported = [{**{k: r[k] for k in scalars(r) if k in BY_KEY}, "round": r["round"]}
+                    for r in read_records(RunStorage(result.path))]
+        done = reported[-1]["round"] if reported else 0
         status = "error" if result.error else "finished" if done == rounds else "incomplete"
-        history = result.metrics_dataframe
-        # A resumed trial reports some rounds again: the latest report of a round counts, for every file.
-        by_round = {int(r["round"]): r for r in (history.to_dict("records") if history is not None else [])
-                    if _present(r.get("round"))}
-        reported = [{**{k: r[k] for k in BY_KEY if k in r and _present(r[k])}, "round": n}
-                    for n, r in sorted(by_round.items())]
         evaluated = [r for r in reported if "gfl_gm" in r]
         last = evaluated[-1] if evaluated else {}
         failed = [r for r in reported if r.get("clients_failed")]
         records.append({"row": row, "seed": seed, "rounds": done, "eval_round": int(last.get("round", 0)),
                         "status": status, **{k: _value(last.get(k)) for k in ACCURACIES},
-                        # Tune's time_total_s: the trial's wall time over all its runs (resumes included)
-                        "wall_s": _value((result.metrics or {}).get("time_total_s")),
+                        # the trial's wall time: its rounds', each counted once
+                        "wall_s": sum(r.get("seconds", 0.0) for r in reported) if reported else math.nan,
                         "updates": int(sum(r.get("clients", 0) for r in reported)),
                         "failed_updates": int(sum(r["clients_failed"] for r in failed)),
                         "first_failed_round": failed[0]["round"] if failed else 0})
@@ -91,37 +94,32 @@ def collect(spec: ReproSpec, grid) -> Collected:
     return Collected(records, curves, reports)
 
 
-def _present(v) -> bool:
-    """A value a trial reported (a round without a metric leaves NaN in the dataframe)."""
-    return v is not None and not (isinstance(v, float) and math.isnan(v))
-
-
 def _value(v) -> float:
-    """A reported metric as a float; absent (None, or NaN in a dataframe of rounds without it): NaN."""
+    """A recorded metric as a float; absent: NaN."""
     return math.nan if v is None else float(v)
 
 
 class TrialOnDisk:
-    """A trial as Ray Tune leaves it in the experiment folder (``params.json``, ``result.json`` and, after a
-    failure, ``error.txt``), read without Ray: ``collect`` takes it where it takes Tune's Result, so the
-    table of a reproduction still running (or stopped) can be written from its files."""
+    """A trial as it is in the experiment's folder, read without Ray: its searched values (``trial.json``;
+    ``params.json``, Tune's copy, in a folder of a version before it), and, after a failure, Tune's
+    ``error.txt``. ``collect`` takes it where it takes Tune's Result (and reads the run's rounds from the
+    folder, ``path``), so the table of a reproduction still running (or stopped) can be written."""
 
-    def __init__(self, folder: Path):
-        import pandas as pd
-
-        self.config = json.loads((folder / "params.json").read_text())
-        lines = (folder / "result.json").read_text().splitlines() if (folder / "result.json").is_file() else []
-        # A trial resumed from an earlier checkpoint reports some rounds again: the latest report counts.
-        by_round = {r["round"]: r for r in map(json.loads, filter(str.strip, lines)) if "round" in r}
-        reports = [by_round[k] for k in sorted(by_round)]
-        self.metrics = reports[-1] if reports else {}
-        self.metrics_dataframe = pd.DataFrame(reports) if reports else None
+    def __init__(self, folder: Path, params: Path):
+        self.path = str(folder)
+        self.config = json.loads(params.read_text())
         self.error = (folder / "error.txt").read_text() if (folder / "error.txt").is_file() else None
 
 
 def trials_on_disk(out_dir: Path) -> list[TrialOnDisk]:
-    # Tune creates a trial's params.json empty and fills it as the trial starts: not begun yet, for us.
-    return [TrialOnDisk(p.parent) for p in sorted((out_dir / TRIALS).glob("*/params.json")) if p.stat().st_size]
+    trials = []
+    for folder in sorted(p for p in (out_dir / TRIALS).iterdir() if p.is_dir()):
+        # A trial not begun yet, for us, has neither (or Tune's params.json, still empty).
+        params = next((p for p in (folder / PARAMS_FILE, folder / "params.json") if p.is_file() and p.stat().st_size),
+                      None)
+        if params is not None:
+            trials.append(TrialOnDisk(folder, params))
+    return trials
 
 
 def status(out_dir: Path) -> list[dict]:

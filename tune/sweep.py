@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,10 +26,12 @@ from ray.tune import Callback
 from fedrod_ray.config import ConfigError, ExperimentConfig, dump_config
 from fedrod_ray.outputs.metric_schema import ACCURACIES, METRICS, percent, title, values_line
 from fedrod_ray.outputs.plotting import figure, png
+from fedrod_ray.outputs.results import read_records
+from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.outputs.tracking import require_extra
 
 from .space import SweepSpec, load_sweep, param_space
-from .trial import objective, run_trial
+from .trial import objective, round_objective, run_trial
 
 TRIALS = "trials"
 SPEC_FILE = "sweep.yaml"
@@ -60,7 +64,13 @@ def start_dir(out_dir: Path, spec_file: str, doc: dict, what: str, flag: str) ->
 def fit(spec: SweepSpec, out_dir: Path, callback: Callback, resume: bool):
     """Run every trial of ``spec`` with Ray Tune, into ``out_dir/trials``; with ``resume``, restore that
     experiment and finish it (finished trials stay as they are, the others go on from their last
-    reported round). Returns Tune's ResultGrid. Sweeps and reproductions both run through here."""
+    reported round). Returns Tune's ResultGrid. Sweeps and reproductions both run through here.
+
+    Tune's record of the experiment can be unreadable: Tune copies it into place without a rename, so a
+    process killed mid-copy leaves it empty (and Tune, told to restore it, would start an experiment of
+    its own making). Then the experiment starts again: each trial lands in the folder it had (named by
+    ``trial_folder``) and goes on from its run's own last checkpoint there (``trial.own_checkpoint``).
+    """
     import ray
     from ray import tune
 
@@ -75,6 +85,10 @@ def fit(spec: SweepSpec, out_dir: Path, callback: Callback, resume: bool):
     try:
         trainable = tune.with_resources(tune.with_parameters(run_trial, sweep=spec),
                                         tune.PlacementGroupFactory(spec.bundles()))
+        if resume and not tune_state_readable(out_dir / TRIALS):
+            print(f"Ray Tune's record of the experiment in {out_dir / TRIALS} cannot be read (a process killed "
+                  f"while writing it): its trials start again, each from its own last checkpoint", flush=True)
+            resume = False
         if resume:
             tuner = tune.Tuner.restore(str(out_dir / TRIALS), trainable=trainable, resume_unfinished=True,
                                        resume_errored=True)
@@ -87,8 +101,8 @@ def fit(spec: SweepSpec, out_dir: Path, callback: Callback, resume: bool):
                 metric = {"metric": "objective", "mode": "max"}
             tuner = tune.Tuner(
                 trainable, param_space=param_space(spec),
-                tune_config=tune.TuneConfig(**metric, scheduler=scheduler,
-                                            num_samples=spec.num_samples, reuse_actors=False),
+                tune_config=tune.TuneConfig(**metric, scheduler=scheduler, num_samples=spec.num_samples,
+                                            reuse_actors=False, trial_dirname_creator=trial_folder),
                 run_config=tune.RunConfig(name=TRIALS, storage_path=str(out_dir), verbose=0,
                                           callbacks=[callback, *tracking_callbacks(_base(spec), out_dir)],
                                           checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
@@ -97,6 +111,24 @@ def fit(spec: SweepSpec, out_dir: Path, callback: Callback, resume: bool):
     finally:
         if started:
             ray.shutdown()
+
+
+def tune_state_readable(trials: Path) -> bool:
+    """Whether Tune's newest record of the experiment in ``trials`` (what ``Tuner.restore`` reads) parses."""
+    states = sorted(trials.glob("experiment_state-*.json"))
+    try:
+        json.loads(states[-1].read_text())
+    except (IndexError, ValueError):
+        return False
+    return True
+
+
+def trial_folder(trial) -> str:
+    """A trial's folder name, made of what an experiment started again gives the same trial: its place in
+    the experiment (the number after Tune's experiment id) and its searched values."""
+    number = trial.trial_id.rsplit("_", 1)[-1]
+    values = ",".join(f"{k}={re.sub(r'[^A-Za-z0-9.+-]+', '_', _fmt(v))}" for k, v in trial.config.items())
+    return f"trial_{number}_{values}"[:120]
 
 
 def tracking_callbacks(cfg: ExperimentConfig, out_dir: Path) -> list[Callback]:
@@ -178,24 +210,27 @@ def _fmt(v) -> str:
 
 def result_rows(spec: SweepSpec, grid) -> list[dict]:
     """One row per trial: its searched values, then COLUMNS; sorted best (final objective) first."""
-    rounds = _base(spec).train.rounds
+    base = _base(spec)
     rows = []
     for result in grid:
-        history = result.metrics_dataframe
-        last = result.metrics or {}
+        # The trial's rounds as its run recorded them in its folder (not Tune's copies of its reports: a
+        # trial started again by an experiment that was (``fit``) reports only its rounds since).
+        records = read_records(RunStorage(result.path))
+        last = records[-1] if records else {}
         row = {k: result.config[k] for k in spec.search}
         done = int(last.get("round", 0))
-        row.update(rounds=done, status="error" if result.error else "finished" if done == rounds else "stopped")
+        row.update(rounds=done, status="error" if result.error else
+                   "finished" if done == base.train.rounds else "stopped")
         for key in FINAL:
             row[key] = last.get(key, math.nan)
         # The exact figures: with eval.estimate_size the reported objective is the estimate's, and a trial
         # stopped between exact evaluations has none (its estimates are in the history).
         row["objective"] = objective(last, spec.metric) if "gfl_gm" in last else math.nan
-        if history is not None and len(history) and "objective" in history:
-            best = history.loc[history["objective"].idxmax()]
-            row.update(best_objective=float(best["objective"]), best_round=int(best["round"]))
-        else:
-            row.update(best_objective=math.nan, best_round=0)
+        estimate = bool(spec.trial_config(result.config).eval.estimate_size)
+        reported = [(value, r["round"]) for r in records
+                    if (value := round_objective(r, spec.metric, estimate)) is not None]
+        best_objective, best_round = max(reported, key=lambda x: x[0]) if reported else (math.nan, 0)
+        row.update(best_objective=best_objective, best_round=best_round)
         rows.append(row)
     return sorted(rows, key=lambda r: -r["objective"] if not math.isnan(r["objective"]) else math.inf)
 

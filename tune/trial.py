@@ -6,25 +6,36 @@ slot. It trains a ``run.Run`` whose run directory is the trial's folder, so a tr
 writes (config.yaml, the metrics files, checkpoints/, and final/ at its last round). After each round it
 reports the round's metrics to Tune with a checkpoint holding the federation's full snapshot, so a stopped
 sweep resumes a trial after its last reported round; a trial the scheduler stops writes no final/.
+
+The trial's folder is its own record, apart from Tune's: ``trial.json`` (its searched values) and the run's
+files. Where Tune has no checkpoint for the trial (its experiment started again: ``sweep.fit``), the trial
+goes on from the run's own last checkpoint in that folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
 
 import torch
+import yaml
 
+from fedrod_ray.config import ConfigError, ExperimentConfig, dump_config
 from fedrod_ray.executors.ray import RayExecutor, plan_layout
 from fedrod_ray.executors.shared_setup import share
-from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
+from fedrod_ray.federation_state.checkpoint import latest_checkpoint_name, load_checkpoint, save_checkpoint
 from fedrod_ray.federation_state.setup import prepare
+from fedrod_ray.federation_state.state import Snapshot
 from fedrod_ray.lifecycle.run import Run
 from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.outputs.tracking import scalars
 from fedrod_ray.round_loop.federation import Federation
 
 from .space import SweepSpec
+
+# A trial's searched values, in its folder (Tune's params.json is a copy Tune may rewrite at any time).
+PARAMS_FILE = "trial.json"
 
 
 def objective(record: dict, metric: str, estimate: bool = False) -> float:
@@ -39,6 +50,14 @@ def objective(record: dict, metric: str, estimate: bool = False) -> float:
     return 2 * gfl * pfl / (gfl + pfl) if gfl + pfl > 0 else 0.0
 
 
+def round_objective(record: dict, metric: str, estimate: bool) -> float | None:
+    """What a round reports as its objective: the estimate's where the trial estimates (every round), else
+    the exact evaluation's; None for a round without one."""
+    if estimate or "gfl_gm" in record:
+        return objective(record, metric, estimate)
+    return None
+
+
 def run_trial(params: dict, sweep: SweepSpec) -> None:
     """Tune's trainable: the trial of ``sweep`` with ``params`` (its searched values, dotted key -> value),
     a ``Run`` in the trial's folder that reports every round to Tune, resumed from Tune's checkpoint."""
@@ -47,6 +66,7 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
     cfg = sweep.trial_config(params)
     storage = trial_run_dir()
     cfg.run_dir = storage.uri  # as a run's config.yaml records where it was
+    storage.write_bytes(PARAMS_FILE, json.dumps(params).encode())
     torch.set_num_threads(1)
     # The trial maps the data from the object store, as its client actors do: one copy on the node.
     shared = share(prepare(cfg))
@@ -60,7 +80,7 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
         with contextlib.ExitStack() as stack:
             # Restored while Tune's folder is there: the run copies the client files it reads.
             folder = stack.enter_context(checkpoint.as_directory()) if checkpoint is not None else None
-            snapshot = load_checkpoint(RunStorage(folder)) if folder is not None else None
+            snapshot = load_checkpoint(RunStorage(folder)) if folder is not None else own_checkpoint(storage, cfg)
             run = Run(Federation(setup, executor, log=print), storage, snapshot, track=False)
         estimate = bool(cfg.eval.estimate_size)
 
@@ -69,8 +89,9 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
             metrics = {"round": record["round"], **scalars(record)}
             # What ASHA decides on, every round: the estimate where there is one (never mixed with exact
             # figures), else the exact evaluation (a sweep's trial without an estimate: every round).
-            if estimate or "gfl_gm" in record:
-                metrics["objective"] = objective(record, sweep.metric, estimate)
+            value = round_objective(record, sweep.metric, estimate)
+            if value is not None:
+                metrics["objective"] = value
             # Saved here, whole, not in the background as the run's own are: tune.report persists (copies)
             # the folder to the trial's storage before it returns, so the folder must be complete when
             # reported, and reporting a round late would let the scheduler stop the trial a round late.
@@ -81,6 +102,23 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
         run.train(report, last_after_final=True)
     finally:
         executor.close()
+
+
+def own_checkpoint(storage: RunStorage, cfg: ExperimentConfig) -> Snapshot | None:
+    """The last checkpoint of the run in the trial's folder (None where it has none): what a trial goes on
+    from when Tune has no checkpoint of it. Only the same trial's: a folder holding a run of another config
+    is an error, never overwritten."""
+    if latest_checkpoint_name(storage) is None:
+        return None
+    if _settings(storage.read_bytes("config.yaml").decode()) != _settings(dump_config(cfg)):
+        raise ConfigError(f"{storage.uri} holds a run of another config than its trial's; move it away to start "
+                          f"the trial again")
+    return load_checkpoint(storage)
+
+
+def _settings(config_yaml: str) -> dict:
+    """A run's config but for where it was (``run_dir``): a folder may have moved since."""
+    return {k: v for k, v in yaml.safe_load(config_yaml).items() if k != "run_dir"}
 
 
 def trial_run_dir() -> RunStorage:

@@ -30,17 +30,7 @@ class MetricsLog:
 
     @classmethod
     def resume(cls, storage: RunStorage, rounds_done: int) -> MetricsLog:
-        records = []
-        if storage.exists("metrics.jsonl"):
-            text = storage.read_bytes("metrics.jsonl").decode()
-            # A process killed while appending leaves a last line without its newline: a round that
-            # no checkpoint covers, dropped like every round after the checkpoint.
-            for line in text[:text.rfind("\n") + 1].splitlines():
-                if line.strip():
-                    rec = json.loads(line)
-                    if rec["round"] <= rounds_done:
-                        records.append(rec)
-        return cls(storage, records)
+        return cls(storage, [r for r in read_records(storage) if r["round"] <= rounds_done])
 
     def append(self, record: dict) -> None:
         self.records.append(record)
@@ -57,6 +47,18 @@ class MetricsLog:
         self.written = True
         if record.get("gfl_gm") is not None:
             self.storage.write_bytes("curves.png", plot_curves(self.records))
+
+
+def read_records(storage: RunStorage) -> list[dict]:
+    """The rounds' records in a run directory's metrics.jsonl, as far as it was written ([] without one).
+
+    A process killed while appending leaves a last line without its newline: a round that no checkpoint
+    covers (a resumed run drops it like every round after its checkpoint), left out here too.
+    """
+    if not storage.exists("metrics.jsonl"):
+        return []
+    text = storage.read_bytes("metrics.jsonl").decode()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 def csv_columns(records: list[dict]) -> list[str]:
