@@ -5,7 +5,8 @@ Each job in OUT is read as ``fedrod-ray reproduce --status`` reads it (from Tune
 so a job still running is published as far as it got) and its ``table.md``, ``results.csv``, ``rounds.csv``,
 ``curves.png`` and ``reproduce.yaml`` are copied; checkpoints stay in OUT. A job not in OUT keeps what an
 earlier publication committed (a reproduction that had to start again on another machine does not erase the
-rows it has not reached yet), nor does a job in OUT with fewer finished trials than the committed one.
+rows it has not reached yet), nor does a job in OUT less far along than the committed one (fewer trials
+finished, or as many and fewer rounds trained in all).
 
     python bench/fmnist_results.py /path/to/out                  # every job found in OUT
     python bench/fmnist_results.py --page-only                   # the page's tables from what is committed
@@ -91,14 +92,21 @@ def finished_records(results_csv: Path) -> list[dict]:
         return [r for r in csv.DictReader(f) if r["status"] == "finished"]
 
 
+def job_progress(results_csv: Path) -> tuple[int, int]:
+    """How far a job got: its trials finished, then the rounds its trials trained in all."""
+    with open(results_csv) as f:
+        records = list(csv.DictReader(f))
+    return sum(r["status"] == "finished" for r in records), sum(int(r["rounds"]) for r in records)
+
+
 def publish(out: Path, job: str, force: bool) -> None:
     status(out / job)
     folder = DEST / job
     if (folder / "results.csv").is_file() and not force:
-        before, now = (len(finished_records(path)) for path in (folder / "results.csv", out / job / "results.csv"))
+        before, now = (job_progress(path) for path in (folder / "results.csv", out / job / "results.csv"))
         if now < before:
-            print(f"{job}: kept what is committed ({before} trials finished, against {now} in {out / job}; "
-                  "--force replaces it)", flush=True)
+            print(f"{job}: kept what is committed ({before[0]} trials finished, {before[1]} rounds in all, "
+                  f"against {now[0]} and {now[1]} in {out / job}; --force replaces it)", flush=True)
             return
     if folder.exists():
         shutil.rmtree(folder)
@@ -232,7 +240,7 @@ def main() -> None:
     p.add_argument("out", type=Path, nargs="?", help="deploy/reproduce_fmnist.sh's OUT")
     p.add_argument("--page-only", action="store_true", help="only rewrite docs/results.md's tables")
     p.add_argument("--force", action="store_true",
-                   help="replace a committed job even where it has more finished trials than OUT's")
+                   help="replace a committed job even where it got further than OUT's (more trials finished, or more rounds)")
     args = p.parse_args()
     if not args.page_only:
         if args.out is None:

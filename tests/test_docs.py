@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -156,6 +157,39 @@ def test_the_main_tables_gather_the_rows_run_as_jobs_of_their_own(tmp_path, monk
     assert lines[-4:] == ["⋆ no global model: ...", "¶ from `pfl_a0.3` (commit `abc1234`, below).",
                           "¶ `pfl_tuned_a0.3`: not run yet.", "¶ `pfl_plain_a0.3`: not run yet."]
     assert "† a note" in lines
+
+
+def test_a_job_is_published_over_the_committed_one_only_when_further_along(tmp_path, monkeypatch, capsys):
+    """A job that had to start again (its first run's record lost) does not replace what an earlier
+    publication committed until it gets further: more trials finished, or as many and more rounds."""
+    from fedrod_ray_tune.repro_spec import SPEC_FILE, build_spec
+    from fedrod_ray_tune.sweep import start_dir
+
+    publisher = _publisher(tmp_path / "published", monkeypatch)
+    monkeypatch.setattr(publisher, "ROOT", tmp_path)
+    out = tmp_path / "out"
+    start_dir(out / "job", SPEC_FILE, build_spec("ablation", REPO / "configs" / "synthetic_tiny.yaml", [0],
+                                                 rows=["FedAvg", "Fed-RoD (linear)"]).to_dict(), "", "")
+    (out / "job.log").write_text("=== 2026-11-26T23:23:00Z job (commit e4db8cc)\n")
+
+    def trained(fedavg: int, fedrod: int) -> None:  # each row's trial, as far as its run recorded
+        for i, (row, n) in enumerate((("FedAvg", fedavg), ("Fed-RoD (linear)", fedrod))):
+            folder = out / "job" / "trials" / f"trial_{i}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "trial.json").write_text(json.dumps({"row": row, "seed": 0}))
+            (folder / "metrics.jsonl").write_text("".join(json.dumps({"round": k + 1}) + "\n" for k in range(n)))
+
+    trained(50, 0)
+    publisher.publish(out, "job", force=False)
+    committed = (tmp_path / "published" / "job" / "results.csv").read_text()
+    trained(20, 25)  # started again: 45 rounds in all, against 50
+    publisher.publish(out, "job", force=False)
+    assert "job: kept what is committed (0 trials finished, 50 rounds in all, against 0 and 45" in capsys.readouterr().out
+    assert (tmp_path / "published" / "job" / "results.csv").read_text() == committed
+    trained(20, 31)
+    publisher.publish(out, "job", force=False)
+    assert (tmp_path / "published" / "job" / "results.csv").read_text() != committed
+    assert (tmp_path / "published" / "job" / "COMMIT").read_text() == "e4db8cc\n"
 
 
 def test_a_row_run_alone_replaces_its_grouped_row_where_it_got_further(tmp_path, monkeypatch):
