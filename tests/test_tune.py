@@ -246,7 +246,8 @@ def test_a_killed_sweep_resumes_without_redoing_finished_rounds_or_trials(tmp_pa
         # before the state names a trial's last checkpoint, the trial would go on from an earlier one.
         files = sorted((sweep_dir / "trials").glob("experiment_state-*.json"))
         # Tune rewrites the state file in place: killed while it is half written, the resume finds no state
-        # and starts the experiment afresh (seen under load).
+        # and starts the experiment again, each trial from its run's own last checkpoint (the test below),
+        # not from its last report.
         if not files or not _parses(files[-1]):
             return False
         state = json.loads(files[-1].read_text())
