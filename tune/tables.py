@@ -26,7 +26,7 @@ PFL = {
     "LG-FedAvg": _method("lg_fedavg", "ce"),
     "FedPer": _method("fedper", "ce"),
     "Per-FedAvg": {**_method("perfedavg", "ce", beta=0.01), **PLAIN_STEPS},
-    "pFedMe": {**_method("pfedme", "ce"), **PLAIN_STEPS},
+    "pFedMe": {**_method("pfedme", "ce", lam=30.0), **PLAIN_STEPS},
     "Ditto": _method("ditto", "ce", lam=1.0),
     "FedFOMO": _method("fedfomo", "ce"),
     "FedRep": _method("fedrep", "ce"),
