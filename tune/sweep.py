@@ -95,7 +95,10 @@ def fit(spec: SweepSpec, out_dir: Path, callback: Callback, resume: bool):
         else:
             scheduler, metric = None, {}
             if spec.scheduler == "asha":
-                scheduler = tune.schedulers.ASHAScheduler(max_t=_base(spec).train.rounds, **spec.asha)
+                # Its rungs in rounds, not Tune's count of reports, which starts again for a trial that goes
+                # on from its own checkpoint in an experiment started again.
+                scheduler = tune.schedulers.ASHAScheduler(time_attr="round", max_t=_base(spec).train.rounds,
+                                                          **spec.asha)
                 # Only a scheduler reads it; Tune would then demand it in every report, and a trial that is
                 # not evaluated every round (a reproduction's) has none in between.
                 metric = {"metric": "objective", "mode": "max"}
