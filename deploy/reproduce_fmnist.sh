@@ -2,7 +2,8 @@
 # The Fashion-MNIST reproduction (docs/reproduce.md, docs/results.md): every table of it, one `fedrod-ray reproduce` after
 # another, in priority order. Run it from a clone of fedrod-ray at a fixed commit, with OUT outside any
 # work tree; run it again, with the same OUT, to continue: a table already in OUT is resumed (--resume),
-# a finished one only rewrites its results.
+# a finished one only rewrites its results. A job that another run of this script is running now stops at
+# once (its log names the process that holds it) and the queue goes on to the next.
 #
 #   FEDROD_DATA_DIR=/path/to/data bash deploy/reproduce_fmnist.sh OUT [JOB ...]
 #

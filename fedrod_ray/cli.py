@@ -113,16 +113,32 @@ def _stop_on_sigterm(storage):
 
 
 def cmd_train(args) -> int:
-    from .federation_state.checkpoint import CheckpointFormatError, latest_checkpoint_name, load_checkpoint
+    from .federation_state.checkpoint import latest_checkpoint_name
+    from .outputs.lock import exclusive_run_dir
     from .outputs.storage import RunStorage
 
-    ckpt = None
     if args.resume:
         if args.config:
             raise ConfigError("--resume takes the config saved in the run directory; drop --config")
-        storage = RunStorage(args.resume)
+        storage, cfg = RunStorage(args.resume), None
         if latest_checkpoint_name(storage) is None:
             raise ConfigError(f"--resume: no checkpoint found in {args.resume}/checkpoints")
+    else:
+        if not args.config:
+            raise ConfigError("train needs --config FILE (or --resume RUN_DIR)")
+        cfg = load_config(args.config, _overrides(args))
+        storage = RunStorage(args.run_dir or cfg.run_dir or f"runs/{cfg.name}")
+    with exclusive_run_dir(storage):
+        return _train(args, storage, cfg)
+
+
+def _train(args, storage, cfg) -> int:
+    """Train the run in ``storage`` (its lock held): a new one with ``cfg``, or (``cfg`` None) the one there
+    resumed."""
+    from .federation_state.checkpoint import CheckpointFormatError, latest_checkpoint_name, load_checkpoint
+
+    ckpt = None
+    if cfg is None:
         try:
             ckpt = load_checkpoint(storage)
         except CheckpointFormatError as e:
@@ -130,15 +146,10 @@ def cmd_train(args) -> int:
         cfg = config_from_dict(ckpt.config.to_dict(), _overrides(args))
         check_resume(ckpt.config, cfg, ckpt.rounds_done)
         print(f"resuming {args.resume} after round {ckpt.rounds_done}", flush=True)
-    else:
-        if not args.config:
-            raise ConfigError("train needs --config FILE (or --resume RUN_DIR)")
-        cfg = load_config(args.config, _overrides(args))
+    elif latest_checkpoint_name(storage) is not None:
         run_dir = args.run_dir or cfg.run_dir or f"runs/{cfg.name}"
-        storage = RunStorage(run_dir)
-        if latest_checkpoint_name(storage) is not None:
-            raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
-                              "or choose another --run-dir")
+        raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+                          "or choose another --run-dir")
     from .drivers.console import RoundProgress, format_summary
     from .federation_state.setup import check_model_arch
 
@@ -226,6 +237,7 @@ def cmd_schema(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from .data import DatasetFormatError, DatasetNotFoundError
+    from .outputs.lock import DirectoryInUse
     from .round_loop.federation import RoundFailedError
 
     args = build_parser().parse_args(argv)
@@ -238,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RoundFailedError as e:
         print(f"fedrod-ray: training stopped: {e}", file=sys.stderr)
+        return 1
+    except DirectoryInUse as e:
+        print(f"fedrod-ray: {e}", file=sys.stderr)
         return 1
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import shutil
 import signal
@@ -25,6 +26,7 @@ from fedrod_ray.cli import main
 from fedrod_ray.config import load_config
 from fedrod_ray.drivers.console import RoundProgress
 from fedrod_ray.federation_state.checkpoint import load_checkpoint
+from fedrod_ray.outputs.lock import LOCK_FILE, exclusive
 from fedrod_ray.outputs.storage import RunStorage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +43,9 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file of a run directory but its lock's, which says who held it last."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != LOCK_FILE}
 
 
 def assert_round_lines(stdout: str) -> None:
@@ -133,6 +137,18 @@ def test_train_refuses_an_existing_run_without_resume(local_run):
     assert "--resume" in err and str(run_dir) in err
     assert "[round" not in out
     assert snapshot(run_dir) == before
+
+
+def test_a_run_directory_in_use_is_refused_and_left_as_it_is(local_run):
+    """A second command on a run directory that one holds (outputs/lock.py) stops at once naming the first."""
+    run_dir, _ = local_run
+    with exclusive(run_dir):
+        before = (run_dir / LOCK_FILE).read_bytes(), snapshot(run_dir)
+        for argv in (["train", "--resume", str(run_dir)], ["train", "--config", CONFIG, "--run-dir", str(run_dir)]):
+            rc, out, err = run_main(argv)
+            assert rc == 1 and f"fedrod-ray: {run_dir} is in use by pid {os.getpid()} on " in err, err
+            assert "[round" not in out
+        assert ((run_dir / LOCK_FILE).read_bytes(), snapshot(run_dir)) == before
 
 
 def test_resume_takes_no_config(local_run):

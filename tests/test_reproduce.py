@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from fedrod_ray_tune.tables import DP_CLIP_NORM, DP_EPSILONS, FINETUNE_EPOCHS, T
 
 from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError
+from fedrod_ray.outputs.lock import exclusive
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "synthetic_tiny.yaml"
@@ -272,6 +274,17 @@ def test_status_reads_a_running_reproduction_from_its_files(tmp_path, capsys):
         "FedAvg,0,2,4,2,0.3,0.4,1800.0", "FedAvg,0,3,4,1,,,1800.0"]
     assert main(["reproduce", "--status", str(out), "--seeds", "2"]) == 2
     assert "--status takes the reproduction saved in OUT_DIR; drop --seeds" in capsys.readouterr().err
+    assert "no command is running on it" in console
+
+    # A command holding the directory (outputs/lock.py): --status names it; a second command stops at once,
+    # before Ray, naming it, and changes nothing.
+    with exclusive(out):
+        assert main(["reproduce", "--status", str(out)]) == 0
+        assert f"running now: pid {os.getpid()} on " in capsys.readouterr().out
+        files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        assert main(["reproduce", "--resume", str(out)]) == 1
+        assert f"fedrod-ray: {out.resolve()} is in use by pid {os.getpid()} on " in capsys.readouterr().err
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
 
 def test_a_reproduction_of_an_earlier_version_still_loads(tmp_path):

@@ -91,6 +91,8 @@ def register_reproduce(sub: argparse._SubParsersAction) -> None:
 def reproduce_command(args) -> int:
     import yaml
 
+    from fedrod_ray.outputs.lock import holder
+
     from .repro_spec import build_spec, load_spec, parse_seeds, parse_sets
     from .reproduce import reproduce, status
 
@@ -104,8 +106,10 @@ def reproduce_command(args) -> int:
         out_dir = Path(args.status)
         records = status(out_dir)
         done = sum(r["status"] == "finished" for r in records)
+        running = holder(out_dir)
         print(f"{out_dir}: {done} of {len(records)} trials finished; table.md, results.csv, rounds.csv, "
               "curves.png written", flush=True)
+        print(f"running now: {running}" if running else "no command is running on it", flush=True)
         print((out_dir / "table.md").read_text(), flush=True)
         return 0
     if args.resume:

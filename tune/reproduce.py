@@ -22,6 +22,7 @@ import json
 import math
 from pathlib import Path
 
+from fedrod_ray.outputs.lock import exclusive
 from fedrod_ray.outputs.metric_schema import ACCURACIES, BY_KEY, values_line
 from fedrod_ray.outputs.results import read_records
 from fedrod_ray.outputs.storage import RunStorage
@@ -39,11 +40,12 @@ LINE_METRICS = tuple(k for k in ACCURACIES if k != "pfl_gm_new")
 def reproduce(spec: ReproSpec, out_dir: Path, resume: bool = False) -> list[dict]:
     """Run (or resume) the reproduction and write its results; returns one record per (row, seed)."""
     out_dir = out_dir.resolve()
-    if not resume:
-        start_dir(out_dir, SPEC_FILE, spec.to_dict(), "a reproduction", "--out")
-    grid = fit(spec, out_dir, TrialLines(spec, trial_line, counted=True), resume)
-    collected = collect(spec, grid)
-    write_results(spec, collected, out_dir)
+    with exclusive(out_dir):
+        if not resume:
+            start_dir(out_dir, SPEC_FILE, spec.to_dict(), "a reproduction", "--out")
+        grid = fit(spec, out_dir, TrialLines(spec, trial_line, counted=True), resume)
+        collected = collect(spec, grid)
+        write_results(spec, collected, out_dir)
     return collected.records
 
 

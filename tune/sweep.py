@@ -24,6 +24,7 @@ import yaml
 from ray.tune import Callback
 
 from fedrod_ray.config import ConfigError, ExperimentConfig, dump_config
+from fedrod_ray.outputs.lock import exclusive
 from fedrod_ray.outputs.metric_schema import ACCURACIES, METRICS, percent, title, values_line
 from fedrod_ray.outputs.plotting import figure, png
 from fedrod_ray.outputs.results import read_records
@@ -43,11 +44,12 @@ COLUMNS = ("rounds", "status", "objective", *FINAL, "best_objective", "best_roun
 def run_sweep(spec: SweepSpec, sweep_dir: Path, resume: bool = False) -> list[dict]:
     """Run (or resume) the sweep; returns its rows, best first."""
     sweep_dir = sweep_dir.resolve()
-    if not resume:
-        start_dir(sweep_dir, SPEC_FILE, spec.to_dict(), "a sweep", "--sweep-dir")
-    grid = fit(spec, sweep_dir, TrialLines(spec, trial_line), resume)
-    rows = result_rows(spec, grid)
-    write_results(spec, rows, sweep_dir)
+    with exclusive(sweep_dir):
+        if not resume:
+            start_dir(sweep_dir, SPEC_FILE, spec.to_dict(), "a sweep", "--sweep-dir")
+        grid = fit(spec, sweep_dir, TrialLines(spec, trial_line), resume)
+        rows = result_rows(spec, grid)
+        write_results(spec, rows, sweep_dir)
     return rows
 
 
