@@ -99,6 +99,11 @@ def job_progress(results_csv: Path) -> tuple[int, int]:
     return sum(r["status"] == "finished" for r in records), sum(int(r["rounds"]) for r in records)
 
 
+def jobs_in(out: Path) -> list[str]:
+    """JOBS that ``out`` holds, in JOBS' order; not one that is starting (Tune has not created its trials)."""
+    return [job for job in JOBS if (out / job / "reproduce.yaml").is_file() and (out / job / "trials").is_dir()]
+
+
 def publish(out: Path, job: str, force: bool) -> None:
     status(out / job)
     folder = DEST / job
@@ -245,7 +250,7 @@ def main() -> None:
     if not args.page_only:
         if args.out is None:
             p.error("OUT is needed unless --page-only")
-        jobs = [job for job in JOBS if (args.out / job / "reproduce.yaml").is_file()]
+        jobs = jobs_in(args.out)
         if not jobs:
             raise SystemExit(f"{args.out}: holds none of the jobs {', '.join(JOBS)}")
         for job in jobs:

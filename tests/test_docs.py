@@ -159,6 +159,17 @@ def test_the_main_tables_gather_the_rows_run_as_jobs_of_their_own(tmp_path, monk
     assert "† a note" in lines
 
 
+def test_a_job_that_is_starting_is_not_published(tmp_path):
+    """A job whose definition is written but whose trials Tune has not created yet has nothing to publish."""
+    publisher = _publisher()
+    started, starting = list(publisher.JOBS)[:2]
+    for job in (started, starting):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "reproduce.yaml").write_text("{}")
+    (tmp_path / started / "trials").mkdir()
+    assert publisher.jobs_in(tmp_path) == [started]
+
+
 def test_a_job_is_published_over_the_committed_one_only_when_further_along(tmp_path, monkeypatch, capsys):
     """A job that had to start again (its first run's record lost) does not replace what an earlier
     publication committed until it gets further: more trials finished, or as many and more rounds."""
