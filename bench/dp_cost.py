@@ -47,7 +47,7 @@ def parse_args():
     p.add_argument("--heads", nargs="+", default=["none", "hyper"], choices=sorted(HEADS))
     p.add_argument("--clients", type=int, default=200)
     p.add_argument("--fraction", type=float, default=0.1)
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds per federation")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per federation")
     p.add_argument("--noise-multiplier", type=float, default=1.0)
     p.add_argument("--clip-norm", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
