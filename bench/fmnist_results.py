@@ -122,25 +122,40 @@ def publish(out: Path, job: str, force: bool) -> None:
     print(f"{job}: {folder.relative_to(ROOT)}", flush=True)
 
 
-# The rows run with more seeds, each seed in one job: the page shows them together as mean ± std.
-SEEDS = ("main_a0.3", "seeds_a0.3")
+# The rows run with more seeds: the main table's job (seed 0) and the job of seeds 1 and 2, by main table. The page
+# shows them together as mean ± std under the main table.
+SEEDS = {"main_a0.3": "seeds_a0.3", "main_a0.1": "seeds_a0.1"}
 
 
-def seeds_table() -> str:
-    """SEEDS' rows over all their seeds' finished trials, mean ± std, each seed's job and commit named."""
-    if not all((DEST / job / "results.csv").is_file() for job in SEEDS):
+def seeds_table(main: str) -> str:
+    """The rows of ``main``'s SEEDS job over all their seeds' finished trials, mean ± std, each seed's job and
+    commit named. A row's seed 0 comes from the main table's job or, for a personalized-FL row (Dir(0.1)'s
+    best, `BEST_PFL`), from the job that ran it alone; "" until both jobs are published."""
+    more = SEEDS[main]
+    alpha = main.removeprefix("main_a")
+    alone = [job for job in ALONE_JOBS if job.endswith(f"_a{alpha}")]
+    jobs = [job for job in (main, *alone, more) if (DEST / job / "results.csv").is_file()]
+    if main not in jobs or more not in jobs:
         return ""
-    records = {job: finished_records(DEST / job / "results.csv") for job in SEEDS}
-    rows = list(dict.fromkeys(r["row"] for r in records[SEEDS[-1]]))
+    records = {job: finished_records(DEST / job / "results.csv") for job in jobs}
+    rows = list(dict.fromkeys(r["row"] for r in records[more]))
     lines = ["| method | " + " | ".join(map(title, COLUMNS)) + " | seeds |",
              "|---|" + "|".join("---:" for _ in COLUMNS) + "|---|"]
+    used = []
     for row in rows:
-        mine = [(job, r) for job in SEEDS for r in records[job] if r["row"] == row]
+        by_seed = {}
+        for job in jobs:
+            for r in records[job]:
+                if r["row"] == row:
+                    by_seed.setdefault(r["seed"], (job, r))
+        mine = [by_seed[seed] for seed in sorted(by_seed, key=int)]
+        used += [job for job, _ in mine if job not in used]
         cells = [mean_std([float(r[key]) for _, r in mine]) for key in COLUMNS]
         seeds = ", ".join(f"{r['seed']} (`{job}`)" for job, r in mine)
         lines.append(f"| {row} | " + " | ".join(cells) + f" | {seeds} |")
-    commits = ", ".join(f"`{job}` at `{(DEST / job / 'COMMIT').read_text().strip()}`" for job in SEEDS)
-    return (f"**Main table, Dir(0.3): the rows run with three seeds** (mean ± sample std over the seeds; "
+    commits = ", ".join(f"`{job}` at `{(DEST / job / 'COMMIT').read_text().strip()}`"
+                        for job in jobs if job in used)
+    return (f"**Main table, Dir({alpha}): the rows run with three seeds** (mean ± sample std over the seeds; "
             f"{commits})\n\n" + "\n".join(lines))
 
 
@@ -229,7 +244,7 @@ def page_block() -> str:
         if job in CURVES:
             # Relative to docs/: the image shows on GitHub, and docs/hooks/generated.py publishes it in the site.
             parts.append(f"![{heading}: G-FL (GM) and P-FL (PM) by round](../bench/results/fmnist/{job}/curves.png)")
-        if job == SEEDS[0] and (seeds := seeds_table()):
+        if job in SEEDS and (seeds := seeds_table(job)):
             parts.append(seeds)
     return "\n\n".join(parts)
 
