@@ -127,15 +127,19 @@ def cmd_train(args) -> int:
         if not args.config:
             raise ConfigError("train needs --config FILE (or --resume RUN_DIR)")
         cfg = load_config(args.config, _overrides(args))
-        storage = RunStorage(args.run_dir or cfg.run_dir or f"runs/{cfg.name}")
+        run_dir = args.run_dir or cfg.run_dir or f"runs/{cfg.name}"
+        storage = RunStorage(run_dir)
     with exclusive_run_dir(storage):
+        if cfg is not None and latest_checkpoint_name(storage) is not None:
+            raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+                              "or choose another --run-dir")
         return _train(args, storage, cfg)
 
 
 def _train(args, storage, cfg) -> int:
     """Train the run in ``storage`` (its lock held): a new one with ``cfg``, or (``cfg`` None) the one there
     resumed."""
-    from .federation_state.checkpoint import CheckpointFormatError, latest_checkpoint_name, load_checkpoint
+    from .federation_state.checkpoint import CheckpointFormatError, load_checkpoint
 
     ckpt = None
     if cfg is None:
@@ -146,10 +150,6 @@ def _train(args, storage, cfg) -> int:
         cfg = config_from_dict(ckpt.config.to_dict(), _overrides(args))
         check_resume(ckpt.config, cfg, ckpt.rounds_done)
         print(f"resuming {args.resume} after round {ckpt.rounds_done}", flush=True)
-    elif latest_checkpoint_name(storage) is not None:
-        run_dir = args.run_dir or cfg.run_dir or f"runs/{cfg.name}"
-        raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
-                          "or choose another --run-dir")
     from .drivers.console import RoundProgress, format_summary
     from .federation_state.setup import check_model_arch
 

@@ -67,8 +67,7 @@ def _acquire(path: Path):
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            held_by = f.read().strip() or "a process that did not say which"
+            held_by = _recorded(f)
             f.close()
             raise DirectoryInUse(f"{path.parent} is in use by {held_by}; wait for it to end, or stop it, "
                                  "and run this again") from None
@@ -98,6 +97,12 @@ def holder(directory: str | os.PathLike) -> str | None:
         try:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return f.read().strip() or "a process that did not say which"
+            return _recorded(f)
         fcntl.flock(f, fcntl.LOCK_UN)
     return None
+
+
+def _recorded(f) -> str:
+    """What the holder of the open lock file ``f`` wrote about itself."""
+    f.seek(0)
+    return f.read().strip() or "a process that did not say which"
