@@ -18,9 +18,9 @@ def test_a_second_holder_is_refused_naming_the_first(tmp_path):
     with exclusive(run_dir):  # creates the directory
         held_by = holder(run_dir)
         assert held_by.startswith(f"pid {os.getpid()} on ") and " since " in held_by
-        with pytest.raises(DirectoryInUse, match=f"{run_dir} is in use by pid {os.getpid()} on .*; wait for it"):
-            with exclusive(run_dir):
-                pass
+        with (pytest.raises(DirectoryInUse, match=f"{run_dir} is in use by pid {os.getpid()} on .*; wait for it"),
+              exclusive(run_dir)):
+            pass
         assert holder(run_dir) == held_by  # the refused one wrote nothing
     assert holder(run_dir) is None
     assert not (tmp_path / "new").exists()  # created for the lock, left empty: removed with its parent
@@ -29,7 +29,7 @@ def test_a_second_holder_is_refused_naming_the_first(tmp_path):
         (run_dir / "config.yaml").write_text("{}")
     assert (run_dir / LOCK_FILE).read_text().startswith(f"pid {os.getpid()} ")  # it stays, saying who held it last
     with pytest.raises(ZeroDivisionError), exclusive(run_dir):
-        1 / 0
+        raise ZeroDivisionError
     assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE, "config.yaml"]  # a directory it found stays
 
 
@@ -40,9 +40,8 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     try:
         assert child.stdout.readline() == "held\n"
         assert holder(tmp_path).startswith(f"pid {child.pid} on ")
-        with pytest.raises(DirectoryInUse, match=f"in use by pid {child.pid} "):
-            with exclusive(tmp_path):
-                pass
+        with pytest.raises(DirectoryInUse, match=f"in use by pid {child.pid} "), exclusive(tmp_path):
+            pass
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()

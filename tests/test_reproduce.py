@@ -123,6 +123,8 @@ def test_seeds_are_a_count_or_a_list():
     ("main", ["seed=3"], {}, r"--set seed: the seeds come from --seeds"),
     ("main", ["runtime.client_resources={num_cpus: 2}"], {}, r"--set runtime\.client_resources: has no effect"),
     ("main", ["runtime.mode=local"], {}, r"--set runtime\.mode: has no effect"),
+    ("main", ["runtime.checkpoint_every=5"], {},
+     r"--set runtime\.checkpoint_every: has no effect: every trial sets runtime\.checkpoint_every itself"),
     ("main", ["train.rounds=3"], {"rounds": 2}, r"--set train\.rounds: given twice"),
     ("main", ["train.gama=1"], {}, r"--set: unknown config key train\.gama \(did you mean train\.gamma\?\)"),
     ("main", ["train.lr=fast"], {}, r"--set: train\.lr: expected a number"),

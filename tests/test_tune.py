@@ -17,10 +17,11 @@ import pytest
 import yaml
 from fedrod_ray_tune.space import load_sweep
 from fedrod_ray_tune.sweep import pareto_front, run_sweep, trial_folder, tune_state_readable
-from fedrod_ray_tune.trial import objective, own_checkpoint
+from fedrod_ray_tune.trial import RUN_CHECKPOINT_FILE, objective, own_checkpoint, resume_point
 
 from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError, load_config
+from fedrod_ray.federation_state.checkpoint import load_checkpoint
 from fedrod_ray.models.export import load_final
 from fedrod_ray.outputs.storage import RunStorage
 
@@ -55,6 +56,11 @@ def sweep_file(tmp_path: Path, **fields) -> Path:
     ({"searhc": {}}, r"searhc: not a sweep setting"),
     ({"resources": {"client_slots": 0}}, r"resources\.client_slots: must be an integer >= 1"),
     ({"set": {"train.rounds": 0}}, r"set: train\.rounds: must be > 0"),
+    ({"set": {"runtime.checkpoint_every": 5}},
+     r"set\.runtime\.checkpoint_every: has no effect: every trial sets runtime\.checkpoint_every itself \(it check"),
+    ({"search": {"runtime.mode": {"grid": ["local"]}}},
+     r"search\.runtime\.mode: has no effect: every trial sets runtime\.mode itself \(it runs on its placement"),
+    ({"set": {"runtime": {"address": "auto"}}}, r"set\.runtime: has no effect: every trial sets runtime\.mode"),
 ])
 def test_a_bad_sweep_fails_before_any_trial_naming_the_key(tmp_path, fields, message):
     with pytest.raises(ConfigError, match=message):
@@ -75,7 +81,11 @@ def test_the_shipped_sweep_files_load(path):
 
 
 def test_a_sweep_file_gives_trial_configs_and_the_plain_experiment_config(tmp_path):
-    spec = load_sweep(sweep_file(tmp_path, set={"train.rounds": 2, "eval.eval_every": 2},
+    base = yaml.safe_load((REPO / "configs" / "synthetic_tiny.yaml").read_text())
+    base.setdefault("runtime", {})["checkpoint_every"] = 5
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    spec = load_sweep(sweep_file(tmp_path, base=str(tmp_path / "base.yaml"),
+                                 set={"train.rounds": 2, "eval.eval_every": 2},
                                  search={"train.generic_rule": {"choice": ["fedprox"]},
                                          "train.rule_params.mu": {"loguniform": [0.001, 0.1]}}),
                       ["num_samples=3", "set.train.local_epochs=2"])
@@ -84,8 +94,10 @@ def test_a_sweep_file_gives_trial_configs_and_the_plain_experiment_config(tmp_pa
     plain = spec.experiment_config(params)
     assert plain.train.rule_params == {"mu": 0.02} and plain.train.rounds == 2 and plain.eval.eval_every == 2
     trial = spec.trial_config(params)
-    # A trial evaluates every round (its reports feed ASHA) and runs on its placement group's actors.
+    # A trial evaluates every round (its reports feed ASHA), runs on its placement group's actors and
+    # checkpoints every round (what each report's Tune checkpoint names).
     assert trial.eval.eval_every == 1 and trial.runtime.mode == "ray" and trial.runtime.clients_per_actor == 0
+    assert trial.runtime.checkpoint_every == 1 and plain.runtime.checkpoint_every == 5
     assert spec.bundles() == [{"memory": 512 * 2**20}, {"CPU": 1.0}]
     # What --resume reads back is the same sweep.
     (tmp_path / "saved.yaml").write_text(yaml.safe_dump(spec.to_dict()))
@@ -136,6 +148,14 @@ def test_quickstart_sweep_and_its_best_config_trains(ray_session, tmp_path, caps
         assert (tmp_path / "sweep" / name).is_file(), name
     out = capsys.readouterr().out
     assert out.count("trial train.gamma=") == 4  # a line per finished trial
+    for trial in (p.parent for p in (tmp_path / "sweep" / "trials").glob("*/trial.json")):
+        # Tune's checkpoint of the last report names the run's own checkpoint of that round, and holds nothing
+        # else: the client states are written once, in the run's files.
+        (tune_checkpoint,) = trial.glob("checkpoint_0*")
+        assert [p.name for p in tune_checkpoint.iterdir()] == [RUN_CHECKPOINT_FILE]
+        named = json.loads((tune_checkpoint / RUN_CHECKPOINT_FILE).read_text())["checkpoint"]
+        last_report = json.loads((trial / "result.json").read_text().splitlines()[-1])["round"]
+        assert named == (trial / "checkpoints" / "latest").read_text() == f"round_{last_report:06d}"
 
     best = tmp_path / "sweep" / "best.yaml"
     cfg = load_config(best)
@@ -320,6 +340,30 @@ def test_tunes_record_of_an_experiment_is_readable_when_its_newest_file_parses(t
     assert not tune_state_readable(tmp_path)
 
 
+def test_a_trial_goes_on_from_the_run_checkpoint_its_last_tune_checkpoint_names(tmp_path):
+    """Killed after its run committed round 3 but before reporting it, a trial goes on from round 2, the
+    round Tune last heard of, so that Tune's reports and the run's files agree; without a Tune checkpoint
+    (its experiment started again), or with one of a sweep whose Tune checkpoints held the snapshot itself,
+    from the run's own last checkpoint."""
+    from ray.tune import Checkpoint
+
+    run_dir = tmp_path / "trial"
+    assert main(["train", "--config", str(REPO / "configs" / "synthetic_tiny.yaml"), "--run-dir", str(run_dir),
+                 "--mode", "local", "--set", "runtime.checkpoint_every=1"]) == 0
+    storage, cfg = RunStorage(str(run_dir)), load_config(run_dir / "config.yaml")
+    assert (run_dir / "checkpoints" / "latest").read_text() == "round_000003"
+    reported = tmp_path / "tune_checkpoint"
+    reported.mkdir()
+    (reported / RUN_CHECKPOINT_FILE).write_text(json.dumps({"checkpoint": "round_000002"}))
+    snapshot = resume_point(Checkpoint.from_directory(str(reported)), storage, cfg)
+    assert snapshot.rounds_done == 2
+    assert snapshot.global_shared.keys() == load_checkpoint(storage).global_shared.keys()
+    assert resume_point(None, storage, cfg).rounds_done == 3
+    (reported / RUN_CHECKPOINT_FILE).unlink()
+    (reported / "checkpoints").mkdir()
+    assert resume_point(Checkpoint.from_directory(str(reported)), storage, cfg).rounds_done == 3
+
+
 @pytest.mark.slow
 def test_a_sweep_whose_tune_record_was_cut_short_goes_on_from_each_trials_own_checkpoint(
         ray_session, tmp_path, capsys):
@@ -330,7 +374,7 @@ def test_a_sweep_whose_tune_record_was_cut_short_goes_on_from_each_trials_own_ch
     run's files."""
     rounds_before = 2
     spec = load_sweep(sweep_file(tmp_path, search={"train.lr": {"grid": [0.05]}}, scheduler="none",
-                                 set={"train.rounds": ROUNDS, "runtime.checkpoint_every": 1}))
+                                 set={"train.rounds": ROUNDS}))
     sweep_dir = tmp_path / "sweep"
     (uninterrupted,) = run_sweep(spec, sweep_dir)
     (trial,) = (p for p in (sweep_dir / "trials").iterdir() if p.is_dir())

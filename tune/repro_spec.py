@@ -21,13 +21,12 @@ from fedrod_ray.config import (
     load_config,
 )
 
-from .space import SweepSpec, check_models
+from .space import TRIAL_RUNTIME, SweepSpec, check_models, overlap, trial_owned
 from .sweep import TRIALS
 from .tables import TABLES
 
 SPEC_FILE = "reproduce.yaml"
 # What every trial sets for itself (SweepSpec.trial_config): a --set of these would change nothing.
-TRIAL_OWNED = ("seed", "runtime.mode", "runtime.address", "runtime.clients_per_actor", "runtime.client_resources")
 
 
 @dataclass
@@ -103,11 +102,6 @@ def parse_sets(assignments: list[str]) -> dict[str, Any]:
     return out
 
 
-def _overlap(a: str, b: str) -> bool:
-    """The two dotted keys name the same setting or one holds the other (train.rule_params, .mu)."""
-    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
-
-
 def build_spec(table: str, base: str | Path, seeds: list[int], rounds: int | None = None,
                overrides: dict[str, Any] | None = None, resources: dict | None = None,
                rows: list[str] | None = None, finetune_epochs: int | None = None) -> ReproSpec:
@@ -171,14 +165,13 @@ def check(spec: ReproSpec) -> None:
     if not (isinstance(spec.client_slots, int) and spec.client_slots >= 1):
         raise ConfigError(f"--resources: client_slots must be an integer >= 1, got {spec.client_slots!r}")
     for key in spec.fixed:
-        owned = next((k for k in TRIAL_OWNED if _overlap(key, k)), None)
-        if owned == "seed":
+        if overlap(key, "seed"):
             raise ConfigError("--set seed: the seeds come from --seeds")
+        owned = trial_owned(key)
         if owned:
-            raise ConfigError(f"--set {key}: has no effect: every trial sets {owned} itself (it runs on its "
-                              "placement group's actors; see --resources)")
+            raise ConfigError(f"--set {key}: has no effect: every trial sets {owned} itself ({TRIAL_RUNTIME[owned]})")
         for label, row in spec.rows.items():
-            clash = next((k for k in row if _overlap(key, k)), None)
+            clash = next((k for k in row if overlap(key, k)), None)
             if clash:
                 raise ConfigError(f"--set {key}: conflicts with row {label!r} of table {spec.table}, which sets "
                                   f"{clash}={row[clash]!r}; a --set may change only what no row sets")

@@ -32,6 +32,16 @@ SCHEDULERS = ("asha", "none")
 SAMPLERS = ("grid", "choice", "uniform", "loguniform")
 SPEC_KEYS = {"base", "set", "search", "num_samples", "metric", "scheduler", "asha", "resources", "name"}
 COORDINATOR_MEMORY = 512 * 2**20  # the coordinator's bundle: it needs memory, not a core
+# What every trial sets itself, whatever its base config says, and why: setting it in a sweep has no effect.
+_ON_ITS_ACTORS = "it runs on its placement group's actors, sized by resources (reproduce: --resources)"
+TRIAL_RUNTIME = {
+    "runtime.mode": _ON_ITS_ACTORS,
+    "runtime.address": _ON_ITS_ACTORS,
+    "runtime.clients_per_actor": _ON_ITS_ACTORS,
+    "runtime.client_resources": _ON_ITS_ACTORS,
+    "runtime.checkpoint_every": "it checkpoints every round before reporting it, so that a resumed trial goes "
+                                "on from its last report",
+}
 
 
 @dataclass
@@ -73,9 +83,10 @@ class SweepSpec:
         return data
 
     def place_trial(self, data: dict) -> None:
-        """A trial's client actors fill its placement group, whatever the base's runtime says."""
+        """A trial's client actors fill its placement group, and it checkpoints every round (what Tune's
+        checkpoint of each report names: ``trial.py``), whatever the base's runtime says (``TRIAL_RUNTIME``)."""
         data["runtime"].update(mode="ray", address=None, clients_per_actor=0,
-                               client_resources=dict(self.client_resources))
+                               client_resources=dict(self.client_resources), checkpoint_every=1)
 
     def experiment_config(self, params: dict[str, Any]) -> ExperimentConfig:
         """The base config with the fixed overrides and ``params`` (dotted key -> value): what
@@ -151,6 +162,12 @@ def _check(spec: SweepSpec) -> None:
         raise ConfigError(f"asha: takes grace_period and reduction_factor, not {sorted(set(spec.asha))}")
     if not spec.search:
         raise ConfigError("search: name at least one config key to search")
+    for section, keys in (("set", spec.fixed), ("search", spec.search)):
+        for key in keys:
+            owned = trial_owned(key)
+            if owned:
+                raise ConfigError(f"{section}.{key}: has no effect: every trial sets {owned} itself "
+                                  f"({TRIAL_RUNTIME[owned]})")
     try:
         spec.experiment_config({})
     except ConfigError as e:
@@ -169,6 +186,16 @@ def _check(spec: SweepSpec) -> None:
         except ConfigError as e:
             raise ConfigError(f"search: {e}") from None
     check_models(configs)
+
+
+def overlap(a: str, b: str) -> bool:
+    """The two dotted keys name the same setting or one holds the other (train.rule_params, .mu)."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def trial_owned(key: str) -> str | None:
+    """The setting of ``TRIAL_RUNTIME`` that ``key`` names or holds (None: the trial leaves it as it is)."""
+    return next((k for k in TRIAL_RUNTIME if overlap(key, k)), None)
 
 
 def check_models(configs: list[ExperimentConfig]) -> None:

@@ -3,9 +3,11 @@
 The trial function is the federation's coordinator (it runs in the placement group's first bundle);
 the client actors it starts are captured into the group's other bundles, one pooled actor per client
 slot. It trains a ``run.Run`` whose run directory is the trial's folder, so a trial writes what a run
-writes (config.yaml, the metrics files, checkpoints/, and final/ at its last round). After each round it
-reports the round's metrics to Tune with a checkpoint holding the federation's full snapshot, so a stopped
-sweep resumes a trial after its last reported round; a trial the scheduler stops writes no final/.
+writes (config.yaml, the metrics files, checkpoints/, and final/ at its last round). It checkpoints every
+round, as any run does (only what changed since the save before), and reports each round's metrics to Tune
+once that checkpoint is committed, with a Tune checkpoint naming it: a stopped sweep resumes a trial after
+its last reported round, and a round's client states are written once, in the run's own files. A trial the
+scheduler stops writes no final/.
 
 The trial's folder is its own record, apart from Tune's: ``trial.json`` (its searched values) and the run's
 files. Where Tune has no checkpoint for the trial (its experiment started again: ``sweep.fit``), the trial
@@ -14,9 +16,9 @@ goes on from the run's own last checkpoint in that folder.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import tempfile
+from pathlib import Path
 
 import torch
 import yaml
@@ -24,7 +26,7 @@ import yaml
 from fedrod_ray.config import ConfigError, ExperimentConfig, dump_config
 from fedrod_ray.executors.ray import RayExecutor, plan_layout
 from fedrod_ray.executors.shared_setup import share
-from fedrod_ray.federation_state.checkpoint import latest_checkpoint_name, load_checkpoint, save_checkpoint
+from fedrod_ray.federation_state.checkpoint import latest_checkpoint_name, load_checkpoint
 from fedrod_ray.federation_state.setup import prepare
 from fedrod_ray.federation_state.state import Snapshot
 from fedrod_ray.lifecycle.run import Run
@@ -36,6 +38,8 @@ from .space import SweepSpec
 
 # A trial's searched values, in its folder (Tune's params.json is a copy Tune may rewrite at any time).
 PARAMS_FILE = "trial.json"
+# What Tune's checkpoint of a report holds: the name of the run's checkpoint of that round, in the trial's folder.
+RUN_CHECKPOINT_FILE = "run_checkpoint.json"
 
 
 def objective(record: dict, metric: str, estimate: bool = False) -> float:
@@ -76,12 +80,8 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
              for k, v in sweep.client_resources.items()}
     executor = RayExecutor(setup, plan_layout(cfg.runtime, len(setup.all_client_ids), slots), shared=shared)
     try:
-        checkpoint = tune.get_checkpoint()
-        with contextlib.ExitStack() as stack:
-            # Restored while Tune's folder is there: the run copies the client files it reads.
-            folder = stack.enter_context(checkpoint.as_directory()) if checkpoint is not None else None
-            snapshot = load_checkpoint(RunStorage(folder)) if folder is not None else own_checkpoint(storage, cfg)
-            run = Run(Federation(setup, executor, log=print), storage, snapshot, track=False)
+        run = Run(Federation(setup, executor, log=print), storage, resume_point(tune.get_checkpoint(), storage, cfg),
+                  track=False)
         estimate = bool(cfg.eval.estimate_size)
 
         def report(record: dict) -> None:
@@ -92,16 +92,28 @@ def run_trial(params: dict, sweep: SweepSpec) -> None:
             value = round_objective(record, sweep.metric, estimate)
             if value is not None:
                 metrics["objective"] = value
-            # Saved here, whole, not in the background as the run's own are: tune.report persists (copies)
-            # the folder to the trial's storage before it returns, so the folder must be complete when
-            # reported, and reporting a round late would let the scheduler stop the trial a round late.
+            # The report waits for the round's checkpoint to commit: its Tune checkpoint names it, as the
+            # point a resumed trial goes on from.
             with tempfile.TemporaryDirectory() as folder:
-                save_checkpoint(RunStorage(folder), run.snapshot())
+                Path(folder, RUN_CHECKPOINT_FILE).write_text(json.dumps({"checkpoint": run.committed()}))
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
 
         run.train(report, last_after_final=True)
     finally:
         executor.close()
+
+
+def resume_point(checkpoint, storage: RunStorage, cfg: ExperimentConfig) -> Snapshot | None:
+    """What a trial goes on from: the run checkpoint that Tune's ``checkpoint`` of its last report names, in
+    the trial's folder; where Tune has none (its experiment started again) or it names none (a sweep started
+    by a fedrod-ray whose Tune checkpoints held the snapshot itself), the run's own last one there."""
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            pointer = Path(folder, RUN_CHECKPOINT_FILE)
+            name = json.loads(pointer.read_text())["checkpoint"] if pointer.is_file() else None
+        if name is not None:
+            return load_checkpoint(storage, name)
+    return own_checkpoint(storage, cfg)
 
 
 def own_checkpoint(storage: RunStorage, cfg: ExperimentConfig) -> Snapshot | None:

@@ -215,6 +215,7 @@ class BackgroundSaves:
 
     def __init__(self) -> None:
         self._in_flight: _Save | None = None
+        self.committed: str | None = None  # the newest checkpoint a save committed
 
     def save(self, writer: CheckpointWriter, snap: Snapshot) -> None:
         self.wait()
@@ -231,6 +232,7 @@ class BackgroundSaves:
         error = save.error
         if error is not None:
             raise CheckpointSaveError(f"saving {save.what} failed: {type(error).__name__}: {error}") from error
+        self.committed = save.saved
         return save.saved
 
 

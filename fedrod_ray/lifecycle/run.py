@@ -129,6 +129,8 @@ class Run:
         except Exception as failed:  # noqa: BLE001 - said here, the run's own error is the one raised
             self.federation.log(f"the checkpoint save in flight failed too: {failed}")
 
-    def snapshot(self) -> Snapshot:
-        """The federation's whole state after the rounds trained so far."""
-        return self.federation.snapshot()
+    def committed(self) -> str | None:
+        """Wait for the save in flight (raising its error); the name of the newest checkpoint this run has
+        committed (None: none yet), which a resume from this run directory can load by name."""
+        self.saves.wait()
+        return self.saves.committed

@@ -63,7 +63,7 @@ def _acquire(path: Path):
     waiting for it (``exclusive``'s clean-up), so that the lock held is always the one of the file named."""
     while True:
         path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(path, "a+")
+        f = open(path, "a+")  # noqa: SIM115 - returned open: the lock lasts as long as the file does
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
