@@ -187,6 +187,11 @@ def test_mtl_server_step_is_the_plain_mean_of_all_clients_models():
 def test_mean_state_is_the_unweighted_mean():
     out = mean_state([{"a": torch.tensor([1.0, 2.0])}, {"a": torch.tensor([3.0, 6.0])}])
     assert torch.equal(out["a"], torch.tensor([2.0, 4.0]))
+    # Read once, one state at a time (a generator over the client store), to the same bits as from a list.
+    states = [{"a": torch.randn(5, generator=torch.Generator().manual_seed(i))} for i in range(7)]
+    read = []
+    streamed = mean_state(read.append(i) or states[i] for i in range(7))
+    assert read == list(range(7)) and torch.equal(streamed["a"], mean_state(states)["a"])
 
 
 def test_fedrep_splits_its_epochs_into_head_then_body():

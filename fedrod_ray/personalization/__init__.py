@@ -47,7 +47,7 @@ def generic_weights(method: Personalization, personal_keys: list[str], global_sh
             return {**global_shared, **{k: initial[k] for k in personal_keys}}
         return {**state.local_model, **(state.personal or {k: initial[k] for k in personal_keys})}
 
-    return method.generic_model(global_shared, lambda: [pm(clients[cid]) for cid in range(num_clients)])
+    return method.generic_model(global_shared, lambda: (pm(clients[cid]) for cid in range(num_clients)))
 
 
 # Importing the method modules registers them.

@@ -19,7 +19,7 @@ is a flat ``StateDict`` the checkpoint keeps under ``method/<name>/``. Every hoo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -108,9 +108,9 @@ class Personalization:
         ``results`` and every client's last upload (``uploads``, the round's included)."""
         return averaged, server_state
 
-    def generic_model(self, global_shared: StateDict, pms: Callable[[], list[StateDict]]) -> StateDict:
+    def generic_model(self, global_shared: StateDict, pms: Callable[[], Iterable[StateDict]]) -> StateDict:
         """The GM's weights (G-FL, P-FL (GM), ``final/``): the global weights, or (a method without a global
-        model) the mean of the training clients' PMs, which ``pms`` gives."""
+        model) the mean of the training clients' PMs, which ``pms`` gives, one at a time."""
         return global_shared
 
     # The PM's global reading replaces the global model's head by ``reading_heads`` instead of adding them.
@@ -129,10 +129,15 @@ class Personalization:
         return state
 
 
-def mean_state(states: list[StateDict]) -> StateDict:
-    """The plain (unweighted) mean of state dicts, key by key, folded in list order in float64."""
-    out = {k: v.to(torch.float64).clone() for k, v in states[0].items()}
-    for state in states[1:]:
+def mean_state(states: Iterable[StateDict]) -> StateDict:
+    """The plain (unweighted) mean of state dicts, key by key, folded in order in float64. ``states`` is read
+    once, one at a time: a generator of states read from the client store holds one in memory, not all."""
+    states = iter(states)
+    first = next(states)
+    out = {k: v.to(torch.float64).clone() for k, v in first.items()}
+    count = 1
+    for state in states:
+        count += 1
         for k, v in state.items():
             out[k].add_(v.to(torch.float64))
-    return {k: (v / len(states)).to(states[0][k].dtype) for k, v in out.items()}
+    return {k: (v / count).to(first[k].dtype) for k, v in out.items()}

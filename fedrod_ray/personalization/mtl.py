@@ -29,9 +29,9 @@ class OwnModels(Personalization):
         start(model, ctx.initial if local_model is None else local_model, ctx)
 
     def server_update(self, averaged, results, uploads, server_state, initial, num_clients):
-        """The global weights become the plain mean of every training client's current model."""
-        models = [initial if uploads.get(cid) is None else uploads[cid] for cid in range(num_clients)]
-        return mean_state([{k: m[k] for k in averaged} for m in models]), server_state
+        """The global weights become the plain mean of every training client's current model, each read once."""
+        models = (initial if (m := uploads.get(cid)) is None else m for cid in range(num_clients))
+        return mean_state({k: m[k] for k in averaged} for m in models), server_state
 
     def load_pm(self, model, state, data, ctx):
         model.load_partial(state.local_model)
