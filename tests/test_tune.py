@@ -359,6 +359,8 @@ def test_a_trial_goes_on_from_the_run_checkpoint_its_last_tune_checkpoint_names(
     assert snapshot.rounds_done == 2
     assert snapshot.global_shared.keys() == load_checkpoint(storage).global_shared.keys()
     assert resume_point(None, storage, cfg).rounds_done == 3
+    cfg.runtime.checkpoint_every = 5  # a trial of a sweep started when trials saved less often: the same trial
+    assert resume_point(None, storage, cfg).rounds_done == 3
     (reported / RUN_CHECKPOINT_FILE).unlink()
     (reported / "checkpoints").mkdir()
     assert resume_point(Checkpoint.from_directory(str(reported)), storage, cfg).rounds_done == 3

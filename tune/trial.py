@@ -129,8 +129,11 @@ def own_checkpoint(storage: RunStorage, cfg: ExperimentConfig) -> Snapshot | Non
 
 
 def _settings(config_yaml: str) -> dict:
-    """A run's config but for where it was (``run_dir``): a folder may have moved since."""
-    return {k: v for k, v in yaml.safe_load(config_yaml).items() if k != "run_dir"}
+    """A run's config but for where it was (``run_dir``: a folder may have moved since) and how often it
+    saved (``runtime.checkpoint_every``: a trial of a sweep started by an earlier fedrod-ray saved less often)."""
+    settings = {k: v for k, v in yaml.safe_load(config_yaml).items() if k != "run_dir"}
+    settings["runtime"] = {k: v for k, v in settings.get("runtime", {}).items() if k != "checkpoint_every"}
+    return settings
 
 
 def trial_run_dir() -> RunStorage:
