@@ -26,7 +26,6 @@ from .sweep import TRIALS
 from .tables import TABLES
 
 SPEC_FILE = "reproduce.yaml"
-# What every trial sets for itself (SweepSpec.trial_config): a --set of these would change nothing.
 
 
 @dataclass
@@ -169,7 +168,8 @@ def check(spec: ReproSpec) -> None:
             raise ConfigError("--set seed: the seeds come from --seeds")
         owned = trial_owned(key)
         if owned:
-            raise ConfigError(f"--set {key}: has no effect: every trial sets {owned} itself ({TRIAL_RUNTIME[owned]})")
+            raise ConfigError(f"--set {key}: has no effect: every trial sets {owned} itself "
+                              f"({TRIAL_RUNTIME[owned]})")
         for label, row in spec.rows.items():
             clash = next((k for k in row if overlap(key, k)), None)
             if clash:
