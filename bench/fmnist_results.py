@@ -130,7 +130,8 @@ SEEDS = {"main_a0.3": "seeds_a0.3", "main_a0.1": "seeds_a0.1"}
 def seeds_table(main: str) -> str:
     """The rows of ``main``'s SEEDS job over all their seeds' finished trials, mean ± std, each seed's job and
     commit named. A row's seed 0 comes from the main table's job or, for a personalized-FL row (Dir(0.1)'s
-    best, `BEST_PFL`), from the job that ran it alone; "" until both jobs are published."""
+    best, `BEST_PFL`), from the job that ran it alone; "" until both jobs are published and a trial of the
+    SEEDS job has finished."""
     more = SEEDS[main]
     alpha = main.removeprefix("main_a")
     alone = [job for job in ALONE_JOBS if job.endswith(f"_a{alpha}")]
@@ -139,6 +140,8 @@ def seeds_table(main: str) -> str:
         return ""
     records = {job: finished_records(DEST / job / "results.csv") for job in jobs}
     rows = list(dict.fromkeys(r["row"] for r in records[more]))
+    if not rows:
+        return ""
     lines = ["| method | " + " | ".join(map(title, COLUMNS)) + " | seeds |",
              "|---|" + "|".join("---:" for _ in COLUMNS) + "|---|"]
     used = []

@@ -174,6 +174,10 @@ def test_the_rows_run_with_three_seeds_take_seed_0_from_the_main_table_or_the_ro
         (tmp_path / job / "results.csv").write_text("\n".join(
             [header] + [f"{row},{seed},finished," + ",".join(str(acc) for _ in COLUMNS) for row, seed, acc in rows]))
     assert publisher.seeds_table("main_a0.3") == ""  # neither job published
+    finished = (tmp_path / "seeds_a0.1" / "results.csv").read_text()
+    (tmp_path / "seeds_a0.1" / "results.csv").write_text(header)  # published, no trial finished yet
+    assert publisher.seeds_table("main_a0.1") == ""
+    (tmp_path / "seeds_a0.1" / "results.csv").write_text(finished)
     lines = publisher.seeds_table("main_a0.1").splitlines()
     assert lines[0] == ("**Main table, Dir(0.1): the rows run with three seeds** (mean ± sample std over the seeds; "
                         "`main_a0.1` at `c0`, `fedrep_a0.1` at `c1`, `seeds_a0.1` at `c2`)")
