@@ -21,7 +21,7 @@ from fedrod_ray.config import (
     load_config,
 )
 
-from .space import TRIAL_RUNTIME, SweepSpec, check_models, overlap, trial_owned
+from .space import SweepSpec, check_models, overlap, trial_owned
 from .sweep import TRIALS
 from .tables import TABLES
 
@@ -166,10 +166,9 @@ def check(spec: ReproSpec) -> None:
     for key in spec.fixed:
         if overlap(key, "seed"):
             raise ConfigError("--set seed: the seeds come from --seeds")
-        owned = trial_owned(key)
-        if owned:
-            raise ConfigError(f"--set {key}: has no effect: every trial sets {owned} itself "
-                              f"({TRIAL_RUNTIME[owned]})")
+        why = trial_owned(key)
+        if why:
+            raise ConfigError(f"--set {key}: {why}")
         for label, row in spec.rows.items():
             clash = next((k for k in row if overlap(key, k)), None)
             if clash:

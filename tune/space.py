@@ -164,10 +164,9 @@ def _check(spec: SweepSpec) -> None:
         raise ConfigError("search: name at least one config key to search")
     for section, keys in (("set", spec.fixed), ("search", spec.search)):
         for key in keys:
-            owned = trial_owned(key)
-            if owned:
-                raise ConfigError(f"{section}.{key}: has no effect: every trial sets {owned} itself "
-                                  f"({TRIAL_RUNTIME[owned]})")
+            why = trial_owned(key)
+            if why:
+                raise ConfigError(f"{section}.{key}: {why}")
     try:
         spec.experiment_config({})
     except ConfigError as e:
@@ -194,8 +193,10 @@ def overlap(a: str, b: str) -> bool:
 
 
 def trial_owned(key: str) -> str | None:
-    """The setting of ``TRIAL_RUNTIME`` that ``key`` names or holds (None: the trial leaves it as it is)."""
-    return next((k for k in TRIAL_RUNTIME if overlap(key, k)), None)
+    """Why setting ``key`` has no effect, where it names or holds a setting of ``TRIAL_RUNTIME`` (None: the
+    trial leaves it as it is)."""
+    owned = next((k for k in TRIAL_RUNTIME if overlap(key, k)), None)
+    return owned and f"has no effect: every trial sets {owned} itself ({TRIAL_RUNTIME[owned]})"
 
 
 def check_models(configs: list[ExperimentConfig]) -> None:
