@@ -71,7 +71,7 @@ CURVES = ("main_a0.3", "main_a0.1")
 # was rerun alone; the page's table names where the row comes from, and that job keeps its own table.
 ROW_FROM = {"main_a0.3": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.3"), "main_a0.1": ("Fed-RoD (Meta-BSM)", "meta_bsm_a0.1")}
 # The main tables' other rows, run as jobs of their own (each from one commit): the page shows every row of the
-# paper's Table 1 in one table, each appended row marked ¶ with its job and commit.
+# paper's Table 1 in one table, each appended row marked ¶n, a note naming the n-th job and its commit.
 ROWS_FROM = {f"main_a{alpha}": (f"pfl_a{alpha}", f"pfl_tuned_a{alpha}", f"pfl_plain_a{alpha}",
                                   *(job for job in ALONE_JOBS if job.endswith(alpha)))
              for alpha in ("0.3", "0.1")}
@@ -198,20 +198,18 @@ def progress(line: str) -> tuple[str, float]:
 
 
 def with_rows_from(table: str, job: str) -> str:
-    """``table`` (``job``'s table.md) with every row of ROWS_FROM's jobs, marked ¶ (their footnotes too), and a
-    note naming each job's commit; a grouped job not published yet is named as such. A method that the table or
-    several of those jobs ran shows the row that got furthest (the later job's where they tie), in its place."""
+    """``table`` (``job``'s table.md) with every row of ROWS_FROM's jobs (their footnotes too, a paragraph each),
+    each marked ¶n for the n-th job shown, and a note naming each job and its commit. A method that the table or several of those
+    jobs ran shows the row that got furthest (the later job's where they tie), in its place."""
     lines = table.splitlines()
     at = next(i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("|")) + 1
     rows: dict[str, tuple[float, str, str | None]] = {}
     for line in lines[4:at]:
         method, got = progress(line)
         rows[method] = (got, line, None)
-    notes, sources = [], {}
+    notes = []
     for source in ROWS_FROM[job]:
         if not (DEST / source / "table.md").is_file():
-            if source not in ALONE_JOBS:
-                sources[source] = f"¶ `{source}`: not run yet."
             continue
         theirs = [line for line in (DEST / source / "table.md").read_text().splitlines()[4:] if line]
         for line in theirs:
@@ -220,12 +218,16 @@ def with_rows_from(table: str, job: str) -> str:
                 # A job's row replaces the table's own only where it got further; another job's, also on a tie.
                 prior = rows.get(method)
                 if prior is None or got > prior[0] or (got == prior[0] and prior[2] is not None):
-                    rows[method] = (got, line.replace("| ", "| ¶ ", 1), source)
+                    rows[method] = (got, line, source)
         notes += [line for line in theirs if not line.startswith("|") and line not in lines + notes]
-        sources[source] = f"¶ from `{source}` (commit `{(DEST / source / 'COMMIT').read_text().strip()}`, below)."
-    shown = {source for _, _, source in rows.values()}
-    notes += [note for source, note in sources.items() if source in shown or "not run yet" in note]
-    return "\n".join(lines[:4] + [row for _, row, _ in rows.values()] + lines[at:] + (["", *notes] if notes else []))
+    shown = [source for source in ROWS_FROM[job] if source in {source for _, _, source in rows.values()}]
+    mark = {source: f"¶{n}" for n, source in enumerate(shown, 1)}
+    if shown:
+        notes.append("Rows run as jobs of their own (each job's table is below): " + ", ".join(
+            f"{mark[source]} `{source}` (commit `{(DEST / source / 'COMMIT').read_text().strip()}`)"
+            for source in shown) + ".")
+    body = [row if source is None else row.replace("| ", f"| {mark[source]} ", 1) for _, row, source in rows.values()]
+    return "\n".join(lines[:4] + body + lines[at:] + [part for note in notes for part in ("", note)])
 
 
 def page_block() -> str:

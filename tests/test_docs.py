@@ -142,8 +142,8 @@ def test_the_results_page_holds_the_tables_the_publisher_writes():
 
 
 def test_the_main_tables_gather_the_rows_run_as_jobs_of_their_own(tmp_path, monkeypatch):
-    """A main table on the page holds the rows of its ROWS_FROM jobs, marked ¶ with their footnotes and each
-    job's commit; a job not published yet is said to be."""
+    """A main table on the page holds the rows of its ROWS_FROM jobs, marked ¶n for the n-th job shown, with
+    their footnotes and each job's commit; a job not published yet adds nothing."""
     publisher = _publisher(tmp_path, monkeypatch)
     (tmp_path / "pfl_a0.3").mkdir()
     (tmp_path / "pfl_a0.3" / "COMMIT").write_text("abc1234\n")
@@ -152,10 +152,10 @@ def test_the_main_tables_gather_the_rows_run_as_jobs_of_their_own(tmp_path, monk
         "| FedRep (not finished: round 40 of 100; values at round 40) | 45.00 ⋆ |\n\n⋆ no global model: ...\n")
     table = "Table main: ...\n\n| method | G-FL (GM) |\n|---|---:|\n| FedAvg | 60.00 |\n\n† a note"
     lines = publisher.with_rows_from(table, "main_a0.3").splitlines()
-    assert lines[4:7] == ["| FedAvg | 60.00 |", "| ¶ FedPer | 50.00 ⋆ |",
-                          "| ¶ FedRep (not finished: round 40 of 100; values at round 40) | 45.00 ⋆ |"]
-    assert lines[-4:] == ["⋆ no global model: ...", "¶ from `pfl_a0.3` (commit `abc1234`, below).",
-                          "¶ `pfl_tuned_a0.3`: not run yet.", "¶ `pfl_plain_a0.3`: not run yet."]
+    assert lines[4:7] == ["| FedAvg | 60.00 |", "| ¶1 FedPer | 50.00 ⋆ |",
+                          "| ¶1 FedRep (not finished: round 40 of 100; values at round 40) | 45.00 ⋆ |"]
+    assert lines[-3:] == ["⋆ no global model: ...", "",
+                          "Rows run as jobs of their own (each job's table is below): ¶1 `pfl_a0.3` (commit `abc1234`)."]
     assert "† a note" in lines
 
 
@@ -248,10 +248,10 @@ def test_a_row_run_alone_replaces_its_grouped_row_where_it_got_further(tmp_path,
     table = head + "| FedAvg | 60.00 |"
     lines = publisher.with_rows_from(table, "main_a0.3").splitlines()
     assert lines[4:] == ["| FedAvg | 60.00 |",
-                         "| ¶ MTL (not finished: round 90 of 100; values at round 80) | 79.00 ⋆ |",
-                         "| ¶ Ditto (not finished: round 45 of 100; values at round 40) | 80.00 ⋆ |", "",
-                         "¶ `pfl_a0.3`: not run yet.", "¶ from `pfl_tuned_a0.3` (commit `pfl_123`, below).",
-                         "¶ `pfl_plain_a0.3`: not run yet.", "¶ from `ditto_a0.3` (commit `ditt123`, below)."]
+                         "| ¶1 MTL (not finished: round 90 of 100; values at round 80) | 79.00 ⋆ |",
+                         "| ¶2 Ditto (not finished: round 45 of 100; values at round 40) | 80.00 ⋆ |", "",
+                         ("Rows run as jobs of their own (each job's table is below): ¶1 `pfl_tuned_a0.3` (commit "
+                          "`pfl_123`), ¶2 `ditto_a0.3` (commit `ditt123`).")]
     assert publisher.progress("| FedPer | 50.00 |") == ("FedPer", float("inf"))
 
 
@@ -268,8 +268,8 @@ def test_a_pair_run_alone_takes_its_place_in_the_privacy_table(tmp_path, monkeyp
     table = head + ("| FedAvg, ε = ∞ | 84.00 |\n| FedAvg, ε = 8 (not started) | - |\n"
                     "| Fed-RoD (hyper), ε = 8 (not started) | - |\n\nε: a note")
     assert publisher.with_rows_from(table, "privacy").splitlines()[4:] == [
-        "| FedAvg, ε = ∞ | 84.00 |", "| ¶ FedAvg, ε = 8 (not finished: round 30 of 100; values at round 25) | 70.00 |",
+        "| FedAvg, ε = ∞ | 84.00 |", "| ¶1 FedAvg, ε = 8 (not finished: round 30 of 100; values at round 25) | 70.00 |",
         "| Fed-RoD (hyper), ε = 8 (not started) | - |", "", "ε: a note", "",
-        "¶ from `privacy_eps8` (commit `eps8123`, below)."]
+        "Rows run as jobs of their own (each job's table is below): ¶1 `privacy_eps8` (commit `eps8123`)."]
     (tmp_path / "privacy_eps8" / "table.md").unlink()
     assert publisher.with_rows_from(table, "privacy") == table
