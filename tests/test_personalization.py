@@ -73,15 +73,16 @@ def test_the_proximal_term_adds_lambda_times_the_distance_to_the_anchor():
 
 
 def test_pfedme_one_inner_step_and_the_outer_step_by_hand():
-    # W = w = 0, x = [1, 0], y = 0: logits 0, p = [.5, .5], dL/dW = (p - e_0) x^T = [[-.5, 0], [.5, 0]].
-    # theta~ = W - eta_p (g + lam (W - w)) = -0.1 g = [[.05, 0], [-.05, 0]];
-    # w <- w - lr lam (w - theta~) = 0.5 * 1 * theta~ = [[.025, 0], [-.025, 0]].
+    # theta~ = W = 0, w = [[.1, 0], [0, 0]], x = [1, 0], y = 0: logits 0, p = [.5, .5],
+    # dL/dW = (p - e_0) x^T = [[-.5, 0], [.5, 0]]; lam = 2: g + lam (theta~ - w) = [[-.7, 0], [.5, 0]],
+    # theta~ <- theta~ - 0.1 (that) = [[.07, 0], [-.05, 0]];
+    # w <- w - lr lam (w - theta~) = w - 0.1 * 2 * [[.03, 0], [.05, 0]] = [[.094, 0], [-.01, 0]].
     model = tiny_linear()
     params = dict(model.named_parameters())
-    w = {"weight": torch.zeros(2, 2)}
-    pfedme_batch(model, params, w, *batch([1.0, 0.0], 0), lam=1.0, personal_lr=0.1, inner_steps=1, lr=0.5)
-    assert torch.allclose(model.weight.detach(), torch.tensor([[0.05, 0.0], [-0.05, 0.0]]))
-    assert torch.allclose(w["weight"], torch.tensor([[0.025, 0.0], [-0.025, 0.0]]))
+    w = {"weight": torch.tensor([[0.1, 0.0], [0.0, 0.0]])}
+    pfedme_batch(model, params, w, *batch([1.0, 0.0], 0), lam=2.0, personal_lr=0.1, inner_steps=1, lr=0.1)
+    assert torch.allclose(model.weight.detach(), torch.tensor([[0.07, 0.0], [-0.05, 0.0]]))
+    assert torch.allclose(w["weight"], torch.tensor([[0.094, 0.0], [-0.01, 0.0]]))
 
 
 def test_pfedme_inner_steps_continue_from_theta_and_pull_towards_w():
@@ -100,12 +101,15 @@ def test_pfedme_inner_steps_continue_from_theta_and_pull_towards_w():
 
 def test_perfedavg_first_order_step_by_hand():
     # w = 0; b = ([1, 0], 0): g1 = [[-.5, 0], [.5, 0]], w~ = w - 0.1 g1 = [[.05, 0], [-.05, 0]];
-    # b' = ([0, 1], 1): logits at w~ are w~ [0, 1] = [0, 0], p - e_1 = [.5, -.5], g2 = [[0, .5], [0, -.5]];
-    # w <- w - 0.5 g2 = [[0, -.25], [0, .25]] (the gradient at w~, applied to w).
+    # b' = ([1, 0], 1): logits at w~ are [.05, -.05], p_0 = 1 / (1 + e^-0.1), p - e_1 = [p_0, -p_0],
+    # g2 = [[p_0, 0], [-p_0, 0]] (at w it would be [[.5, 0], [-.5, 0]]);
+    # w <- w - 0.5 g2 (the gradient at w~, applied to w, not to w~).
     model = tiny_linear()
-    perfedavg_step(model, dict(model.named_parameters()), batch([1.0, 0.0], 0), batch([0.0, 1.0], 1),
-                   alpha=0.1, beta=0.5)
-    assert torch.allclose(model.weight.detach(), torch.tensor([[0.0, -0.25], [0.0, 0.25]]))
+    loss = perfedavg_step(model, dict(model.named_parameters()), batch([1.0, 0.0], 0), batch([1.0, 0.0], 1),
+                          alpha=0.1, beta=0.5)
+    p0 = 1 / (1 + math.exp(-0.1))
+    assert torch.allclose(model.weight.detach(), torch.tensor([[-0.5 * p0, 0.0], [0.5 * p0, 0.0]]))
+    assert math.isclose(float(loss), -math.log(1 - p0), rel_tol=1e-6)  # the loss at w~ on b'
 
 
 def test_perfedavg_takes_its_batches_in_pairs():
