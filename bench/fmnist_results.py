@@ -199,8 +199,9 @@ def progress(line: str) -> tuple[str, float]:
 
 def with_rows_from(table: str, job: str) -> str:
     """``table`` (``job``'s table.md) with every row of ROWS_FROM's jobs (their footnotes too, a paragraph each),
-    each marked ¶n for the n-th job shown, and a note naming each job and its commit. A method that the table or several of those
-    jobs ran shows the row that got furthest (the later job's where they tie), in its place."""
+    each marked ¶n for the n-th job shown, and a note naming each job and its commit. A method that the table
+    or several of those jobs ran shows the row that got furthest (the later job's where they tie), in its
+    place."""
     lines = table.splitlines()
     at = next(i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("|")) + 1
     rows: dict[str, tuple[float, str, str | None]] = {}
@@ -220,7 +221,8 @@ def with_rows_from(table: str, job: str) -> str:
                 if prior is None or got > prior[0] or (got == prior[0] and prior[2] is not None):
                     rows[method] = (got, line, source)
         notes += [line for line in theirs if not line.startswith("|") and line not in lines + notes]
-    shown = [source for source in ROWS_FROM[job] if source in {source for _, _, source in rows.values()}]
+    used = {source for _, _, source in rows.values()}
+    shown = [source for source in ROWS_FROM[job] if source in used]
     mark = {source: f"¶{n}" for n, source in enumerate(shown, 1)}
     if shown:
         notes.append("Rows run as jobs of their own (each job's table is below): " + ", ".join(

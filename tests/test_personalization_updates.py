@@ -65,6 +65,14 @@ def pull(anchor: dict, lam: float):
     return lambda named: lam / 2 * sum(((p - anchor[k]) ** 2).sum() for k, p in named.items())
 
 
+def gradient_step(params: list[torch.Tensor], loss: torch.Tensor, lr: float) -> None:
+    """p <- p - lr grad loss, in place, for each of ``params``."""
+    grads = torch.autograd.grad(loss, params)
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            p -= lr * g
+
+
 def close(a: dict, b: dict, keys=None) -> bool:
     """Equal up to float rounding (the update's arithmetic in another order); a wrong start, anchor or phase
     moves the weights by orders of magnitude more."""
@@ -137,11 +145,7 @@ def test_pfedme_uploads_w_and_keeps_theta_after_k_inner_steps_per_batch():
     for epoch in client_batches(host.data(CID), host.context_of(CID, ROUND)):
         for xb, yb in epoch:
             for _ in range(k):  # theta~ from its last value, pulled towards this batch's w
-                loss = F.cross_entropy(model(xb), yb) + pull(w, lam)(theta)
-                grads = torch.autograd.grad(loss, list(theta.values()))
-                with torch.no_grad():
-                    for p, g in zip(theta.values(), grads):
-                        p.sub_(personal_lr * g)
+                gradient_step(list(theta.values()), F.cross_entropy(model(xb), yb) + pull(w, lam)(theta), personal_lr)
             with torch.no_grad():
                 for key, p in theta.items():
                     w[key] -= lr * lam * (w[key] - p)
@@ -165,10 +169,7 @@ def test_perfedavg_steps_on_pairs_of_batches_and_its_pm_is_one_step_from_the_glo
     assert len(batches) >= 2
     for (x1, y1), (x2, y2) in zip(batches[0::2], batches[1::2]):
         w = [p.detach().clone() for p in params]
-        grads = torch.autograd.grad(F.cross_entropy(model(x1), y1), params)
-        with torch.no_grad():
-            for p, g in zip(params, grads):
-                p -= alpha * g  # w~
+        gradient_step(params, F.cross_entropy(model(x1), y1), alpha)  # w~
         grads = torch.autograd.grad(F.cross_entropy(model(x2), y2), params)  # at w~
         with torch.no_grad():
             for p, w0, g in zip(params, w, grads):
@@ -179,10 +180,7 @@ def test_perfedavg_steps_on_pairs_of_batches_and_its_pm_is_one_step_from_the_glo
     host.method.load_pm(pm_model, ClientState(local_model=w_bar, rounds_trained=ROUND + 1), lambda: data, ctx)
     model.load_partial(w_bar)
     xb, yb = next(client_batches(data, ctx, PM_TAG, epochs=1))[0]
-    grads = torch.autograd.grad(F.cross_entropy(model(xb), yb), params)
-    with torch.no_grad():
-        for p, g in zip(params, grads):
-            p -= alpha * g
+    gradient_step(params, F.cross_entropy(model(xb), yb), alpha)
     assert close(pm_model.state_dict(), model.state_dict(), [k for k, _ in model.named_parameters()])
 
 
