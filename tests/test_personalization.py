@@ -37,7 +37,7 @@ from fedrod_ray.personalization.fedrep import split_epochs
 from fedrod_ray.personalization.lg_fedavg import lower_layer_keys
 from fedrod_ray.personalization.perfedavg import pairs, perfedavg_step
 from fedrod_ray.personalization.pfedme import pfedme_batch
-from fedrod_ray.personalization.sgd import prox_grad_
+from fedrod_ray.personalization.sgd import frozen, prox_grad_
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -70,6 +70,15 @@ def test_the_proximal_term_adds_lambda_times_the_distance_to_the_anchor():
     w.grad = torch.tensor([0.1, 0.1])
     prox_grad_({"w": w}, {"w": torch.tensor([0.0, 1.0])}, 0.5)
     assert torch.allclose(w.grad, torch.tensor([0.6, 0.6]))
+
+
+def test_frozen_turns_gradients_off_for_the_block_and_back_on_after_it_even_on_error():
+    a, b, c = (nn.Parameter(torch.zeros(1)) for _ in range(3))
+    c.requires_grad_(False)  # frozen before: stays so
+    with pytest.raises(RuntimeError), frozen([a, c]):
+        assert not a.requires_grad and b.requires_grad
+        raise RuntimeError
+    assert a.requires_grad and b.requires_grad and not c.requires_grad
 
 
 def test_pfedme_one_inner_step_and_the_outer_step_by_hand():

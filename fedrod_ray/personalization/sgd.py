@@ -4,9 +4,10 @@ term, and the update's result. Pure functions of tensors: no Ray, no files."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,21 @@ def optimizer(params, ctx) -> torch.optim.SGD:
     """SGD at the round's learning rate with the config's momentum and weight decay."""
     return torch.optim.SGD(params, lr=round_lr(ctx.cfg, ctx.round_idx), momentum=ctx.cfg.momentum,
                            weight_decay=ctx.cfg.weight_decay)
+
+
+@contextlib.contextmanager
+def frozen(params: Iterable[torch.nn.Parameter]):
+    """Turn off ``params``' gradients for the block, so that a phase training the rest of the model
+    back-propagates no further than it must (the same steps as leaving them out of the optimiser, at less
+    cost); they are turned back on after it."""
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 def prox_grad_(params: dict[str, torch.Tensor], anchor: StateDict, lam: float) -> None:
