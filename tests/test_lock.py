@@ -48,3 +48,23 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     assert holder(tmp_path) is None
     with exclusive(tmp_path):
         pass
+
+
+def test_a_child_forked_without_exec_does_not_keep_the_lock(tmp_path):
+    to_child, from_child = os.pipe(), os.pipe()
+    with exclusive(tmp_path):
+        pid = os.fork()
+        if pid == 0:  # the child: says it runs (past the fork's hooks), then lives on until told to end
+            os.write(from_child[1], b"r")
+            os.read(to_child[0], 1)
+            os._exit(0)
+        assert os.read(from_child[0], 1) == b"r"
+    try:
+        assert holder(tmp_path) is None  # released with the parent's block, the child still alive
+        with exclusive(tmp_path):
+            assert holder(tmp_path).startswith(f"pid {os.getpid()} ")
+    finally:
+        os.write(to_child[1], b"x")
+        os.waitpid(pid, 0)
+        for fd in (*to_child, *from_child):
+            os.close(fd)

@@ -4,7 +4,8 @@ directory (a resume typed twice, two queues given the same job) then stops at on
 first, instead of interleaving its rounds, checkpoints and Tune records with the first's.
 
 The lock is the operating system's (``flock``): it goes with the process that held it, however that process
-ends, so a killed run never leaves a stale lock behind. The file stays, saying who held it last. An
+ends, so a killed run never leaves a stale lock behind; a child forked without exec closes its inherited copy,
+so the lock does not outlive its holder in it. The file stays, saying who held it last. An
 object store (``s3://``, ``gs://``) has no locks: a run directory there is not locked.
 """
 
@@ -24,6 +25,19 @@ import pyarrow.fs as pafs
 from .storage import RunStorage
 
 LOCK_FILE = ".lock"
+_HELD: set = set()  # the lock files this process holds open
+
+
+def _close_inherited() -> None:
+    """In a child forked without exec: close the lock files it inherited. The lock belongs to the open file,
+    so the child's copies would hold it after the parent released it or died; closing a copy leaves the
+    parent's lock as it is."""
+    for f in _HELD:
+        f.close()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
 
 
 class DirectoryInUse(RuntimeError):
@@ -43,6 +57,7 @@ def exclusive(directory: str | os.PathLike) -> Iterator[None]:
     created = [d for d in (directory, *directory.parents) if not d.exists()]
     path = directory / LOCK_FILE
     f = _acquire(path)
+    _HELD.add(f)
     try:
         f.truncate()
         started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -55,6 +70,7 @@ def exclusive(directory: str | os.PathLike) -> Iterator[None]:
             for d in created:
                 with contextlib.suppress(OSError):
                     d.rmdir()
+        _HELD.discard(f)
         f.close()  # releases the lock
 
 
