@@ -1,0 +1,110 @@
+"""What one client update of each row of the main table costs, against FedAvg's measured in the same run.
+
+Each row as ``fedrod-ray reproduce --table main`` runs it (tune/tables.py's overrides on
+``configs/fmnist_paper.yaml``: FMNIST, 100 clients, Dir(``--alpha``), 5 local epochs, batch 40), in this
+process on one torch thread. An update: the client of median size, at round ``--round``, from the initial
+weights, with the message the row's server sends it (FedFOMO's: the models it picks among the others'
+last uploads, here the initial weights moved by seeded noise, so that it weighs and mixes them as it
+would in a run). The rows take turns ``--repeats`` times, FedAvg in every turn; a row's cost is the median
+over the turns of its CPU time over FedAvg's in the same turn (the process's CPU time, which other
+processes' load disturbs far less than wall time), beside its optimiser steps per update.
+
+A row's whole run also depends on what it does besides updates (evaluating its PMs, its server step),
+which this leaves out: per update is what differs most between methods.
+
+    FEDROD_DATA_DIR=../shared/data python bench/method_cost.py            # about 10 minutes on 2 cores
+    FEDROD_DATA_DIR=../shared/data python bench/method_cost.py --rows FedAvg pFedMe --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from _common import machine_note, md_table, median
+from fedrod_ray_tune.repro_spec import build_spec
+from fedrod_ray_tune.tables import MAIN
+
+from fedrod_ray.client_update.local import RoundInput
+from fedrod_ray.clients.client import ClientFailure, ClientState
+from fedrod_ray.executors.in_process import InProcessExecutor
+from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.round_loop.federation import Federation
+
+BASE = Path(__file__).resolve().parent.parent / "configs" / "fmnist_paper.yaml"
+BASELINE = "FedAvg"
+
+
+def moved(state: dict, seed: int, scale: float = 0.01) -> dict:
+    """``state`` with seeded noise: another client's model."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v.clone()
+            for k, v in state.items()}
+
+
+class Row:
+    """One row's federation, its measured client and the message its server sends that client."""
+
+    def __init__(self, label: str, alpha: float, round_idx: int):
+        self.label = label
+        spec = build_spec("main", BASE, [0], rows=[label], overrides={"data.alpha": alpha})
+        cfg = spec.row_config(label, 0)
+        setup = prepare(cfg)
+        self.fed = Federation(setup, InProcessExecutor(make_host(setup)), log=lambda s: None)
+        self.host = self.fed.executor.host
+        sizes = sorted(range(setup.num_clients), key=lambda c: (len(self.host.data(c)), c))
+        self.client, self.round_idx = sizes[len(sizes) // 2], round_idx
+        uploads = {c: moved(self.fed.global_shared, c) for c in range(setup.num_clients) if c != self.client}
+        self.message = RoundInput(self.fed.global_shared, self.fed.rule.broadcast(self.fed.server_state),
+                                  self.fed.method.messages(self.fed.method_state, [self.client], uploads, round_idx,
+                                                           cfg.seed))
+
+    def update(self) -> tuple[float, float, int]:
+        """(CPU seconds, wall seconds, optimiser steps) of one update."""
+        cpu, wall = time.process_time(), time.perf_counter()
+        out = self.host.train(self.client, ClientState(), self.message, self.round_idx)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        if isinstance(out, ClientFailure):
+            raise SystemExit(f"{self.label}: the update failed: {out.traceback}")
+        return cpu, wall, out[0].steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", nargs="+", default=[r for r in MAIN if MAIN[r]["train.generic_rule"] == "fedavg"],
+                   help="rows of the main table (default: those with the FedAvg rule)")
+    p.add_argument("--alpha", type=float, default=0.3)
+    p.add_argument("--round", type=int, default=3, help="the round the update is in (its learning rate)")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    labels = [BASELINE, *(r for r in args.rows if r != BASELINE)]
+    rows = {label: Row(label, args.alpha, args.round) for label in labels}
+    for row in rows.values():
+        row.update()  # warm-up: first-call costs out of the turns
+    cpu, wall, steps = ({label: [] for label in labels} for _ in range(3))
+    for turn in range(args.repeats):
+        for label, row in rows.items():
+            c, w, s = row.update()
+            cpu[label].append(c)
+            wall[label].append(w)
+            steps[label] = s
+        print(f"turn {turn + 1}/{args.repeats}: " + ", ".join(f"{k} {cpu[k][-1]:.2f}s" for k in labels), flush=True)
+
+    def ratio(label: str, times: dict) -> float:
+        return median([t / b for t, b in zip(times[label], times[BASELINE])])
+
+    base = rows[BASELINE]
+    print(machine_note())
+    print(f"FMNIST (configs/fmnist_paper.yaml), Dir({args.alpha}), client {base.client} "
+          f"({len(base.host.data(base.client))} examples), round {args.round}, 1 torch thread, "
+          f"{args.repeats} turns; {BASELINE}'s update {median(cpu[BASELINE]):.2f} s CPU\n")
+    print(md_table("row|CPU s / update|× FedAvg (CPU)|× FedAvg (wall)|optimiser steps",
+                   [[label, f"{median(cpu[label]):.2f}", f"{ratio(label, cpu):.2f}", f"{ratio(label, wall):.2f}",
+                     steps[label]] for label in labels]))
+
+
+if __name__ == "__main__":
+    main()
