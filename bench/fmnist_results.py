@@ -76,6 +76,8 @@ ROWS_FROM = {f"main_a{alpha}": (f"pfl_a{alpha}", f"pfl_tuned_a{alpha}", f"pfl_pl
                                   *(job for job in ALONE_JOBS if job.endswith(alpha)))
              for alpha in ("0.3", "0.1")}
 ROWS_FROM["privacy"] = tuple(job for job in ALONE_JOBS if job.startswith("privacy_"))
+# The jobs of several of a main table's rows, which the rows run alone can stand in for.
+GROUPS = {job for sources in ROWS_FROM.values() for job in sources if job not in ALONE_JOBS}
 
 
 def commit_of(log: Path) -> str:
@@ -237,7 +239,10 @@ def page_block() -> str:
     for job, heading in JOBS.items():
         folder = DEST / job
         if not (folder / "table.md").is_file():
-            if job not in ALONE_JOBS:
+            if job in GROUPS:
+                parts.append(f"**{heading}** (`{job}`): not run as a group; the rows the main table marks ¶ "
+                             "ran as jobs of their own.")
+            elif job not in ALONE_JOBS:
                 parts.append(f"**{heading}** (`{job}`): not run yet.")
             continue
         commit = (folder / "COMMIT").read_text().strip()

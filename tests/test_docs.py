@@ -159,6 +159,14 @@ def test_the_main_tables_gather_the_rows_run_as_jobs_of_their_own(tmp_path, monk
     assert "† a note" in lines
 
 
+def test_a_group_job_not_run_says_its_rows_ran_alone_and_any_other_job_not_run_says_so(tmp_path, monkeypatch):
+    publisher = _publisher(tmp_path, monkeypatch)
+    block = publisher.page_block()
+    assert "(`pfl_plain_a0.1`): not run as a group; the rows the main table marks ¶ ran as jobs of their own." in block
+    assert "(`main_a0.1`): not run yet." in block
+    assert "`pfedme_a0.1`" not in block  # a row alone, not run: nothing to say
+
+
 def test_the_rows_run_with_three_seeds_take_seed_0_from_the_main_table_or_the_rows_own_job(tmp_path, monkeypatch):
     """Dir(0.1)'s seeds table: FedAvg's seed 0 from the main table, the best personalized-FL row's from the job
     that ran it alone, seeds 1 and 2 from seeds_a0.1; mean ± sample std, each seed's job and commit named."""
