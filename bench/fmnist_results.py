@@ -51,6 +51,7 @@ JOBS = {
     "pfl_tuned_a0.1": "Main table, Dir(0.1): local-only, MTL and Ditto (λ selected by `sweep_lambda`)",
     "pfl_plain_a0.1": "Main table, Dir(0.1): Per-FedAvg and pFedMe (parameters selected by their sweeps)",
     "seeds_a0.1": "Seeds 1 and 2, Dir(0.1)",
+    "seed3_a0.1": "Seed 3, Dir(0.1): the third seed, seed 2's split leaving a client without examples",
     "privacy": "Client-level DP: privacy–utility, 1,000 clients, Dir(0.3), P-FL over 100 sampled clients "
                "([privacy](privacy.md#figures))",
 }
@@ -124,24 +125,24 @@ def publish(out: Path, job: str, force: bool) -> None:
     print(f"{job}: {folder.relative_to(ROOT)}", flush=True)
 
 
-# The rows run with more seeds: the main table's job (seed 0) and the job of seeds 1 and 2, by main table. The page
-# shows them together as mean ± std under the main table.
-SEEDS = {"main_a0.3": "seeds_a0.3", "main_a0.1": "seeds_a0.1"}
+# The rows run with more seeds: the main table's job (seed 0) and the jobs of the other seeds, by main table. The
+# page shows them together as mean ± std under the main table.
+SEEDS = {"main_a0.3": ("seeds_a0.3",), "main_a0.1": ("seeds_a0.1", "seed3_a0.1")}
 
 
 def seeds_table(main: str) -> str:
-    """The rows of ``main``'s SEEDS job over all their seeds' finished trials, mean ± std, each seed's job and
+    """The rows of ``main``'s SEEDS jobs over all their seeds' finished trials, mean ± std, each seed's job and
     commit named. A row's seed 0 comes from the main table's job or, for a personalized-FL row (Dir(0.1)'s
-    best, `BEST_PFL`), from the job that ran it alone; "" until both jobs are published and a trial of the
-    SEEDS job has finished."""
-    more = SEEDS[main]
+    best, `BEST_PFL`), from the job that ran it alone; "" until the main job and a SEEDS job are published
+    and a trial of a SEEDS job has finished."""
     alpha = main.removeprefix("main_a")
     alone = [job for job in ALONE_JOBS if job.endswith(f"_a{alpha}")]
-    jobs = [job for job in (main, *alone, more) if (DEST / job / "results.csv").is_file()]
-    if main not in jobs or more not in jobs:
+    jobs = [job for job in (main, *alone, *SEEDS[main]) if (DEST / job / "results.csv").is_file()]
+    more = [job for job in SEEDS[main] if job in jobs]
+    if main not in jobs or not more:
         return ""
     records = {job: finished_records(DEST / job / "results.csv") for job in jobs}
-    rows = list(dict.fromkeys(r["row"] for r in records[more]))
+    rows = list(dict.fromkeys(r["row"] for job in more for r in records[job]))
     if not rows:
         return ""
     lines = ["| method | " + " | ".join(map(title, COLUMNS)) + " | seeds |",

@@ -169,29 +169,33 @@ def test_a_group_job_not_run_says_its_rows_ran_alone_and_any_other_job_not_run_s
 
 def test_the_rows_run_with_three_seeds_take_seed_0_from_the_main_table_or_the_rows_own_job(tmp_path, monkeypatch):
     """Dir(0.1)'s seeds table: FedAvg's seed 0 from the main table, the best personalized-FL row's from the job
-    that ran it alone, seeds 1 and 2 from seeds_a0.1; mean ± sample std, each seed's job and commit named."""
+    that ran it alone, the others from seeds_a0.1 and seed3_a0.1; mean ± sample std, each seed's job and commit
+    named."""
     from fedrod_ray_tune.report import COLUMNS
 
     publisher = _publisher(tmp_path, monkeypatch)
     header = "row,seed,status," + ",".join(COLUMNS)
     jobs = {"main_a0.1": [("FedAvg", 0, 0.80), ("FedDyn", 0, 0.70)], "fedrep_a0.1": [("FedRep", 0, 0.60)],
-            "seeds_a0.1": [("FedAvg", 1, 0.82), ("FedAvg", 2, 0.84), ("FedRep", 1, 0.62), ("FedRep", 2, 0.64)]}
+            "seeds_a0.1": [("FedAvg", 1, 0.82), ("FedRep", 1, 0.62), ("FedRep", 2, 0.64)],
+            "seed3_a0.1": [("FedAvg", 3, 0.84)]}
     for i, (job, rows) in enumerate(jobs.items()):
         (tmp_path / job).mkdir()
         (tmp_path / job / "COMMIT").write_text(f"c{i}\n")
         (tmp_path / job / "results.csv").write_text("\n".join(
             [header] + [f"{row},{seed},finished," + ",".join(str(acc) for _ in COLUMNS) for row, seed, acc in rows]))
     assert publisher.seeds_table("main_a0.3") == ""  # neither job published
-    finished = (tmp_path / "seeds_a0.1" / "results.csv").read_text()
-    (tmp_path / "seeds_a0.1" / "results.csv").write_text(header)  # published, no trial finished yet
+    finished = {job: (tmp_path / job / "results.csv").read_text() for job in ("seeds_a0.1", "seed3_a0.1")}
+    for job in finished:
+        (tmp_path / job / "results.csv").write_text(header)  # published, no trial finished yet
     assert publisher.seeds_table("main_a0.1") == ""
-    (tmp_path / "seeds_a0.1" / "results.csv").write_text(finished)
+    for job, text in finished.items():
+        (tmp_path / job / "results.csv").write_text(text)
     lines = publisher.seeds_table("main_a0.1").splitlines()
     assert lines[0] == ("**Main table, Dir(0.1): the rows run with three seeds** (mean ± sample std over the seeds; "
-                        "`main_a0.1` at `c0`, `fedrep_a0.1` at `c1`, `seeds_a0.1` at `c2`)")
+                        "`main_a0.1` at `c0`, `fedrep_a0.1` at `c1`, `seeds_a0.1` at `c2`, `seed3_a0.1` at `c3`)")
     fedavg, fedrep = (line.split(" | ") for line in lines[4:6])
     assert fedavg[0] == "| FedAvg" and fedavg[1] == publisher.mean_std([0.80, 0.82, 0.84])
-    assert fedavg[-1] == "0 (`main_a0.1`), 1 (`seeds_a0.1`), 2 (`seeds_a0.1`) |"
+    assert fedavg[-1] == "0 (`main_a0.1`), 1 (`seeds_a0.1`), 3 (`seed3_a0.1`) |"
     assert fedrep[0] == "| FedRep" and fedrep[1] == publisher.mean_std([0.60, 0.62, 0.64])
     assert fedrep[-1] == "0 (`fedrep_a0.1`), 1 (`seeds_a0.1`), 2 (`seeds_a0.1`) |"
     assert len(lines) == 6  # FedDyn ran no more seeds
