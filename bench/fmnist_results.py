@@ -161,7 +161,7 @@ def seeds_table(main: str) -> str:
         lines.append(f"| {row} | " + " | ".join(cells) + f" | {seeds} |")
     commits = ", ".join(f"`{job}` at `{(DEST / job / 'COMMIT').read_text().strip()}`"
                         for job in jobs if job in used)
-    return (f"**Main table, Dir({alpha}): the rows run with three seeds** (mean ± sample std over the seeds; "
+    return (f"**Main table, Dir({alpha}): the rows run with more seeds** (mean ± sample std over the seeds each names; "
             f"{commits})\n\n" + "\n".join(lines))
 
 

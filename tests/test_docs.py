@@ -191,7 +191,7 @@ def test_the_rows_run_with_three_seeds_take_seed_0_from_the_main_table_or_the_ro
     for job, text in finished.items():
         (tmp_path / job / "results.csv").write_text(text)
     lines = publisher.seeds_table("main_a0.1").splitlines()
-    assert lines[0] == ("**Main table, Dir(0.1): the rows run with three seeds** (mean ± sample std over the seeds; "
+    assert lines[0] == ("**Main table, Dir(0.1): the rows run with more seeds** (mean ± sample std over the seeds each names; "
                         "`main_a0.1` at `c0`, `fedrep_a0.1` at `c1`, `seeds_a0.1` at `c2`, `seed3_a0.1` at `c3`)")
     fedavg, fedrep = (line.split(" | ") for line in lines[4:6])
     assert fedavg[0] == "| FedAvg" and fedavg[1] == publisher.mean_std([0.80, 0.82, 0.84])
