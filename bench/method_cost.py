@@ -52,14 +52,13 @@ class Row:
         spec = build_spec("main", BASE, [0], rows=[label], overrides={"data.alpha": alpha})
         cfg = spec.row_config(label, 0)
         setup = prepare(cfg)
-        self.fed = Federation(setup, InProcessExecutor(make_host(setup)), log=lambda s: None)
-        self.host = self.fed.executor.host
+        fed = Federation(setup, InProcessExecutor(make_host(setup)), log=lambda s: None)
+        self.host = fed.executor.host
         sizes = sorted(range(setup.num_clients), key=lambda c: (len(self.host.data(c)), c))
         self.client, self.round_idx = sizes[len(sizes) // 2], round_idx
-        uploads = {c: moved(self.fed.global_shared, c) for c in range(setup.num_clients) if c != self.client}
-        self.message = RoundInput(self.fed.global_shared, self.fed.rule.broadcast(self.fed.server_state),
-                                  self.fed.method.messages(self.fed.method_state, [self.client], uploads, round_idx,
-                                                           cfg.seed))
+        uploads = {c: moved(fed.global_shared, c) for c in range(setup.num_clients) if c != self.client}
+        self.message = RoundInput(fed.global_shared, fed.rule.broadcast(fed.server_state),
+                                  fed.method.messages(fed.method_state, [self.client], uploads, round_idx, cfg.seed))
 
     def update(self) -> tuple[float, float, int]:
         """(CPU seconds, wall seconds, optimiser steps) of one update."""

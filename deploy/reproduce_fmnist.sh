@@ -13,8 +13,9 @@
 # the rows without such a parameter (pfl_a0.3, pfl_a0.1), local-only with those whose parameter sweep_lambda
 # chose (pfl_tuned_a0.3, pfl_tuned_a0.1), Per-FedAvg and pFedMe once their sweeps chose (pfl_plain_a0.3,
 # pfl_plain_a0.1), and seeds 1, 2 at Dir(0.1) (seeds_a0.1) with seed 3 for 2 (seed3_a0.1); one
-# personalized-FL row alone, as a table of its own (<row>_a0.3, <row>_a0.1 with <row> one of PFL_ROWS' keys, e.g. ditto_a0.3): a row finished that way is
-# kept by its published files whatever becomes of the others; client-level DP's privacy-utility table on
+# personalized-FL row alone, as a table of its own (<row>_a0.3, <row>_a0.1 with <row> one of PFL_ROWS'
+# keys, e.g. ditto_a0.3): a row finished that way is kept by its published files whatever becomes of the
+# others; client-level DP's privacy-utility table on
 # configs/fmnist_dp.yaml (privacy: 1,000 clients, docs/privacy.md), or its pair at one epsilon alone
 # (privacy_epsinf, privacy_eps8, privacy_eps4, privacy_eps1).
 set -uo pipefail
