@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fedrod_ray_tune.report import format_table, mean_std
-from fedrod_ray_tune.repro_spec import SPEC_FILE, build_spec, load_spec, parse_seeds, parse_sets
+from fedrod_ray_tune.repro_spec import SPEC_FILE, build_spec, check_splits, load_spec, parse_seeds, parse_sets
 from fedrod_ray_tune.reproduce import reproduce
 from fedrod_ray_tune.sweep import start_dir
 from fedrod_ray_tune.tables import DP_CLIP_NORM, DP_EPSILONS, FINETUNE_EPOCHS, TABLES
@@ -324,6 +324,35 @@ def test_cli_errors_exit_2_naming_the_problem(tmp_path, capsys):
     assert main(["reproduce", "--resume", str(tmp_path)]) == 2
     assert "holds no reproduction" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_seed_whose_split_leaves_a_client_empty_fails_before_any_trial(tmp_path, capsys):
+    # Tiny's split at Dir(0.1) leaves client 5 without examples at seed 5 alone of seeds 0-5.
+    out = tmp_path / "r"
+    assert main(["reproduce", "--table", "main", "--config", str(TINY), "--seeds", "6", "--set", "data.alpha=0.1",
+                 "--out", str(out)]) == 2
+    assert ("--seeds: seed 5 cannot run row 'FedAvg' of table main: data.min_per_client: this split leaves "
+            "client(s) [5] with no examples") in capsys.readouterr().err
+    assert not out.exists()
+    assert check_splits(build_spec("main", TINY, [0, 1, 2, 3, 4], overrides={"data.alpha": 0.1}))
+
+
+def test_fmnist_seed_2_at_dir_0_1_is_refused_before_any_trial(shared_data_dir, tmp_path, capsys):
+    # The paper's FMNIST split at Dir(0.1), seed 2: client 58 gets no examples (found 6 h into a reproduction).
+    out = tmp_path / "r"
+    assert main(["reproduce", "--table", "main", "--config", str(REPO / "configs" / "fmnist_paper.yaml"),
+                 "--seeds", "0,2", "--row", "FedAvg", "--set", f"data.data_dir={shared_data_dir}",
+                 "--out", str(out)]) == 2
+    assert "--seeds: seed 2 cannot run row 'FedAvg' of table main: data.min_per_client: this split leaves client(s) " \
+           "[58] with no examples" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_without_the_data_here_the_splits_are_left_to_the_trials(tmp_path):
+    # A driver without the data (a cluster's head node) checks nothing and downloads nothing.
+    spec = build_spec("main", REPO / "configs" / "fmnist_paper.yaml", [0], overrides={"data.data_dir": str(tmp_path)})
+    assert not check_splits(spec)
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- a real reproduction on the session's Ray -------------------------------------------------------

@@ -1,12 +1,14 @@
 """A reproduction of a table as a sweep (``ReproSpec``): built from the command line (``build_spec``, with
 ``parse_seeds`` and ``parse_sets``) or read back from its ``reproduce.yaml`` (``load_spec``), and checked
-in full before any trial starts, so a conflicting --set or a bad row fails in seconds, not mid-run."""
+in full before any trial starts, so a conflicting --set or a bad row fails in seconds, not mid-run; and
+each seed's split made where the data is (``check_splits``), so a seed that leaves a client without
+examples fails before the first trial, not when its own trials start hours later."""
 
 from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,9 @@ from fedrod_ray.config import (
     config_from_record,
     load_config,
 )
+from fedrod_ray.data import DatasetNotFoundError, load_dataset
+from fedrod_ray.federation_state.setup import partition_dataset
+from fedrod_ray.objectives import meta_per_class
 
 from .space import SweepSpec, check_models, overlap, trial_owned
 from .sweep import TRIALS
@@ -192,6 +197,36 @@ def check(spec: ReproSpec) -> None:
         except ConfigError as e:
             raise ConfigError(f"row {label!r} of table {spec.table}: {e}") from None
     check_models(configs)
+
+
+def check_splits(spec: ReproSpec) -> bool:
+    """Make the split of every (row, seed) of ``spec`` here, each distinct one once, and raise a ConfigError
+    naming --seeds, the seed and the row where a split cannot be trained on (a Dirichlet draw that leaves a
+    client without examples, at ``data.min_per_client: 0``).
+
+    Returns False, having checked nothing, where the data is not on this machine (the driver of a cluster
+    whose data lives on its workers): nothing is downloaded here, and each trial checks its own split as it
+    starts, as it always does."""
+    datasets: dict[tuple[str, int], Any] = {}
+    made: set[tuple[str, int, int]] = set()
+    for seed in spec.seeds:
+        for label in spec.rows:
+            cfg = spec.row_config(label, seed)
+            data = json.dumps(cfg.to_dict()["data"], sort_keys=True)
+            key = (data, seed, meta_per_class(cfg.train))
+            if key in made:
+                continue
+            if (data, seed) not in datasets:
+                try:
+                    datasets[data, seed] = load_dataset(replace(cfg.data, download=False), seed)
+                except DatasetNotFoundError:
+                    return False
+            try:
+                partition_dataset(cfg, datasets[data, seed])
+            except ConfigError as e:
+                raise ConfigError(f"--seeds: seed {seed} cannot run row {label!r} of table {spec.table}: {e}") from None
+            made.add(key)
+    return True
 
 
 def load_spec(out_dir: Path) -> ReproSpec:

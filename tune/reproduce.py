@@ -29,7 +29,7 @@ from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.outputs.tracking import scalars
 
 from .report import CURVES, Collected, write_results
-from .repro_spec import SPEC_FILE, ReproSpec, load_spec
+from .repro_spec import SPEC_FILE, ReproSpec, check_splits, load_spec
 from .sweep import TRIALS, TrialLines, fit, start_dir
 from .trial import PARAMS_FILE
 
@@ -38,8 +38,12 @@ LINE_METRICS = tuple(k for k in ACCURACIES if k != "pfl_gm_new")
 
 
 def reproduce(spec: ReproSpec, out_dir: Path, resume: bool = False) -> list[dict]:
-    """Run (or resume) the reproduction and write its results; returns one record per (row, seed)."""
+    """Run (or resume) the reproduction and write its results; returns one record per (row, seed). A new one
+    first makes every seed's split (``check_splits``), so that a bad seed fails before any trial starts; a
+    resumed one runs the trials it started with."""
     out_dir = out_dir.resolve()
+    if not resume and not check_splits(spec):
+        print("the data is not on this machine: each trial checks its seed's split as it starts", flush=True)
     with exclusive(out_dir):
         if not resume:
             start_dir(out_dir, SPEC_FILE, spec.to_dict(), "a reproduction", "--out")
