@@ -50,7 +50,8 @@ JOBS = {
     "pfl_a0.1": "Main table, Dir(0.1): personalized-FL baselines without a selected parameter",
     "pfl_tuned_a0.1": "Main table, Dir(0.1): local-only, MTL and Ditto (λ selected by `sweep_lambda`)",
     "pfl_plain_a0.1": "Main table, Dir(0.1): Per-FedAvg and pFedMe (parameters selected by their sweeps)",
-    "seeds_a0.1": "Seeds 1 and 2, Dir(0.1)",
+    "seeds_a0.1": "Seeds 1 and 2, Dir(0.1): seed 2's trials stopped as they started, its split leaving client 58 "
+                  "without examples",
     "seed3_a0.1": "Seed 3, Dir(0.1): the third seed, seed 2's split leaving a client without examples",
     "privacy": "Client-level DP: privacy–utility, 1,000 clients, Dir(0.3), P-FL over 100 sampled clients "
                "([privacy](privacy.md#figures))",
