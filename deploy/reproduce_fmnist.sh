@@ -12,7 +12,7 @@
 # baselines: the sweeps that select their parameters (sweep_lambda, sweep_perfedavg, sweep_pfedme: tune/pfl_*.yaml),
 # the rows without such a parameter (pfl_a0.3, pfl_a0.1), local-only with those whose parameter sweep_lambda
 # chose (pfl_tuned_a0.3, pfl_tuned_a0.1), Per-FedAvg and pFedMe once their sweeps chose (pfl_plain_a0.3,
-# pfl_plain_a0.1), and seeds 1, 2 at Dir(0.1) (seeds_a0.1) with seed 3 for 2 (seed3_a0.1); one
+# pfl_plain_a0.1), and more seeds at Dir(0.1): seed 1 (seeds_a0.1) and seed 3 (seed3_a0.1); one
 # personalized-FL row alone, as a table of its own (<row>_a0.3, <row>_a0.1 with <row> one of PFL_ROWS'
 # keys, e.g. ditto_a0.3): a row finished that way is kept by its published files whatever becomes of the
 # others; client-level DP's privacy-utility table on
@@ -63,9 +63,11 @@ job_args() {
     pfl_tuned_a0.1) args=(--table main --seeds 0, "${pfl_tuned_rows[@]}") ;;
     pfl_plain_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 "${pfl_plain_rows[@]}") ;;
     pfl_plain_a0.1) args=(--table main --seeds 0, "${pfl_plain_rows[@]}") ;;
-    seeds_a0.1) args=(--table main --seeds 1,2 "${seed_rows[@]}") ;;
     # Seed 2's Dir(0.1) split leaves a client without examples, which the paper's split (no minimum:
-    # data.min_per_client=0) refuses: seeds_a0.1's seed-2 trials stop at once, and seed 3 is the third seed.
+    # data.min_per_client=0) refuses: seeds_a0.1, published at 516dfff with --seeds 1,2, had its seed-2
+    # trials stop as they started; since 0ff3bd7 reproduce refuses that seed before any trial. Seed 3 is the
+    # third seed.
+    seeds_a0.1) args=(--table main --seeds 1, "${seed_rows[@]}") ;;
     seed3_a0.1) args=(--table main --seeds 3, "${seed_rows[@]}") ;;
     sweep_lambda | sweep_perfedavg | sweep_pfedme) args=(--config "tune/pfl_${1#sweep_}.yaml") ;;
     privacy) args=(--table privacy --seeds 0,); job_base=configs/fmnist_dp.yaml ;;
@@ -104,5 +106,6 @@ for job in "${jobs[@]}"; do
   else
     fedrod-ray reproduce --config "$job_base" "${args[@]}" --out "$out/$job" >>"$out/$job.log" 2>&1
   fi
-  echo "=== $(date -u +%FT%TZ) $job exit $?" | tee -a "$out/$job.log"
+  rc=$?  # before the line below, whose $(date) would set $? to its own
+  echo "=== $(date -u +%FT%TZ) $job exit $rc" | tee -a "$out/$job.log"
 done

@@ -341,6 +341,46 @@ def test_configs_referenced_by_deploy_files_exist_and_load():
         load_config(REPO / ref)
 
 
+FMNIST_JOBS = ("main_a0.3", "new_clients", "main_a0.1", "init_a0.3", "seeds_a0.3", "normalize_a0.3", "momentum_a0.3",
+               "meta_bsm_a0.3", "meta_bsm_a0.1", "pfl_a0.3", "pfl_a0.1", "pfl_tuned_a0.3", "pfl_tuned_a0.1",
+               "pfl_plain_a0.3", "pfl_plain_a0.1", "seeds_a0.1", "seed3_a0.1", "ditto_a0.3", "local_a0.1", "privacy",
+               "privacy_epsinf", "sweep_lambda")
+
+
+def test_the_fmnist_queue_runs_valid_reproductions_and_logs_their_exit_status(tmp_path, shared_data_dir):
+    """deploy/reproduce_fmnist.sh with a stand-in ``fedrod-ray`` that records its arguments and fails: every
+    job's reproduction is one the CLI accepts, every seed it names has a split that trains (FMNIST Dir(0.1)
+    seed 2 has not), and each job's log line gives the command's exit status."""
+    from fedrod_ray_tune.repro_spec import build_spec, check_splits, parse_seeds, parse_sets
+
+    calls = tmp_path / "calls.jsonl"
+    stub = tmp_path / "bin" / "fedrod-ray"
+    stub.parent.mkdir()
+    stub.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                    f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\nsys.exit(3)\n")
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}", "BEST_PFL": "FedPer",
+           "RAY_TMPDIR": str(tmp_path / "ray")}
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(DEPLOY / "reproduce_fmnist.sh"), str(out), *FMNIST_JOBS], env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    for job in FMNIST_JOBS:
+        assert re.search(rf"^=== \S+ {re.escape(job)} exit 3$", (out / f"{job}.log").read_text(),
+                         re.MULTILINE), job
+
+    parser = build_parser()
+    reproductions = [json.loads(line) for line in calls.read_text().splitlines() if line.startswith('["reproduce"')]
+    assert len(reproductions) == len(FMNIST_JOBS) - 1  # all but the sweep
+    for argv in reproductions:
+        args = parser.parse_args(argv)
+        spec = build_spec(args.table, REPO / args.config, parse_seeds(args.seeds), args.rounds,
+                          {**parse_sets(args.set), "data.data_dir": str(shared_data_dir)}, None, args.row,
+                          args.finetune_epochs)
+        if spec.seeds != [0]:
+            assert check_splits(spec), argv
+
+
 # ---------------------------------------------------------------------------------------------------
 # A real job submission
 
