@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import shutil
 import signal
 import subprocess
@@ -338,6 +339,18 @@ def test_tunes_record_of_an_experiment_is_readable_when_its_newest_file_parses(t
     assert tune_state_readable(tmp_path)
     (tmp_path / "experiment_state-2026-11-26_22-51-46.json").touch()  # the newest, cut short by a kill
     assert not tune_state_readable(tmp_path)
+
+
+def test_tunes_record_is_unreadable_when_its_search_state_was_cut_short(tmp_path):
+    # The search's state is a pickle that Tune copies into place as it does the experiment's state: a kill
+    # mid-copy leaves it short, and Tuner.restore then fails on it (EOFError) and runs nothing of the sweep.
+    (tmp_path / "experiment_state-2026-11-26_21-35-49.json").write_text('{"trial_data": []}')
+    search = pickle.dumps({"iterators": [], "trial_count": 3})
+    (tmp_path / "basic-variant-state-2026-11-26_21-35-49.json").write_bytes(search)
+    assert tune_state_readable(tmp_path)
+    for cut in (b"", search[:-1]):
+        (tmp_path / "basic-variant-state-2026-11-26_22-51-46.json").write_bytes(cut)  # the newest by name
+        assert not tune_state_readable(tmp_path)
 
 
 def test_a_trial_goes_on_from_the_run_checkpoint_its_last_tune_checkpoint_names(tmp_path):

@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import pickletools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -68,9 +69,9 @@ def fit(spec: SweepSpec, out_dir: Path, callback: Callback, resume: bool):
     experiment and finish it (finished trials stay as they are, the others go on from their last
     reported round). Returns Tune's ResultGrid. Sweeps and reproductions both run through here.
 
-    Tune's record of the experiment can be unreadable: Tune copies it into place without a rename, so a
-    process killed mid-copy leaves it empty (and Tune, told to restore it, would start an experiment of
-    its own making). Then the experiment starts again: each trial lands in the folder it had (named by
+    Tune's record of the experiment can be unreadable: Tune copies it (the experiment's state and its
+    search's) into place without a rename, so a process killed mid-copy leaves a file empty (and Tune, told
+    to restore it, would start an experiment of its own making, or fail). Then the experiment starts again: each trial lands in the folder it had (named by
     ``trial_folder``) and goes on from its run's own last checkpoint there (``trial.own_checkpoint``).
     """
     import ray
@@ -119,10 +120,17 @@ def fit(spec: SweepSpec, out_dir: Path, callback: Callback, resume: bool):
 
 
 def tune_state_readable(trials: Path) -> bool:
-    """Whether Tune's newest record of the experiment in ``trials`` (what ``Tuner.restore`` reads) parses."""
+    """Whether Tune's newest records of the experiment in ``trials`` (what ``Tuner.restore`` reads, the newest
+    by name) are whole: its state (JSON) parses, and its search's state, a pickle copied into place the same
+    way, runs to its end (walked by ``pickletools``, never loaded)."""
     states = sorted(trials.glob("experiment_state-*.json"))
+    searches = sorted(trials.glob("basic-variant-state-*.json"))
     try:
         json.loads(states[-1].read_text())
+        if searches:
+            with open(searches[-1], "rb") as f:
+                for _ in pickletools.genops(f):
+                    pass
     except (IndexError, ValueError):
         return False
     return True
