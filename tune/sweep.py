@@ -71,8 +71,9 @@ def fit(spec: SweepSpec, out_dir: Path, callback: Callback, resume: bool):
 
     Tune's record of the experiment can be unreadable: Tune copies it (the experiment's state and its
     search's) into place without a rename, so a process killed mid-copy leaves a file empty (and Tune, told
-    to restore it, would start an experiment of its own making, or fail). Then the experiment starts again: each trial lands in the folder it had (named by
-    ``trial_folder``) and goes on from its run's own last checkpoint there (``trial.own_checkpoint``).
+    to restore it, would start an experiment of its own making, or fail). Then the experiment starts
+    again: each trial lands in the folder it had (named by ``trial_folder``) and goes on from its run's own
+    last checkpoint there (``trial.own_checkpoint``).
     """
     import ray
     from ray import tune
