@@ -124,4 +124,5 @@ class ClientLevelDP:
                        noise_multiplier=self.noise_multiplier,
                        clip_norm=p.clip_norm if math.isfinite(p.clip_norm) else None,
                        adaptive_clip=p.adaptive_clip is not None, sampling=p.sampling,
-                       sampling_rate=self.rate, accountant=p.accountant)
+                       sampling_rate=self.rate, accountant=p.accountant,
+                       noise="secure" if p.secure_rng else "seeded")

@@ -55,6 +55,10 @@ class ExportError(ValueError):
     """A final/ that cannot be served: missing, half-written, corrupt, or of another format version."""
 
 
+# Privacy.noise: where a private run's noise and client sampling came from.
+NOISE_SOURCES = ("secure", "seeded")
+
+
 @dataclass
 class Privacy:
     """The client-level differential-privacy guarantee of a privately trained model (docs/privacy.md): it is
@@ -68,6 +72,9 @@ class Privacy:
     sampling: str  # "poisson" | "fixed": how each round's clients were drawn
     sampling_rate: float  # q: poisson, each client's chance per round; fixed, the fraction drawn
     accountant: str  # "rdp" | "pld" (Google's dp_accounting)
+    # Where the noise and the sampling came from: "secure", the OS's CSPRNG; "seeded", the run's seed, so the
+    # guarantee does not hold against anyone who knows the seed (a final/ written before this field: seeded).
+    noise: str = "seeded"
 
 
 @dataclass
@@ -177,12 +184,15 @@ def _meta_from_doc(doc: dict, where: str) -> ModelMeta:
 
 def _privacy_from_doc(doc, where: str) -> Privacy:
     names = [f.name for f in fields(Privacy)]
+    if isinstance(doc, dict):
+        doc = {"noise": "seeded", **doc}
     if not isinstance(doc, dict) or sorted(doc) != sorted(names):
         raise ExportError(f"{where}: privacy must be null or an object of {names}, got {doc!r}")
     for name, ok in (("epsilon", lambda v: v is None or (_is_num(v) and v >= 0)), ("delta", _is_num),
                      ("noise_multiplier", _is_num), ("clip_norm", lambda v: v is None or _is_num(v)),
                      ("adaptive_clip", lambda v: isinstance(v, bool)), ("sampling", lambda v: isinstance(v, str)),
-                     ("sampling_rate", _is_num), ("accountant", lambda v: isinstance(v, str))):
+                     ("sampling_rate", _is_num), ("accountant", lambda v: isinstance(v, str)),
+                     ("noise", lambda v: v in NOISE_SOURCES)):
         if not ok(doc[name]):
             raise ExportError(f"{where}: privacy.{name} is not valid, got {doc[name]!r}")
     return Privacy(**doc)
