@@ -12,7 +12,7 @@ from fastapi_offline import FastAPIOffline
 
 from fedrod_ray import __version__
 
-from . import errors
+from . import client_tokens, errors
 from .body_limit import BodyLimit
 from .body_schema import body_schemas
 from .routes import admin, heads, health, model, predict
@@ -52,15 +52,18 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
                proxied: bool = False) -> FastAPI:
     """The app serving ``settings.model_dir``'s final/ (a plain string is taken as the model dir).
 
-    Raises ExportError when final/ cannot be served, so a bad model never gets as far as a listening
-    server. ``admin_token`` (normally ``$FEDROD_ADMIN_TOKEN``) enables POST /v1/admin/reload; None or
-    empty leaves it disabled. ``forward``, when given, computes the predictions' probabilities (a batching
-    one runs them on ``app.state.inference``); by default each request runs its own forward there.
+    Raises ExportError when final/ cannot be served, and ClientTokensError when ``settings.client_tokens``
+    cannot be used, so a bad model or token file never gets as far as a listening server. ``admin_token``
+    (normally ``$FEDROD_ADMIN_TOKEN``) enables POST /v1/admin/reload and the participant lists of
+    GET /v1/model; None or empty leaves them disabled. ``forward``, when given, computes the predictions'
+    probabilities (a batching one runs them on ``app.state.inference``); by default each request runs its
+    own forward there.
     ``proxied``: behind a proxy that holds the clients' connections (Ray Serve's replica; BodyLimit).
     """
     if isinstance(settings, str):
         settings = Settings(model_dir=settings)
     service = ModelService(settings.model_dir, settings.head_cache_size, settings.allow_factories)
+    tokens = client_tokens.load(settings.client_tokens, service.current.served.meta.head)
     # /docs and /redoc with Swagger UI's and ReDoc's scripts served from the fastapi-offline package rather
     # than a CDN: a federation's server often runs without internet. Swagger UI's validator is off: served
     # under any name but localhost, it would have the browser fetch a badge from validator.swagger.io.
@@ -70,6 +73,7 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
     app.state.service = service
     app.state.settings = settings
     app.state.admin_token = admin_token
+    app.state.client_tokens = tokens
     app.state.forward = forward
     # Predictions run one at a time on their own thread, in arrival order, while the event loop parses and
     # answers the other requests. With torch on one core, more threads only contend for the GIL and the

@@ -46,6 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="a package.module:factory arch a final/ may name (repeatable); built-in archs and "
                             "installed fedrod_ray.models plug-ins need none. Only for code you trust: "
                             "loading a final/ calls it")
+    serve.add_argument("--client-tokens", metavar="FILE",
+                       help="serve each training client its own head (linear; predict's client_id), to that "
+                            "client alone: FILE is a JSON object mapping client ids to the sha256 hex digests "
+                            "of their tokens, which they send as 'Authorization: Bearer <token>' "
+                            "(docs/security.md). Without it, no client's own head is served")
     serve.add_argument("--ray", action="store_true",
                        help="run on Ray Serve: joins the Ray cluster running on this machine or starts one")
     serve.set_defaults(handler=serve_command)
@@ -59,6 +64,7 @@ def serve_command(args) -> int:
 
     from fedrod_ray.models.export import ExportError
 
+    from . import client_tokens
     from .service import load
     from .settings import ADMIN_TOKEN_ENV
 
@@ -66,7 +72,7 @@ def serve_command(args) -> int:
     try:
         settings = Settings(model_dir=args.run_dir, max_batch=args.max_batch, max_body_bytes=args.max_body_bytes,
                             max_bodies_bytes=args.max_bodies_bytes, body_timeout_s=args.body_timeout,
-                            allow_factories=args.allow_factory)
+                            allow_factories=args.allow_factory, client_tokens=args.client_tokens)
         connections = Connections(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as e:
         err = e.errors()[0]
@@ -77,8 +83,10 @@ def serve_command(args) -> int:
         raise ConfigError("--port 0 does not work with --ray: Ray Serve needs a fixed port")
     try:
         if args.ray:
-            # Checked here, so that a bad RUN_DIR stops at once rather than in every replica.
-            version = load(args.run_dir, 1, settings.allow_factories).served.version_id
+            # Checked here, so that a bad RUN_DIR or token file stops at once rather than in every replica.
+            served = load(args.run_dir, 1, settings.allow_factories).served
+            client_tokens.load(settings.client_tokens, served.meta.head)
+            version = served.version_id
         else:
             from .app import create_app
 
@@ -86,6 +94,8 @@ def serve_command(args) -> int:
             version = app.state.service.current.served.version_id
     except ExportError as e:
         raise ConfigError(f"cannot serve {args.run_dir}: {e}") from None
+    except client_tokens.ClientTokensError as e:
+        raise ConfigError(f"--client-tokens: {e}") from None
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     try:
         sock = socket.create_server((args.host, args.port), family=family)

@@ -132,7 +132,8 @@ class PredictRequest(_Distribution):
                                 description="personalize with a head made by POST /v1/heads")
     client_id: Annotated[int, Strict()] | None = Field(
         None, ge=0, le=MAX_COUNT,
-        description="personalize with a training client's own head (linear head only)")
+        description="personalize with a training client's own head (linear head only): served only to that "
+                    "client, with its token (Authorization: Bearer), by a server given client tokens")
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -198,6 +199,26 @@ class Limits(BaseModel):
     head_cache_size: int
 
 
+# What a private model's PrivacyInfo says (docs/privacy.md, threat model).
+COVERED = ("the released model: final/model.safetensors, this service's generic predictions and the "
+           "zero-shot heads it makes from a class distribution")
+GUARANTEES = {
+    "none": "none: trained without noise, so no finite epsilon bounds what the model reveals about a client",
+    "secure": f"{COVERED} are (epsilon, delta)-DP for any one client's whole data, against anyone who reads "
+              f"them; the noise and the client sampling came from the operating system's CSPRNG",
+    "seeded": f"{COVERED} are (epsilon, delta)-DP for any one client's whole data only against whoever does "
+              f"not know the run's seed: not private against anyone who knows the seed, which regenerates "
+              f"the noise and the client sampling",
+}
+NOT_COVERED = [
+    ("metrics: the accuracies (the personalized ones from un-noised local models) and the training losses "
+     "take no noise"),
+    ("personal heads: each training client's own head takes no noise (this service serves it only to that "
+     "client, and only when started with client tokens)"),
+    "checkpoints: they hold every client's un-noised personal state beside the noised global weights",
+]
+
+
 class PrivacyInfo(BaseModel):
     """The served model's client-level differential-privacy guarantee (``final/meta.json``'s ``privacy``)."""
 
@@ -211,6 +232,11 @@ class PrivacyInfo(BaseModel):
     sampling: str = Field(description="poisson (each client independently, at sampling_rate) or fixed")
     sampling_rate: float
     accountant: str = Field(description="rdp or pld, by Google's dp_accounting")
+    noise: Literal["secure", "seeded"] = Field(
+        description="where the noise and the client sampling came from: secure, the operating system's "
+                    "CSPRNG; seeded, the run's seed, which regenerates them")
+    guarantee: str = Field(description="what epsilon protects, and against whom")
+    not_covered: list[str] = Field(description="what epsilon says nothing about")
 
 
 class ModelInfo(BaseModel):
@@ -220,7 +246,19 @@ class ModelInfo(BaseModel):
         "input": {"shape": [1, 28, 28], "mean": [0.1307], "std": [0.3081], "png_mode": "L"},
         "head": "hyper", "method": "hyper", "generic_model": "global", "arch": "mnist_cnn", "hyper_hidden": 16,
         "rule": "fedavg", "balanced_loss": "bsm",
-        "round": 5, "metrics": {"gfl_gm": 0.9763, "pfl_pm": 0.9769}, "client_ids": [], "trained_client_ids": [],
+        "round": 5, "metrics": {"gfl_gm": 0.9763, "pfl_pm": 0.9769},
+        "limits": {"max_batch": 256, "max_body_bytes": 16777216, "body_timeout_s": 30.0,
+                   "head_cache_size": 1024}}, {
+        # A private linear model, as the admin token sees it.
+        "version_id": "92fc603cff48f93e", "dataset": "mnist", "class_names": [str(i) for i in range(10)],
+        "num_classes": 10,
+        "input": {"shape": [1, 28, 28], "mean": [0.1307], "std": [0.3081], "png_mode": "L"},
+        "head": "linear", "method": "linear", "generic_model": "global", "arch": "mnist_cnn",
+        "rule": "fedavg", "balanced_loss": "bsm", "round": 100,
+        "metrics": {"gfl_gm": 0.9412, "pfl_pm": 0.9655}, "client_ids": [0, 1, 2, 3], "trained_client_ids": [0, 2, 3],
+        "privacy": {"epsilon": 7.93, "delta": 1e-5, "noise_multiplier": 1.1, "clip_norm": 1.0,
+                    "adaptive_clip": False, "sampling": "poisson", "sampling_rate": 0.1, "accountant": "rdp",
+                    "noise": "secure", "guarantee": GUARANTEES["secure"], "not_covered": NOT_COVERED},
         "limits": {"max_batch": 256, "max_body_bytes": 16777216, "body_timeout_s": 30.0,
                    "head_cache_size": 1024}}]})
 
@@ -238,14 +276,18 @@ class ModelInfo(BaseModel):
         description="what the generic predictions come from: the method's global model, or (a method without "
                     "one: FedPer, FedRep, LG-FedAvg, FedFOMO, MTL) the mean of the clients' personalized models")
     arch: str
-    hyper_hidden: int | None = Field(description="hypernetwork width (hyper head only)")
+    # A default, so that an example may leave it out: FastAPI drops nulls from the schema's examples.
+    hyper_hidden: int | None = Field(None, description="hypernetwork width (hyper head only)")
     rule: str
     balanced_loss: str
     round: int = Field(description="training rounds completed when the model was saved")
     metrics: dict[str, float | None] = Field(description="the last evaluation's accuracies (fractions)")
-    client_ids: list[int] = Field(description="clients with a stored head (linear head only)")
-    trained_client_ids: list[int] = Field(description="those of client_ids whose head is not all zero; the "
-                                                      "others' personalized predictions are the generic ones")
+    # Who took part in training is not public: null without the admin token.
+    client_ids: list[int] | None = Field(None, description="clients with a stored head (linear head only); "
+                                                           "only with the admin token, null otherwise")
+    trained_client_ids: list[int] | None = Field(
+        None, description="those of client_ids whose head is not all zero (the others' personalized "
+                          "predictions are the generic ones); only with the admin token, null otherwise")
     privacy: PrivacyInfo | None = Field(None, description="client-level differential privacy of the training "
                                                           "(docs/privacy.md); null: trained without it")
     limits: Limits

@@ -36,6 +36,9 @@ class Settings(BaseModel):
     body_timeout_s: float = Field(30.0, gt=0, le=3600, description="seconds a request body may take to "
                                                                   "arrive after its headers (408 after)")
     head_cache_size: int = Field(1024, ge=1, description="zero-shot heads kept for GET /v1/heads/{head_id}")
+    client_tokens: str | None = Field(None, min_length=1, description="JSON file mapping training client ids "
+                                      "to the sha256 digests of their tokens: serves each client its own "
+                                      "head (linear), to it alone; unset, no client's head is served")
     allow_factories: tuple[Factory, ...] = Field((), description="package.module:factory archs a final/ may "
                                                                  "name, besides the built-ins and installed "
                                                                  "plug-ins")

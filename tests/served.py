@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -53,6 +55,18 @@ def make_final(run_dir, head: str = "hyper", seed: int = 1, zero_clients: tuple[
                      std=STD, arch="mnist_cnn", head=head, hyper_hidden=16, rule="fedavg",
                      balanced_loss="bsm", round=5, metrics={"gfl_gm": 0.5, "pfl_pm": 0.75})
     return save_final(RunStorage(str(run_dir)), meta, weights, heads)
+
+
+def client_tokens(path, client_ids=CLIENT_IDS) -> dict[int, str]:
+    """Write the token file of ``--client-tokens`` (client id -> sha256 hex of its token) to ``path``, as an
+    operator does; returns each client's token, which only that client would know."""
+    tokens = {cid: f"client-{cid}-{secrets.token_urlsafe(16)}" for cid in client_ids}
+    Path(path).write_text(json.dumps({str(cid): hashlib.sha256(t.encode()).hexdigest() for cid, t in tokens.items()}))
+    return tokens
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
 
 
 def edit_meta(run_dir, **changes) -> None:

@@ -22,7 +22,7 @@ from fedrod_ray_api.app import create_app
 from fedrod_ray_api.schemas import EXAMPLE_PNG
 from fedrod_ray_api.settings import Settings
 from PIL import Image
-from served import CLIENT_IDS, MEAN, SHAPE, STD, make_final
+from served import CLIENT_IDS, MEAN, SHAPE, STD, bearer, client_tokens, make_final
 
 from fedrod_ray.models.export import ExportError, load_final, save_final
 from fedrod_ray.outputs.storage import RunStorage
@@ -51,8 +51,15 @@ def hyper(runs, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def linear(runs):
-    with TestClient(create_app(str(runs / "linear"))) as client:
+def tokens(runs):
+    """The training clients' own tokens, given to the linear server as --client-tokens is."""
+    return client_tokens(runs / "tokens.json")
+
+
+@pytest.fixture(scope="module")
+def linear(runs, tokens):
+    settings = Settings(model_dir=str(runs / "linear"), client_tokens=str(runs / "tokens.json"))
+    with TestClient(create_app(settings, admin_token=TOKEN)) as client:
         yield client
 
 
@@ -112,10 +119,12 @@ def test_health_and_model(hyper, linear, runs, tmp_path):
         "input": {"shape": SHAPE, "mean": MEAN, "std": STD, "png_mode": "L"}, "head": "hyper",
         "method": "hyper", "generic_model": "global",
         "arch": "mnist_cnn", "hyper_hidden": 16, "rule": "fedavg", "balanced_loss": "bsm", "round": 5,
-        "metrics": {"gfl_gm": 0.5, "pfl_pm": 0.75}, "client_ids": [], "trained_client_ids": [], "privacy": None,
+        "metrics": {"gfl_gm": 0.5, "pfl_pm": 0.75}, "client_ids": None, "trained_client_ids": None,
+        "privacy": None,
         "limits": {"max_batch": 4, "max_body_bytes": 2**16, "body_timeout_s": 30.0, "head_cache_size": 2},
     }
-    info = linear.get("/v1/model").json()
+    assert hyper.get("/v1/model", headers=ADMIN).json() == {**info, "client_ids": [], "trained_client_ids": []}
+    info = linear.get("/v1/model", headers=ADMIN).json()
     assert info["head"] == "linear" and info["client_ids"] == info["trained_client_ids"] == list(CLIENT_IDS)
     assert info["hyper_hidden"] is None
     assert info["version_id"] == load_final(str(runs / "linear")).version_id
@@ -328,20 +337,25 @@ def test_personalized_predictions_by_hand(hyper):
         assert again["probabilities"] == personal["probabilities"]
 
 
-def test_linear_client_heads_by_hand(linear, runs):
+def test_linear_client_heads_by_hand(linear, runs, tokens, tmp_path):
     served = load_final(str(runs / "linear"))
     x = _pixels(2, seed=2)
     z, generic = _logits(served, x)
     for cid in CLIENT_IDS:
         expected = (generic + z @ served.personal_heads[cid].T).softmax(1)
-        r = linear.post("/v1/predict", json={"images": x.tolist(), "client_id": cid})
+        r = linear.post("/v1/predict", json={"images": x.tolist(), "client_id": cid}, headers=bearer(tokens[cid]))
         assert r.status_code == 200
         personal = r.json()["personalized"]
         assert personal["by"] == "client_id" and personal["client_id"] == cid and personal["head_id"] is None
         assert personal["personalized"] is True and personal["note"] is None
         assert torch.allclose(torch.tensor(personal["probabilities"]), expected, atol=1e-5)
-    r = linear.post("/v1/predict", json={"images": x.tolist(), "client_id": 2})
-    assert r.status_code == 404 and r.json()["field"] == "client_id" and "no client 2" in r.json()["detail"]
+    # A client the token file lists but the model has no head for.
+    path = tmp_path / "tokens.json"
+    (token,) = client_tokens(path, [2]).values()
+    with TestClient(create_app(Settings(model_dir=str(runs / "linear"), client_tokens=str(path)))) as other:
+        r = other.post("/v1/predict", json={"images": x.tolist(), "client_id": 2}, headers=bearer(token))
+    assert r.status_code == 404 and r.json() == {"detail": "client_id: no client 2 in this model",
+                                                 "field": "client_id"}
     r = linear.post("/v1/predict", json={"images": x.tolist(), "class_counts": [1] * 10})
     assert r.status_code == 409 and r.json()["field"] == "class_counts"
 
@@ -350,16 +364,18 @@ def test_a_zero_head_says_it_is_not_personalized(tmp_path):
     make_final(tmp_path / "linear", "linear", zero_clients=(7,))
     make_final(tmp_path / "hyper", "hyper", zero_hypernet=True)
     x = _pixels(2, seed=3).tolist()
-    with TestClient(create_app(str(tmp_path / "linear"))) as linear:
-        info = linear.get("/v1/model").json()
+    tokens = client_tokens(tmp_path / "tokens.json", [*CLIENT_IDS, 7])
+    settings = Settings(model_dir=str(tmp_path / "linear"), client_tokens=str(tmp_path / "tokens.json"))
+    with TestClient(create_app(settings, admin_token=TOKEN)) as linear:
+        info = linear.get("/v1/model", headers=ADMIN).json()
         assert info["client_ids"] == [*CLIENT_IDS, 7] and info["trained_client_ids"] == list(CLIENT_IDS)
-        body = linear.post("/v1/predict", json={"images": x, "client_id": 7}).json()
+        body = linear.post("/v1/predict", json={"images": x, "client_id": 7}, headers=bearer(tokens[7])).json()
         personal = body["personalized"]
         assert personal["personalized"] is False and personal["client_id"] == 7
         assert "client 7's head is all zero" in personal["note"] and "generic" in personal["note"]
         assert personal["probabilities"] == body["generic"]["probabilities"]
-        assert linear.post("/v1/predict", json={"images": x, "client_id": 0}).json()["personalized"][
-            "personalized"] is True
+        assert linear.post("/v1/predict", json={"images": x, "client_id": 0}, headers=bearer(tokens[0])).json()[
+            "personalized"]["personalized"] is True
     with TestClient(create_app(str(tmp_path / "hyper"))) as hyper:
         body = hyper.post("/v1/predict", json={"images": x, "class_counts": [1] * 10}).json()
         personal = body["personalized"]

@@ -22,14 +22,20 @@ BEARER = HTTPBearer(auto_error=False, description=f"the token in ${ADMIN_TOKEN_E
 RELOAD_BODY = json_body(ReloadRequest, optional=True)
 
 
+def is_admin(request: Request, credentials: HTTPAuthorizationCredentials | None) -> bool:
+    """Whether the request carries the admin token, compared in constant time; never on a server started
+    without one."""
+    admin_token = request.app.state.admin_token
+    given = credentials.credentials.encode() if credentials else b""
+    return bool(admin_token) and hmac.compare_digest(given, admin_token.encode())
+
+
 def admin(request: Request,
           credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
-    admin_token = request.app.state.admin_token
-    if not admin_token:
+    if not request.app.state.admin_token:
         raise Forbidden(None, f"reload is disabled: this server was started without ${ADMIN_TOKEN_ENV} "
                               f"(on Ray Serve, redeploy with the new model_dir instead)")
-    given = credentials.credentials.encode() if credentials else b""
-    if not hmac.compare_digest(given, admin_token.encode()):
+    if not is_admin(request, credentials):
         raise Unauthorized("Authorization", f"needs 'Bearer <token>', the token in ${ADMIN_TOKEN_ENV}")
 
 

@@ -9,12 +9,20 @@ import math
 from typing import Annotated
 
 import torch
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .. import images
-from ..errors import ApiError, responses
+from ..errors import ApiError, Forbidden, Unauthorized, responses
 from ..json_body import HEADROOM, SLACK, json_body, request_body
-from ..schemas import PersonalizedPredictions, Predictions, PredictRequest, PredictResponse, TopClass
+from ..schemas import (
+    ErrorBody,
+    PersonalizedPredictions,
+    Predictions,
+    PredictRequest,
+    PredictResponse,
+    TopClass,
+)
 from ..service import Loaded, Personal, personal_head, probabilities, zero_head_note
 
 router = APIRouter(tags=["predict"])
@@ -30,6 +38,19 @@ INLINE_PIXELS = 4096
 
 # What a predict request asks for once its images are decoded: (images, top_k, the personalized head or None).
 Prepared = tuple[torch.Tensor, int, Personal | None]
+
+
+def _authorize(state, loaded: Loaded, req: PredictRequest, token: str | None) -> None:
+    """A training client's own head (client_id) goes only to that client, and only on a server given the
+    clients' tokens; a zero-shot head from a class distribution, which is no client's, goes to anyone."""
+    if req.client_id is None or loaded.served.meta.head != "linear":
+        return  # no client's head to give (personal_head answers 409 for a model without them)
+    if state.client_tokens is None:
+        raise Forbidden("client_id", "this server serves no training client's own head: it was started "
+                                     "without client tokens (--client-tokens)")
+    if not state.client_tokens.allows(req.client_id, token):
+        raise Unauthorized("Authorization", f"client_id {req.client_id}'s head is served only to that client: "
+                                            f"send 'Bearer <token>' with its own token")
 
 
 def _predictions(probs: torch.Tensor, k: int, names: list[str]) -> dict:
@@ -85,14 +106,25 @@ PREDICT_BODY = json_body(PredictRequest, lambda app: _predict_values(app.state.s
                                                                      app.state.settings.max_batch))
 
 
+# Only a training client's own head (client_id) needs its token; nothing else does (security [{}]).
+CLIENT_BEARER = HTTPBearer(auto_error=False, scheme_name="ClientToken",
+                           description="a training client's own token, for its own head (client_id) only")
+CLIENT_ERRORS = {
+    401: {"model": ErrorBody, "description": "client_id: missing token, or not that client's"},
+    403: {"model": ErrorBody, "description": "client_id: this server serves no training client's own head"},
+}
+
+
 @router.post("/v1/predict", response_model=PredictResponse,
-             responses=responses(404, 408, 409, 413, 415, 422, 503),
-             openapi_extra=request_body(PredictRequest),
+             responses={**responses(404, 408, 409, 413, 415, 422, 503), **CLIENT_ERRORS},
+             openapi_extra={**request_body(PredictRequest), "security": [{}]},
              summary="Generic class probabilities, and personalized ones when a head is named")
-async def predict(request: Request, req: Annotated[PredictRequest, PREDICT_BODY]):
+async def predict(request: Request, req: Annotated[PredictRequest, PREDICT_BODY],
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(CLIENT_BEARER)]):
     state = request.app.state
     loop = asyncio.get_running_loop()
     loaded, max_batch = state.service.current, state.settings.max_batch
+    _authorize(state, loaded, req, credentials.credentials if credentials else None)
     if state.forward is None:
         return await loop.run_in_executor(state.inference, _predict, loaded, req, max_batch)
     if _pixels(loaded, req) <= INLINE_PIXELS:
