@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="serve each training client its own head (linear; predict's client_id), to that "
                             "client alone: FILE is a JSON object mapping client ids to the sha256 hex digests "
                             "of their tokens, which they send as 'Authorization: Bearer <token>' "
-                            "(docs/security.md). Without it, no client's own head is served")
+                            "(docs/http-api.md). Without it, no client's own head is served")
     serve.add_argument("--ray", action="store_true",
                        help="run on Ray Serve: joins the Ray cluster running on this machine or starts one")
     serve.set_defaults(handler=serve_command)

@@ -5,7 +5,7 @@ A client's head takes no noise, so it is served only to that client, and only wh
 server a file of token hashes (``--client-tokens``): a JSON object mapping each client id (a decimal
 string) to the sha256 hex digest of that client's token. A request proves it is client m by sending
 ``Authorization: Bearer <token>`` with m's token; the server keeps only the hashes and compares digests in
-constant time. The format and how to make tokens are in docs/security.md.
+constant time. The format and how to make tokens: docs/http-api.md; how they are checked: docs/security.md.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import typing
 
 import httpx
 import pytest
@@ -14,12 +15,12 @@ import torch
 from fastapi.testclient import TestClient
 from fedrod_ray_api.app import create_app
 from fedrod_ray_api.client_tokens import ClientTokensError, parse
-from fedrod_ray_api.schemas import NOT_COVERED
+from fedrod_ray_api.schemas import GUARANTEES, NOT_COVERED, PrivacyInfo
 from fedrod_ray_api.settings import Settings
 from served import CLIENT_IDS, bearer, client_tokens, edit_meta, make_final, uvicorn_server
 
 from fedrod_ray.cli import main
-from fedrod_ray.models.export import load_final
+from fedrod_ray.models.export import NOISE_SOURCES, load_final
 
 ADMIN_TOKEN = "release-admin-token"
 IMAGES = torch.randint(0, 256, (2, 1, 28, 28), generator=torch.Generator().manual_seed(4)).tolist()
@@ -231,6 +232,13 @@ def test_a_private_model_says_what_epsilon_covers(tmp_path, privacy, noise, priv
     assert info["not_covered"] == NOT_COVERED
     for what in ("metrics", "personal heads", "checkpoints"):
         assert what in uncovered
+
+
+def test_every_noise_source_has_its_guarantee():
+    """A source final/meta.json may name (export.NOISE_SOURCES) that the service could not describe would
+    answer /v1/model with a 500."""
+    assert set(typing.get_args(PrivacyInfo.model_fields["noise"].annotation)) == set(NOISE_SOURCES)
+    assert set(GUARANTEES) == {*NOISE_SOURCES, "none"}
 
 
 def test_a_model_without_noise_says_it_has_no_bound(tmp_path):
