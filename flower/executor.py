@@ -1,0 +1,137 @@
+"""The executor (``fedrod_ray.executors.base``) of the ServerApp: each call goes, as one Flower message per
+SuperNode, to the nodes that host the clients it names; the round loop around it is fedrod-ray's own.
+
+The server keeps of each client only what it receives anyway (its last shared weights, the rule's and method's
+uploads, how many rounds it trained): the committed states it hands back hold no personal part, rule state,
+objective state or momentum, which stay on the client's SuperNode (``node.NodeStates``). A node that does not
+answer within ``timeout`` seconds fails its clients' calls, which the round loop counts as it counts any
+client's failure (``runtime.max_failed_fraction``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from flwr.app import Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from fedrod_ray.client_update.local import RoundInput
+from fedrod_ray.clients.client import ClientFailure, EvalCounts
+from fedrod_ray.config import ExperimentConfig
+from fedrod_ray.config.loading import dump_config
+from fedrod_ray.executors.base import Job, TrainOutcome
+from fedrod_ray.personalization import build_method
+
+from . import wire
+
+
+class NodeLostError(RuntimeError):
+    """A SuperNode did not answer (it left, or was too slow)."""
+
+
+class FlowerExecutor:
+    def __init__(self, grid: Grid, cfg: ExperimentConfig, timeout: float, log: Callable[[str], None] = print):
+        self.grid, self.cfg, self.timeout, self.log = grid, cfg, timeout, log
+        self.config_text = dump_config(cfg)
+        self.rounds_done = 0  # the rounds trained, whose client states the nodes' evaluations read
+        self.pm_from_global = build_method(cfg.train.head, cfg.train.head_params).pm_from_global
+
+    def wait_for_nodes(self, count: int, timeout: float) -> None:
+        """Wait until ``count`` SuperNodes are connected."""
+        end = time.monotonic() + timeout
+        while len(list(self.grid.get_node_ids())) < count:
+            if time.monotonic() > end:
+                raise NodeLostError(f"{len(list(self.grid.get_node_ids()))} of the {count} SuperNodes "
+                                    f"(run config min-nodes) connected within {timeout:g} s")
+            time.sleep(0.5)
+
+    def placement(self) -> dict[int, int]:
+        """Each client id -> the SuperNode that hosts it (asked afresh: nodes come and go)."""
+        nodes = list(self.grid.get_node_ids())
+        msgs = []
+        for node in nodes:
+            content = RecordDict()
+            wire.put_header(content)
+            msgs.append(Message(content, dst_node_id=node, message_type=MessageType.QUERY))
+        hosts = {}
+        for reply in self.grid.send_and_receive(msgs, timeout=self.timeout):
+            if reply.has_error():
+                continue
+            for cid in wire.header(reply.content)["clients"]:
+                if cid in hosts:
+                    raise ValueError(f"client {cid} is hosted by two SuperNodes ({hosts[cid]} and "
+                                     f"{reply.metadata.src_node_id}): each client's data must be on one")
+                hosts[cid] = reply.metadata.src_node_id
+        return hosts
+
+    def _send(self, ids: list[int], kind: str, fill: Callable[[RecordDict, list[int]], None],
+              ) -> tuple[dict[int, list[int]], dict[int, RecordDict | str]]:
+        """One message per node hosting some of ``ids`` (``fill`` writes its content for that node's clients);
+        each node's clients, and its reply's content or why there is none."""
+        hosts = self.placement()
+        by_node: dict[int, list[int]] = {}
+        for cid in ids:
+            by_node.setdefault(hosts.get(cid, -1), []).append(cid)
+        msgs = {}
+        for node, cids in by_node.items():
+            if node == -1:
+                continue
+            content = RecordDict()
+            fill(content, cids)
+            msgs[node] = Message(content, dst_node_id=node, message_type=kind)
+        replies: dict[int, RecordDict | str] = {-1: "NodeLostError: no connected SuperNode hosts this client"}
+        for reply in self.grid.send_and_receive(list(msgs.values()), timeout=self.timeout):
+            node = reply.metadata.src_node_id
+            replies[node] = (f"NodeLostError: SuperNode {node}: {reply.error.reason}" if reply.has_error()
+                             else reply.content)
+        for node in msgs:
+            replies.setdefault(node, f"NodeLostError: SuperNode {node} did not answer within {self.timeout:g} s")
+        return by_node, replies
+
+    def train(self, round_idx: int, jobs: list[Job], message: RoundInput) -> Iterator[tuple[int, TrainOutcome]]:
+        slots = {cid: slot for slot, (cid, _) in enumerate(jobs)}
+
+        def fill(content: RecordDict, cids: list[int]) -> None:
+            wire.put_header(content, config=self.config_text, round=round_idx, clients=cids,
+                            clip_norm=message.clip_norm)
+            wire.put_round_input(content, message, cids)
+
+        by_node, replies = self._send(list(slots), MessageType.TRAIN, fill)
+        self.rounds_done = round_idx + 1
+        for node, cids in by_node.items():
+            reply = replies[node]
+            for cid in cids:
+                slot = slots[cid]
+                if isinstance(reply, str):
+                    yield slot, ClientFailure(cid, reply, "")
+                    continue
+                out = wire.result(reply, cid)
+                # What the server keeps of the client: the shared weights it sent, never its own state.
+                yield slot, out if isinstance(out, ClientFailure) else jobs[slot][1].trained((out, None, {}))
+
+    def _counts(self, jobs: list[Job], header: dict, message: RoundInput) -> EvalCounts:
+        def fill(content: RecordDict, cids: list[int]) -> None:
+            wire.put_header(content, config=self.config_text, clients=cids, rounds_done=self.rounds_done,
+                            **header)
+            wire.put_round_input(content, message, [])
+
+        by_node, replies = self._send([cid for cid, _ in jobs], MessageType.EVALUATE, fill)
+        out = EvalCounts()
+        for node, cids in by_node.items():
+            reply = replies[node]
+            if isinstance(reply, str):
+                out.failed.update(dict.fromkeys(cids, reply))
+            else:
+                out.merge(wire.counts(reply))
+        return out
+
+    def evaluate(self, jobs: list[Job], estimate: bool = False) -> EvalCounts:
+        # A PM made from the global model (``Personalization.pm_job``): its job's local model is the global one.
+        weights = jobs[0][1].local_model if jobs and self.pm_from_global else {}
+        return self._counts(jobs, {"action": "evaluate", "estimate": estimate}, RoundInput(weights))
+
+    def finetune(self, jobs: list[Job], message: RoundInput, epochs: int, round_idx: int) -> EvalCounts:
+        return self._counts(jobs, {"action": "finetune", "epochs": epochs, "round_idx": round_idx}, message)
+
+    def close(self) -> None:
+        pass

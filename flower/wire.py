@@ -1,0 +1,84 @@
+"""What the ServerApp and the ClientApps send each other, as Flower records: fedrod-ray's round message
+(``RoundInput``), a client's result (``LocalResult`` without what the client keeps) or failure, and
+evaluation counts. Tensors travel as Flower ``ArrayRecord``s (their bytes as they are: nothing is cast)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+from fedrod_ray.client_update.local import LocalResult, RoundInput
+from fedrod_ray.clients.client import ClientFailure, EvalCounts
+from fedrod_ray.server_math.aggregate import StateDict
+
+
+def arrays(state: StateDict) -> ArrayRecord:
+    return ArrayRecord({k: v.detach().cpu().contiguous() for k, v in state.items()})
+
+
+def tensors(record: ArrayRecord) -> StateDict:
+    return {k: torch.from_numpy(a.numpy().copy()) for k, a in record.items()}
+
+
+def put_header(content: RecordDict, **values) -> None:
+    """JSON-encoded values under ``header`` (Flower's ConfigRecord takes no None nor nested lists)."""
+    content["header"] = ConfigRecord({"json": json.dumps(values)})
+
+
+def header(content: RecordDict) -> dict:
+    return json.loads(content["header"]["json"])
+
+
+def put_round_input(content: RecordDict, message: RoundInput, ids: list[int]) -> None:
+    """The round's message as clients ``ids`` of one node read it: the global weights, the rule's broadcast
+    and the method's messages to these clients."""
+    content["weights"] = arrays(message.weights)
+    content["broadcast"] = arrays(message.broadcast)
+    for cid in ids:
+        if cid in message.per_client:
+            content[f"per_client_{cid}"] = arrays(message.per_client[cid])
+
+
+def round_input(content: RecordDict, ids: list[int], clip_norm: float | None) -> RoundInput:
+    per_client = {cid: tensors(content[f"per_client_{cid}"]) for cid in ids if f"per_client_{cid}" in content}
+    return RoundInput(tensors(content["weights"]), tensors(content["broadcast"]), per_client, clip_norm)
+
+
+def put_result(content: RecordDict, cid: int, result: LocalResult | ClientFailure) -> None:
+    """Client ``cid``'s result for the server: its shared weights, its rule's and its method's uploads and its
+    losses; never what it keeps (``objectives``, ``momentum``, its personal part)."""
+    if isinstance(result, ClientFailure):
+        content[f"client_{cid}"] = ConfigRecord({"json": json.dumps(
+            {"error": result.error, "traceback": result.traceback})})
+        return
+    content[f"shared_{cid}"] = arrays(result.shared)
+    content[f"upload_{cid}"] = arrays(result.upload)
+    content[f"method_upload_{cid}"] = arrays(result.method_upload)
+    content[f"client_{cid}"] = ConfigRecord({"json": json.dumps(
+        {"num_samples": result.num_samples, "loss": result.loss, "personal_loss": result.personal_loss,
+         "steps": result.steps, "seconds": result.seconds, "clipped": result.clipped})})
+
+
+def result(content: RecordDict, cid: int) -> LocalResult | ClientFailure:
+    key = f"client_{cid}"
+    if key not in content:
+        return ClientFailure(cid, "MissingResult: the SuperNode's reply has no result for this client", "")
+    values = json.loads(content[key]["json"])
+    if "error" in values:
+        return ClientFailure(cid, values["error"], values["traceback"])
+    return LocalResult(shared=tensors(content[f"shared_{cid}"]), upload=tensors(content[f"upload_{cid}"]),
+                       method_upload=tensors(content[f"method_upload_{cid}"]), **values)
+
+
+def put_counts(content: RecordDict, counts: EvalCounts) -> None:
+    content["correct"] = arrays({str(c): v for c, v in counts.correct.items()})
+    content["total"] = arrays({str(c): v for c, v in counts.total.items()})
+    content["failed"] = ConfigRecord({"json": json.dumps({str(c): e for c, e in counts.failed.items()})})
+
+
+def counts(content: RecordDict) -> EvalCounts:
+    return EvalCounts({int(c): v for c, v in tensors(content["correct"]).items()},
+                      {int(c): v for c, v in tensors(content["total"]).items()},
+                      {int(c): e for c, e in json.loads(content["failed"]["json"]).items()})
