@@ -66,7 +66,7 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Test counts of this node's clients' personalized models (``ClientHost.evaluate``) or after
     fine-tuning (``ClientHost.finetune``), each from its own state after the server's rounds so far."""
-    head, data, states, host = _node(context, msg.content)
+    head, _, states, host = _node(context, msg.content)
     done, ids = head["rounds_done"], head["clients"]
     weights = wire.tensors(msg.content["weights"])
     jobs = []

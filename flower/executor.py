@@ -34,6 +34,8 @@ class FlowerExecutor:
         self.grid, self.cfg, self.timeout, self.log = grid, cfg, timeout, log
         self.config_text = dump_config(cfg)
         self.rounds_done = 0  # the rounds trained, whose client states the nodes' evaluations read
+        self._nodes: set[int] = set()
+        self._hosts: dict[int, int] = {}
         self.pm_from_global = build_method(cfg.train.head, cfg.train.head_params).pm_from_global
 
     def wait_for_nodes(self, count: int, timeout: float) -> None:
@@ -45,15 +47,20 @@ class FlowerExecutor:
                                     f"(run config min-nodes) connected within {timeout:g} s")
             time.sleep(0.5)
 
-    def placement(self) -> dict[int, int]:
-        """Each client id -> the SuperNode that hosts it (asked afresh: nodes come and go)."""
-        nodes = list(self.grid.get_node_ids())
+    def placement(self, refresh: bool = False) -> dict[int, int]:
+        """Each client id -> the SuperNode that hosts it, asked again whenever the connected nodes change."""
+        nodes = set(self.grid.get_node_ids())
+        if refresh or nodes != self._nodes:
+            self._hosts, self._nodes = self._ask(nodes), nodes
+        return self._hosts
+
+    def _ask(self, nodes: set[int]) -> dict[int, int]:
         msgs = []
         for node in nodes:
             content = RecordDict()
             wire.put_header(content)
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.QUERY))
-        hosts = {}
+        hosts: dict[int, int] = {}
         for reply in self.grid.send_and_receive(msgs, timeout=self.timeout):
             if reply.has_error():
                 continue
@@ -69,6 +76,8 @@ class FlowerExecutor:
         """One message per node hosting some of ``ids`` (``fill`` writes its content for that node's clients);
         each node's clients, and its reply's content or why there is none."""
         hosts = self.placement()
+        if any(cid not in hosts for cid in ids):
+            hosts = self.placement(refresh=True)
         by_node: dict[int, list[int]] = {}
         for cid in ids:
             by_node.setdefault(hosts.get(cid, -1), []).append(cid)
@@ -85,7 +94,9 @@ class FlowerExecutor:
             replies[node] = (f"NodeLostError: SuperNode {node}: {reply.error.reason}" if reply.has_error()
                              else reply.content)
         for node in msgs:
-            replies.setdefault(node, f"NodeLostError: SuperNode {node} did not answer within {self.timeout:g} s")
+            if node not in replies:
+                replies[node] = f"NodeLostError: SuperNode {node} did not answer within {self.timeout:g} s"
+                self._nodes = set()  # ask every node again next time
         return by_node, replies
 
     def train(self, round_idx: int, jobs: list[Job], message: RoundInput) -> Iterator[tuple[int, TrainOutcome]]:

@@ -1,0 +1,145 @@
+"""A Flower federation on loopback for tests/test_flower.py: a SuperLink and SuperNodes as separate processes
+(Flower's own executables, insecure or with TLS), each SuperNode serving one share of a fedrod-ray config's
+clients (``fedrod_ray_flower.split``), and ``flwr run`` of the repository's Flower app (flower/app)."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from servers import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+APP = REPO / "flower" / "app"
+BIN = Path(sys.executable).parent
+
+
+def write_certificates(folder: Path) -> dict[str, Path]:
+    """A CA and a server certificate for 127.0.0.1 signed by it (what docs/flower.md makes with openssl)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedrod-ray test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+          .not_valid_after(now + datetime.timedelta(days=2))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                        x509.DNSName("localhost")]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = {"ca": folder / "ca.crt", "cert": folder / "server.pem", "key": folder / "server.key"}
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    return paths
+
+
+class FlowerFederation:
+    """A SuperLink and one SuperNode per folder of ``nodes`` (each its own session, stopped by ``close``)."""
+
+    def __init__(self, root: Path, nodes: list[Path], tls: dict[str, Path] | None = None):
+        self.root, self.nodes, self.tls = root, nodes, tls
+        self.port = free_port()
+        self.home = root / "flwr-home"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
+        self.database = root / "superlink.db"
+        security = (["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile",
+                     str(tls["key"])] if tls else ["--insecure"])
+        connection = f'root-certificates = "{tls["ca"]}"' if tls else "insecure = true"
+        (self.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "test"\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\n{connection}\n')
+        self.superlink = self._start("superlink", [str(BIN / "flower-superlink"), *security, "--isolation",
+                                                   "subprocess", "--port", str(self.port), "--database",
+                                                   str(self.database), "--disable-runtime-dependency-installation"])
+        self._wait_for("superlink", "Uvicorn running")
+        self.supernodes: list[subprocess.Popen | None] = [None] * len(nodes)
+        for i in range(len(nodes)):
+            self.start_node(i)
+
+    def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        with open(self.root / f"{name}.log", "ab") as out:
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=self.env, start_new_session=True, cwd=self.root)
+
+    def _wait_for(self, name: str, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in (self.root / f"{name}.log").read_text(errors="replace"):
+            assert time.monotonic() < deadline, (self.root / f"{name}.log").read_text()[-3000:]
+            time.sleep(0.25)
+
+    def state_path(self, i: int) -> Path:
+        return self.root / f"state{i}"
+
+    def start_node(self, i: int) -> None:
+        security = ["--root-certificates", str(self.tls["ca"])] if self.tls else ["--insecure"]
+        config = f'data-path="{self.nodes[i]}" state-path="{self.state_path(i)}"'
+        self.supernodes[i] = self._start(f"supernode{i}", [
+            str(BIN / "flower-supernode"), *security, "--superlink", f"127.0.0.1:{self.port}", "--port",
+            str(free_port()), "--node-config", config])
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL SuperNode ``i`` and the processes it started (its session)."""
+        proc = self.supernodes[i]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        self.supernodes[i] = None
+
+    def run(self, config: Path, run_dir: Path, timeout: float = 600, node_timeout: float = 300,
+            wait: bool = True) -> subprocess.Popen:
+        """``flwr run`` of the app on ``config``, writing ``run_dir``; waits for it unless ``wait`` is False."""
+        settings = (f'config="{config}" run-dir="{run_dir}" min-nodes={len(self.nodes)} '
+                    f'timeout={float(node_timeout)}')
+        with open(self.root / f"flwr-run-{run_dir.name}.log", "ab") as out:
+            proc = subprocess.Popen([str(BIN / "flwr"), "run", str(APP), "test", "--stream", "--run-config",
+                                     settings], stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                    start_new_session=True, cwd=self.root)
+        if wait:
+            proc.wait(timeout=timeout)
+        return proc
+
+    def serverapps(self) -> list[int]:
+        """The pids of the SuperLink's ServerApp processes (``flwr-serverapp``) now running."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    cmd = (entry / "cmdline").read_bytes().split(b"\0")
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                if ppid == self.superlink.pid and any(b"flwr-serverapp" in c for c in cmd[:2]):
+                    pids.append(int(entry.name))
+        return pids
+
+    def close(self) -> None:
+        for proc in [*self.supernodes, self.superlink]:
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            if proc is not None:
+                # Its children (the SuperNode's SuperExec, the SuperLink's ServerApps) share its session.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
