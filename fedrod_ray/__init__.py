@@ -20,7 +20,7 @@ every import of every module; docs/design.md says what each folder holds):
 10. command line: cli
 
 A folder stands for all its modules. The HTTP service (``api/``) imports only the first two layers;
-``api/`` and ``tune/`` import the library, never the other way round.
+``api/``, ``tune/`` and ``flower/`` import the library, never the other way round.
 """
 
 __version__ = "0.3.0"

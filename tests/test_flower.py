@@ -54,7 +54,7 @@ def write_config(folder: Path, data_dir: Path, name: str, **train) -> Path:
 def configs(tmp_path_factory, shared_data_dir) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("flower-configs")
     return {"hyper": write_config(folder, shared_data_dir, "hyper", head="hyper"),
-            "ditto": write_config(folder, shared_data_dir, "ditto", head="ditto")}
+            "ditto": write_config(folder, shared_data_dir, "ditto", head="ditto", balanced_loss="ce")}
 
 
 @pytest.fixture(scope="module")

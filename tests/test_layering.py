@@ -12,8 +12,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fedrod_ray"
 ROOT = "fedrod_ray"
-# api/ and tune/ as they install, and as the repository's folders
-SERVICES = ("fedrod_ray_api", "fedrod_ray_tune", "api", "tune")
+# api/, tune/ and flower/ as they install, and as the repository's folders
+SERVICES = ("fedrod_ray_api", "fedrod_ray_tune", "fedrod_ray_flower", "api", "tune", "flower")
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)

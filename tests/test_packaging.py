@@ -18,16 +18,18 @@ def _folder(package: str) -> Path:
 
 
 def test_every_package_folder_is_installed_and_nothing_else():
-    folders = {p.parent for top in ("fedrod_ray", "api", "tune") for p in (REPO / top).rglob("__init__.py")}
+    folders = {p.parent for top in ("fedrod_ray", "api", "tune", "flower") for p in (REPO / top).rglob("__init__.py")}
     assert {_folder(p) for p in SETUPTOOLS["packages"]} == folders
 
 
-def test_api_and_tune_install_under_the_projects_own_names():
-    """The repository keeps its api/ and tune/ folders; installed, they are fedrod_ray_api and fedrod_ray_tune
-    (a package named "tune" is on the public index, and "api" is anyone's name)."""
+def test_api_tune_and_flower_install_under_the_projects_own_names():
+    """The repository keeps its api/, tune/ and flower/ folders; installed, they are fedrod_ray_api,
+    fedrod_ray_tune and fedrod_ray_flower (a package named "tune" is on the public index, "flower" is a Celery
+    monitor's, and "api" is anyone's name)."""
     tops = {p.split(".")[0] for p in SETUPTOOLS["packages"]}
-    assert tops == {"fedrod_ray", "fedrod_ray_api", "fedrod_ray_tune"}
-    assert SETUPTOOLS["package-dir"] == {"fedrod_ray_api": "api", "fedrod_ray_tune": "tune"}
+    assert tops == {"fedrod_ray", "fedrod_ray_api", "fedrod_ray_tune", "fedrod_ray_flower"}
+    assert SETUPTOOLS["package-dir"] == {"fedrod_ray_api": "api", "fedrod_ray_tune": "tune",
+                                         "fedrod_ray_flower": "flower"}
 
 
 def test_the_commands_load_from_the_installed_names():
