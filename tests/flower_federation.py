@@ -50,6 +50,41 @@ def write_certificates(folder: Path) -> dict[str, Path]:
     return paths
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def descendants(root: int) -> list[int]:
+    """The processes below ``root`` (Flower's SuperExec starts a session of its own, so a process group
+    does not hold them)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, ppid in parents.items() if ppid in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and every process below it."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
 class FlowerFederation:
     """A SuperLink and one SuperNode per folder of ``nodes`` (each its own session, stopped by ``close``)."""
 
@@ -95,10 +130,8 @@ class FlowerFederation:
             str(free_port()), "--node-config", config])
 
     def kill_node(self, i: int) -> None:
-        """SIGKILL SuperNode ``i`` and the processes it started (its session)."""
-        proc = self.supernodes[i]
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        """SIGKILL SuperNode ``i`` and every process it started."""
+        kill_tree(self.supernodes[i])
         self.supernodes[i] = None
 
     def run(self, config: Path, run_dir: Path, timeout: float = 600, node_timeout: float = 300,
@@ -115,31 +148,11 @@ class FlowerFederation:
         return proc
 
     def serverapps(self) -> list[int]:
-        """The pids of the SuperLink's ServerApp processes (``flwr-serverapp``) now running."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    cmd = (entry / "cmdline").read_bytes().split(b"\0")
-                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    continue
-                if ppid == self.superlink.pid and any(b"flwr-serverapp" in c for c in cmd[:2]):
-                    pids.append(int(entry.name))
-        return pids
+        """The pids of the ServerApp processes (``flwr-serverapp``) the SuperLink's SuperExec runs now."""
+        return [pid for pid in descendants(self.superlink.pid) if b"flwr-serverapp" in _cmdline(pid)]
 
     def close(self) -> None:
-        for proc in [*self.supernodes, self.superlink]:
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            if proc is not None:
-                # Its children (the SuperNode's SuperExec, the SuperLink's ServerApps) share its session.
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for i in range(len(self.supernodes)):
+            if self.supernodes[i] is not None:
+                self.kill_node(i)
+        kill_tree(self.superlink)
