@@ -31,6 +31,7 @@ from fedrod_ray.clients import faults
 from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import config_from_dict, load_config
 from fedrod_ray.drivers import ray_runtime
+from fedrod_ray.drivers.runner import run_local
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.executors.ray import Layout, LostCall, RayExecutor, plan_layout
 from fedrod_ray.executors.shared_setup import DATASET_ARRAYS, PARTITION_ARRAYS, share
@@ -740,6 +741,39 @@ def kill_the_coordinator_in_round_3(cmd: list[str], run_dir: Path, env: dict,
         proc.communicate()
         raise
     return proc
+
+
+def test_a_coordinator_ended_by_ray_kill_is_restarted_and_trains_as_in_process(ray_session, one_torch_thread,
+                                                                               tmp_path, monkeypatch):
+    """``ray.kill`` of the coordinator (found by its name, from outside the driver's code) while round 3
+    hangs: ``run_ray`` starts another from round 2's checkpoint, which trains round 3 again, and returns
+    what an uninterrupted in-process run records, its final weights bitwise the same."""
+    ray = ray_session
+    cfg = tiny_config("train.rounds=4")
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref_records = run_local(cfg, RunStorage(str(ref_dir)), log=lambda line: None)
+    victim, marker = sample_clients(cfg.seed, 2, cfg.data.num_clients, cfg.train.client_fraction)[0], tmp_path / "f"
+    arm_fault(monkeypatch, marker, "train", int(victim), round_idx=2)
+    logs: list[str] = []
+    running = Background(lambda: ray_runtime.run_ray(cfg, RunStorage(str(run_dir)), log=logs.append))
+    latest, deadline = run_dir / "checkpoints" / "latest", time.monotonic() + 180
+    while not (marker.exists() and latest.is_file() and latest.read_text().strip() == "round_000002"):
+        if not running.thread.is_alive():
+            running.result(0)
+            pytest.fail("the run ended before its coordinator was killed")
+        assert time.monotonic() < deadline, "round 3 did not hang after round 2's checkpoint within 180 s"
+        time.sleep(0.02)
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith("fedrod-ray coordinator ") and a["name"].endswith(f" of {run_dir}")]
+    ray.kill(ray.get_actor(name))
+    records = running.result(300)
+
+    assert ("ray: the coordinator actor died in round 3; started again from the checkpoint after round 2 "
+            "(restart 1 of 3, runtime.coordinator_restarts): round 3 is trained again") in logs, logs
+    assert [r.pop("coordinator_restart", None) for r in records] == [None, None, 1, None]
+    assert without_time(records) == without_time(ref_records)
+    for rel in ("final/model.safetensors", "final/personal.safetensors"):
+        assert_same_tensors(load_file(ref_dir / rel), load_file(run_dir / rel), rel)
 
 
 @pytest.mark.slow

@@ -9,12 +9,14 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ..clients import faults
 from ..config import ExperimentConfig
 from ..executors.shared_setup import share
 from ..federation_state.checkpoint import latest_checkpoint_name, load_checkpoint
@@ -93,12 +95,15 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
         release_freed_memory()
         # The coordinator takes no CPU from the clients: it only averages and evaluates the GM. A second
         # thread answers the driver while the run trains. It lives on this (the driver's) node, so that the
-        # run directory it writes need only be reachable from here.
+        # run directory it writes need only be reachable from here. Its name (`ray list actors`) says which
+        # run it holds; its own part keeps it from the name of the last one, which Ray frees in its own time.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         restart, rounds = None, cfg.train.rounds
         while True:
-            coordinator = Coordinator.options(num_cpus=0, max_restarts=0, max_concurrency=2,
-                                              scheduling_strategy=here).remote(shared, storage.uri, snapshot, restart)
+            name = f"fedrod-ray coordinator {uuid.uuid4().hex[:8]} of {storage.uri}"
+            coordinator = Coordinator.options(
+                name=name, num_cpus=0, max_restarts=0, max_concurrency=2, scheduling_strategy=here,
+                runtime_env=faults.runtime_env()).remote(shared, storage.uri, snapshot, restart)
             try:
                 info = ray.get(coordinator.info.remote())
                 rounds = info["rounds"]
