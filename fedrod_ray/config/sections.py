@@ -145,7 +145,7 @@ class RuntimeConfig:
     client_resources: dict[StrictStr, NonNegativeFloat] = field(default_factory=lambda: {"num_cpus": 1.0})
     max_restarts: NonNegativeInt = 3
     # ray only: how often the driver starts the coordinator actor again, from the last checkpoint, when it dies
-    # mid-run (killed, its process or node lost); 0: the run stops, saying how to --resume it
+    # mid-run (killed, its process lost); 0: the run stops, saying how to --resume it
     coordinator_restarts: NonNegativeInt = 3
     min_clients_per_round: PositiveInt = 1
     max_failed_fraction: Annotated[float, Field(strict=True, ge=0, le=1), BeforeValidator(number)] = 0.5
