@@ -37,6 +37,7 @@ from fedrod_ray.executors.ray import Layout, LostCall, RayExecutor, plan_layout
 from fedrod_ray.executors.shared_setup import DATASET_ARRAYS, PARTITION_ARRAYS, share
 from fedrod_ray.federation_state.checkpoint import CheckpointWriter, load_checkpoint
 from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.federation_state.state import Snapshot
 from fedrod_ray.lifecycle.coordinator import Coordinator
 from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.round_loop.federation import Federation, RoundFailedError
@@ -713,6 +714,18 @@ def test_ray_sigterm_stops_the_run_like_ctrl_c(tmp_path, private_ray_env):
 # --- 6. the coordinator actor killed mid-round -----------------------------------------------------------
 
 RAY_ARGS = ("--mode", "ray", "--set", "runtime.address=local")
+
+
+@pytest.mark.parametrize(("done", "died_in", "start", "again"), [
+    (None, 1, "the start", "round 1 is trained again"),
+    (2, 3, "the checkpoint after round 2", "round 3 is trained again"),
+    (1, 3, "the checkpoint after round 1", "rounds 2-3 are trained again"),  # round 2's save was in flight
+    (4, 4, "the checkpoint after round 4", "no round is trained again"),  # it died writing final/
+])
+def test_a_restart_says_where_it_starts_and_which_rounds_it_trains_again(done, died_in, start, again):
+    snapshot = None if done is None else Snapshot(done, tiny_config(), {}, {}, {})
+    assert ray_runtime.restarted(snapshot, 2, died_in, 3) == (
+        f"started again from {start} (restart 2 of 3, runtime.coordinator_restarts): {again}")
 
 
 def kill_the_coordinator_in_round_3(cmd: list[str], run_dir: Path, env: dict,
