@@ -112,7 +112,8 @@ ROUND_MODE_METRICS = (
 RUN_METRICS = (
     Metric("coordinator_restart", RESTARTED, "the coordinator actor died in this round or after it, before the "
            "round's checkpoint, and the driver started it again from the last checkpoint: that restart's number "
-           "in this invocation (1 for the first); the round's figures are those of its second training"),
+           "in this invocation (1 for the first); the round's figures are those of the restarted coordinator's "
+           "training"),
 )
 BY_KEY = {m.key: m for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS, *RUN_METRICS)}
 # The accuracies, in the order every table and report lists them: the exact ones only.
