@@ -39,6 +39,7 @@ from fedrod_ray.federation_state.checkpoint import CheckpointWriter, load_checkp
 from fedrod_ray.federation_state.setup import make_host, prepare
 from fedrod_ray.federation_state.state import Snapshot
 from fedrod_ray.lifecycle.coordinator import Coordinator
+from fedrod_ray.lifecycle.run import RunLostError
 from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.round_loop.federation import Federation, RoundFailedError
 from fedrod_ray.server_math.privacy import clip_update, update_norm
@@ -756,16 +757,11 @@ def kill_the_coordinator_in_round_3(cmd: list[str], run_dir: Path, env: dict,
     return proc
 
 
-def test_a_coordinator_ended_by_ray_kill_is_restarted_and_trains_as_in_process(ray_session, one_torch_thread,
-                                                                               tmp_path, monkeypatch):
-    """``ray.kill`` of the coordinator (found by its name, from outside the driver's code) while round 3
-    hangs: ``run_ray`` starts another from round 2's checkpoint, which trains round 3 again, and returns
-    what an uninterrupted in-process run records, its final weights bitwise the same."""
-    ray = ray_session
-    cfg = tiny_config("train.rounds=4")
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    ref_records = run_local(cfg, RunStorage(str(ref_dir)), log=lambda line: None)
-    victim, marker = sample_clients(cfg.seed, 2, cfg.data.num_clients, cfg.train.client_fraction)[0], tmp_path / "f"
+def run_ray_until_round_3_hangs(cfg, run_dir: Path, tmp_path: Path, monkeypatch) -> tuple[Background, list[str]]:
+    """``run_ray`` in the background (this process's Ray), its round 3 hanging in a client's training (the
+    fault hook), returned once round 2's checkpoint is committed: (the run, its console lines)."""
+    victim = sample_clients(cfg.seed, 2, cfg.data.num_clients, cfg.train.client_fraction)[0]
+    marker = tmp_path / "fault"
     arm_fault(monkeypatch, marker, "train", int(victim), round_idx=2)
     logs: list[str] = []
     running = Background(lambda: ray_runtime.run_ray(cfg, RunStorage(str(run_dir)), log=logs.append))
@@ -776,8 +772,26 @@ def test_a_coordinator_ended_by_ray_kill_is_restarted_and_trains_as_in_process(r
             pytest.fail("the run ended before its coordinator was killed")
         assert time.monotonic() < deadline, "round 3 did not hang after round 2's checkpoint within 180 s"
         time.sleep(0.02)
-    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-              if a["name"].startswith("fedrod-ray coordinator ") and a["name"].endswith(f" of {run_dir}")]
+    return running, logs
+
+
+def coordinators(ray, run_dir: Path) -> list[str]:
+    """The names of the coordinators of the run in ``run_dir`` that Ray knows."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("fedrod-ray coordinator ") and a["name"].endswith(f" of {run_dir}")]
+
+
+def test_a_coordinator_ended_by_ray_kill_is_restarted_and_trains_as_in_process(ray_session, one_torch_thread,
+                                                                               tmp_path, monkeypatch):
+    """``ray.kill`` of the coordinator (found by its name, from outside the driver's code) while round 3
+    hangs: ``run_ray`` starts another from round 2's checkpoint, which trains round 3 again, and returns
+    what an uninterrupted in-process run records, its final weights bitwise the same."""
+    ray = ray_session
+    cfg = tiny_config("train.rounds=4")
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref_records = run_local(cfg, RunStorage(str(ref_dir)), log=lambda line: None)
+    running, logs = run_ray_until_round_3_hangs(cfg, run_dir, tmp_path, monkeypatch)
+    [name] = coordinators(ray, run_dir)
     ray.kill(ray.get_actor(name))
     records = running.result(300)
 
@@ -787,6 +801,30 @@ def test_a_coordinator_ended_by_ray_kill_is_restarted_and_trains_as_in_process(r
     assert without_time(records) == without_time(ref_records)
     for rel in ("final/model.safetensors", "final/personal.safetensors"):
         assert_same_tensors(load_file(ref_dir / rel), load_file(run_dir / rel), rel)
+
+
+def test_a_coordinator_dying_past_its_restarts_stops_the_run(ray_session, one_torch_thread, tmp_path, monkeypatch):
+    """With ``runtime.coordinator_restarts: 1``, the restarted coordinator killed too: ``run_ray`` raises
+    ``RunLostError`` naming the round and the restarts, and the checkpoint a resume needs is there."""
+    ray = ray_session
+    run_dir = tmp_path / "run"
+    running, logs = run_ray_until_round_3_hangs(tiny_config("train.rounds=4", "runtime.coordinator_restarts=1"),
+                                                run_dir, tmp_path, monkeypatch)
+    [first] = coordinators(ray, run_dir)
+    ray.kill(ray.get_actor(first))
+    deadline = time.monotonic() + 120
+    while not (second := [name for name in coordinators(ray, run_dir) if name != first]):
+        assert running.thread.is_alive() and time.monotonic() < deadline, "no second coordinator within 120 s"
+        time.sleep(0.02)
+    restarted = ray.get_actor(second[0])
+    ray.get(restarted.info.remote())  # set up, training round 3 again
+    ray.kill(restarted)
+    with pytest.raises(RunLostError) as lost:
+        running.result(300)
+    assert re.fullmatch(r"the coordinator actor died in round [34] after 1 restart\(s\) "
+                        r"\(runtime\.coordinator_restarts\)", str(lost.value)), lost.value
+    assert sum("started again" in line for line in logs) == 1, logs
+    assert load_checkpoint(RunStorage(str(run_dir))).rounds_done >= 2
 
 
 @pytest.mark.slow
