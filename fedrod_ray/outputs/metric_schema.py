@@ -18,6 +18,7 @@ SAMPLED = "evaluation rounds, with `eval.clients` (P-FL over a sample of the tra
 PRIVATE = "every round, with `privacy.enabled`"
 DEADLINE = "every round, with `rounds.mode: deadline`"
 FEDBUFF = "every server step, with `rounds.mode: fedbuff`"
+RESTARTED = "rounds trained again by a restarted Ray coordinator (`runtime.coordinator_restarts`)"
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,14 @@ ROUND_MODE_METRICS = (
     Metric("staleness", FEDBUFF, "the mean staleness of the buffered updates: server steps between the model a "
            "client was sent and the one its update is applied to", label="staleness", title="mean staleness"),
 )
-BY_KEY = {m.key: m for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS)}
+# What happened to the run (docs/ray.md).
+RUN_METRICS = (
+    Metric("coordinator_restart", RESTARTED, "the coordinator actor died in this round or after it, before the "
+           "round's checkpoint, and the driver started it again from the last checkpoint: that restart's number "
+           "in this invocation (1 for the first); the round's figures are those of the restarted coordinator's "
+           "training"),
+)
+BY_KEY = {m.key: m for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS, *RUN_METRICS)}
 # The accuracies, in the order every table and report lists them: the exact ones only.
 ACCURACIES = tuple(m.key for m in METRICS if m.accuracy)
 ESTIMATES = tuple(m.key for m in ESTIMATE_METRICS)
@@ -144,5 +152,5 @@ def markdown_table() -> str:
     """docs/runs.md's table of the metrics files' columns (tests/test_metric_schema.py keeps them equal)."""
     lines = ["| column | in the record | console | tables, plots | what it is |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| `{m.key}` | {m.when} | {m.label} | {m.title} | {m.description} |"
-              for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS)]
+              for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS, *RUN_METRICS)]
     return "\n".join(lines) + "\n"
