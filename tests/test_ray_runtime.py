@@ -26,6 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fedrod_ray.client_update.local import RoundInput
 from fedrod_ray.clients import faults
 from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import config_from_dict
@@ -202,6 +203,25 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     assert_same_tensors(h_ref, ckpt.server_state, "checkpointed server state")
     assert_same_tensors(m_ref, ckpt.method_state, "checkpointed method state")
     assert_same_states(states_ref, ckpt.clients)
+
+
+def test_ray_executor_makes_new_clients_zero_shot_models_as_in_process(ray_session, one_torch_thread):
+    """The new-client hook's executor call (``zero_shot``): on the actors, each client's zero-shot model from
+    the message and its data (hyper: the global weights, H(a; nu) from its class counts) scores as here."""
+    setup = prepare(tiny_config("train.head=hyper", "data.new_clients=3"))
+    host = make_host(setup)
+    new = setup.all_client_ids[setup.num_clients:]
+    jobs = [(cid, ClientState()) for cid in new]
+    message = RoundInput({k: host.initial[k] for k in host.model.shared_keys()})
+    here = host.zero_shot(jobs, message, 0)
+    executor = ray_executor(ray_session, setup)
+    try:
+        there = executor.zero_shot(jobs, message, 0)
+    finally:
+        executor.close()
+    assert not here.failed and not there.failed and sorted(there.correct) == new
+    for cid in new:
+        assert torch.equal(here.correct[cid], there.correct[cid]) and torch.equal(here.total[cid], there.total[cid])
 
 
 def test_private_updates_leave_their_actor_clipped_and_train_as_in_process(ray_session, one_torch_thread):
