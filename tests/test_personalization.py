@@ -411,6 +411,19 @@ def test_the_selection_sweeps_search_the_papers_lists_on_another_seed(sweep):
                     if any(head == h for h, _, _ in seen)}
 
 
+def test_final_says_what_a_new_client_gives_for_its_methods_zero_shot_model(tmp_path):
+    """meta.json's new_client is the method's ``new_client_needs``: Fed-RoD (hyper) its class counts, FedBABU
+    and the other methods nothing (their GM)."""
+    for name, args, needs in (("hyper", ("train.head=hyper",), "class_counts"),
+                              ("fedbabu", overrides("fedbabu"), "none"), ("fedper", overrides("fedper"), "none")):
+        fed = make_federation(*args)
+        fed.step(0)
+        write_final(RunStorage(str(tmp_path / name)), fed.setup, fed.snapshot(), {})
+        assert METHODS[name].new_client_needs == needs
+        assert json.loads((tmp_path / name / "final" / "meta.json").read_text())["new_client"] == needs
+        assert load_final(str(tmp_path / name)).meta.new_client == needs
+
+
 def test_final_and_the_service_say_what_the_generic_model_is(tmp_path):
     """meta.json names the method and whether the served GM is its global model or the mean of the PMs;
     a final/ written before those fields loads as a global model of its head."""

@@ -52,6 +52,12 @@ class FedBABUParams:
     finetune_epochs: PositiveInt = 5  # tau_f: epochs of fine-tuning the GM on a client's own data (its PM)
 
 
+# What a client that never trained must give for its zero-shot model (``Personalization.new_client_needs``;
+# ``final/meta.json``'s ``new_client``): nothing (the global weights with the initial personal part), its class
+# counts (Fed-RoD (hyper)'s H(a; nu)), its data (forward passes over its examples) or training steps on it.
+NEW_CLIENT_NEEDS = ("none", "class_counts", "data", "training")
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadSpec:
     """A method's ``Params`` (filled from ``train.head_params``) and constraints.
