@@ -27,6 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fedrod_ray.client_update.local import RoundInput
 from fedrod_ray.clients import faults
 from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import config_from_dict, load_config
@@ -118,6 +119,10 @@ VARIANTS = {
     "fedfomo": ("train.head=fedfomo", "train.balanced_loss=ce"),
     "ditto_small": ("train.head=ditto", "train.balanced_loss=ce", "data.num_clients=3", "train.client_fraction=1.0"),
     "perfedavg": ("train.head=perfedavg", "train.balanced_loss=ce", "train.momentum=0", "train.weight_decay=0"),
+    # FedBABU: the body trained under a frozen head, the PM fine-tuned from the GM on the actors, and the new
+    # client's fine-tuning.
+    "fedbabu": ("train.head=fedbabu", "train.balanced_loss=ce", "train.head_params={finetune_epochs: 1}",
+                "eval.finetune_epochs=1"),
 }
 _baselines: dict[str, tuple] = {}
 
@@ -139,9 +144,10 @@ ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources
     "variant, layout_overrides",
     [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ()),
      ("hyper_scaffold", ()), ("linear_compiled", ()), ("linear_keep", ()), ("fedfomo", ()),
-     ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ()), ("hyper", ("runtime.client_cache=1",))],
+     ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ()), ("hyper", ("runtime.client_cache=1",)),
+     ("fedbabu", ())],
     ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold", "linear-compiled",
-         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1"],
+         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1", "fedbabu"],
 )
 def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
                                                      variant, layout_overrides):
@@ -194,7 +200,7 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     for rec in records:
         assert {"gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before"} <= set(rec)
         assert rec["clients_failed"] == 0
-    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn"))
+    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn", "fedbabu"))
     assert ("pfl_ft" in records[-1]) == (variant == "fedavg_feddyn")
     assert any(st.momentum for st in states.values()) == (variant == "linear_keep")
     if variant == "linear_keep":  # and some client continued its buffers on an actor
@@ -206,6 +212,25 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     assert_same_tensors(h_ref, ckpt.server_state, "checkpointed server state")
     assert_same_tensors(m_ref, ckpt.method_state, "checkpointed method state")
     assert_same_states(states_ref, ckpt.clients)
+
+
+def test_ray_executor_makes_new_clients_zero_shot_models_as_in_process(ray_session, one_torch_thread):
+    """The new-client hook's executor call (``zero_shot``): on the actors, each client's zero-shot model from
+    the message and its data (hyper: the global weights, H(a; nu) from its class counts) scores as here."""
+    setup = prepare(tiny_config("train.head=hyper", "data.new_clients=3"))
+    host = make_host(setup)
+    new = setup.all_client_ids[setup.num_clients:]
+    jobs = [(cid, ClientState()) for cid in new]
+    message = RoundInput({k: host.initial[k] for k in host.model.shared_keys()})
+    here = host.zero_shot(jobs, message, 0)
+    executor = ray_executor(ray_session, setup)
+    try:
+        there = executor.zero_shot(jobs, message, 0)
+    finally:
+        executor.close()
+    assert not here.failed and not there.failed and sorted(there.correct) == new
+    for cid in new:
+        assert torch.equal(here.correct[cid], there.correct[cid]) and torch.equal(here.total[cid], there.total[cid])
 
 
 def test_private_updates_leave_their_actor_clipped_and_train_as_in_process(ray_session, one_torch_thread):
