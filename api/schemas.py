@@ -244,7 +244,8 @@ class ModelInfo(BaseModel):
         "version_id": EXAMPLE_VERSION, "dataset": "mnist", "class_names": [str(i) for i in range(10)],
         "num_classes": 10,
         "input": {"shape": [1, 28, 28], "mean": [0.1307], "std": [0.3081], "png_mode": "L"},
-        "head": "hyper", "method": "hyper", "generic_model": "global", "arch": "mnist_cnn", "hyper_hidden": 16,
+        "head": "hyper", "method": "hyper", "generic_model": "global", "new_client": "class_counts",
+        "arch": "mnist_cnn", "hyper_hidden": 16,
         "rule": "fedavg", "balanced_loss": "bsm",
         "round": 5, "metrics": {"gfl_gm": 0.9763, "pfl_pm": 0.9769},
         "limits": {"max_batch": 256, "max_body_bytes": 16777216, "body_timeout_s": 30.0,
@@ -253,7 +254,8 @@ class ModelInfo(BaseModel):
         "version_id": "92fc603cff48f93e", "dataset": "mnist", "class_names": [str(i) for i in range(10)],
         "num_classes": 10,
         "input": {"shape": [1, 28, 28], "mean": [0.1307], "std": [0.3081], "png_mode": "L"},
-        "head": "linear", "method": "linear", "generic_model": "global", "arch": "mnist_cnn",
+        "head": "linear", "method": "linear", "generic_model": "global", "new_client": "none",
+        "arch": "mnist_cnn",
         "rule": "fedavg", "balanced_loss": "bsm", "round": 100,
         "metrics": {"gfl_gm": 0.9412, "pfl_pm": 0.9655}, "client_ids": [0, 1, 2, 3], "trained_client_ids": [0, 2, 3],
         "privacy": {"epsilon": 7.93, "delta": 1e-5, "noise_multiplier": 1.1, "clip_norm": 1.0,
@@ -275,6 +277,10 @@ class ModelInfo(BaseModel):
     generic_model: Literal["global", "mean of personalized models"] = Field(
         description="what the generic predictions come from: the method's global model, or (a method without "
                     "one: FedPer, FedRep, LG-FedAvg, FedFOMO, MTL) the mean of the clients' personalized models")
+    new_client: Literal["none", "class_counts", "data", "training"] = Field(
+        description="what a client that never trained gives for the method's zero-shot model: none "
+                            "(the generic model), class_counts (POST /v1/heads), or its data / training steps, "
+                            "which this service does not take")
     arch: str
     # A default, so that an example may leave it out: FastAPI drops nulls from the schema's examples.
     hyper_hidden: int | None = Field(None, description="hypernetwork width (hyper head only)")

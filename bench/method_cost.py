@@ -10,7 +10,9 @@ over the turns of its CPU time over FedAvg's in the same turn (the process's CPU
 processes' load disturbs far less than wall time), beside its optimiser steps per update.
 
 A row's whole run also depends on what it does besides updates (evaluating its PMs, its server step),
-which this leaves out: per update is what differs most between methods.
+which this leaves out: per update is what differs most between methods. One such cost is measured: a row
+whose PM is made from the global model at each evaluation (Per-FedAvg's step, FedBABU's fine-tuning) costs
+that much again per client evaluated, timed as one making of the same client's PM (``pm``).
 
     FEDROD_DATA_DIR=../shared/data python bench/method_cost.py            # about 10 minutes on 2 cores
     FEDROD_DATA_DIR=../shared/data python bench/method_cost.py --rows FedAvg pFedMe --repeats 2
@@ -59,6 +61,9 @@ class Row:
         uploads = {c: moved(fed.global_shared, c) for c in range(setup.num_clients) if c != self.client}
         self.message = RoundInput(fed.global_shared, fed.rule.broadcast(fed.server_state),
                                   fed.method.messages(fed.method_state, [self.client], uploads, round_idx, cfg.seed))
+        # The state a PM made at evaluation starts from (None: the row's PM is its clients' own model).
+        self.pm_state = (fed.method.pm_job(ClientState(), fed.global_shared, round_idx + 1)
+                         if fed.method.pm_from_global else None)
 
     def update(self) -> tuple[float, float, int]:
         """(CPU seconds, wall seconds, optimiser steps) of one update."""
@@ -68,6 +73,13 @@ class Row:
         if isinstance(out, ClientFailure):
             raise SystemExit(f"{self.label}: the update failed: {out.traceback}")
         return cpu, wall, out[0].steps
+
+    def pm(self) -> float:
+        """CPU seconds of making the client's PM at evaluation, after its last round ``round_idx``."""
+        host, cpu = self.host, time.process_time()
+        host.method.load_pm(host.model, self.pm_state, lambda: host.data(self.client),
+                            host.context_of(self.client, self.round_idx))
+        return time.process_time() - cpu
 
 
 def main() -> None:
@@ -83,26 +95,30 @@ def main() -> None:
     rows = {label: Row(label, args.alpha, args.round) for label in labels}
     for row in rows.values():
         row.update()  # warm-up: first-call costs out of the turns
-    cpu, wall, steps = ({label: [] for label in labels} for _ in range(3))
+    cpu, wall, steps, pm = ({label: [] for label in labels} for _ in range(4))
     for turn in range(args.repeats):
         for label, row in rows.items():
             c, w, s = row.update()
             cpu[label].append(c)
             wall[label].append(w)
             steps[label] = s
+            if row.pm_state is not None:
+                pm[label].append(row.pm())
         print(f"turn {turn + 1}/{args.repeats}: " + ", ".join(f"{k} {cpu[k][-1]:.2f}s" for k in labels), flush=True)
 
-    def ratio(label: str, times: dict) -> float:
-        return median([t / b for t, b in zip(times[label], times[BASELINE])])
+    def ratio(label: str, times: dict, base: dict | None = None) -> float:
+        """The median over the turns of ``label``'s time over FedAvg's update's (``base``: ``times``)."""
+        return median([t / b for t, b in zip(times[label], (base or times)[BASELINE])])
 
     base = rows[BASELINE]
     print(machine_note())
     print(f"FMNIST (configs/fmnist_paper.yaml), Dir({args.alpha}), client {base.client} "
           f"({len(base.host.data(base.client))} examples), round {args.round}, 1 torch thread, "
           f"{args.repeats} turns; {BASELINE}'s update {median(cpu[BASELINE]):.2f} s CPU\n")
-    print(md_table("row|CPU s / update|× FedAvg (CPU)|× FedAvg (wall)|optimiser steps",
+    print(md_table("row|CPU s / update|× FedAvg (CPU)|× FedAvg (wall)|optimiser steps|PM at evaluation, × FedAvg's "
+                   "update (CPU)",
                    [[label, f"{median(cpu[label]):.2f}", f"{ratio(label, cpu):.2f}", f"{ratio(label, wall):.2f}",
-                     steps[label]] for label in labels]))
+                     steps[label], f"{ratio(label, pm, cpu):.2f}" if pm[label] else "—"] for label in labels]))
 
 
 if __name__ == "__main__":

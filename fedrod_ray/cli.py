@@ -140,6 +140,7 @@ def _train(args, storage, cfg) -> int:
     """Train the run in ``storage`` (its lock held): a new one with ``cfg``, or (``cfg`` None) the one there
     resumed."""
     from .federation_state.checkpoint import CheckpointFormatError, load_checkpoint
+    from .lifecycle.run import RunLostError
 
     ckpt = None
     if cfg is None:
@@ -178,6 +179,9 @@ def _train(args, storage, cfg) -> int:
             return 128 + signal.SIGTERM
         print(f"fedrod-ray: interrupted; {_resume_hint(storage)}", file=sys.stderr, flush=True)
         return 130
+    except RunLostError as e:
+        print(f"fedrod-ray: {e}; {_resume_hint(storage)}", file=sys.stderr, flush=True)
+        return 1
     print(format_summary(records, time.perf_counter() - t0, storage.uri), flush=True)
     return 0
 

@@ -344,7 +344,9 @@ def test_configs_referenced_by_deploy_files_exist_and_load():
 FMNIST_JOBS = ("main_a0.3", "new_clients", "main_a0.1", "init_a0.3", "seeds_a0.3", "normalize_a0.3", "momentum_a0.3",
                "meta_bsm_a0.3", "meta_bsm_a0.1", "pfl_a0.3", "pfl_a0.1", "pfl_tuned_a0.3", "pfl_tuned_a0.1",
                "pfl_plain_a0.3", "pfl_plain_a0.1", "seeds_a0.1", "seed3_a0.1", "ditto_a0.3", "local_a0.1", "privacy",
-               "privacy_epsinf", "sweep_lambda")
+               "privacy_epsinf", "sweep_lambda", "fedbabu_sweep", "fedbabu_a0.3", "fedbabu_a0.1",
+               "fedbabu_new_clients")
+SWEEPS = {"sweep_lambda": "tune/pfl_lambda.yaml", "fedbabu_sweep": "tune/pfl_fedbabu.yaml"}
 
 
 def test_the_fmnist_queue_runs_valid_reproductions_and_logs_their_exit_status(tmp_path, shared_data_dir):
@@ -371,14 +373,27 @@ def test_the_fmnist_queue_runs_valid_reproductions_and_logs_their_exit_status(tm
 
     parser = build_parser()
     reproductions = [json.loads(line) for line in calls.read_text().splitlines() if line.startswith('["reproduce"')]
-    assert len(reproductions) == len(FMNIST_JOBS) - 1  # all but the sweep
-    for argv in reproductions:
+    assert len(reproductions) == len(FMNIST_JOBS) - len(SWEEPS)
+    specs = {}
+    for job, argv in zip([j for j in FMNIST_JOBS if j not in SWEEPS], reproductions):
         args = parser.parse_args(argv)
         spec = build_spec(args.table, REPO / args.config, parse_seeds(args.seeds), args.rounds,
                           {**parse_sets(args.set), "data.data_dir": str(shared_data_dir)}, None, args.row,
                           args.finetune_epochs)
+        specs[job] = spec
         if spec.seeds != [0]:
             assert check_splits(spec), argv
+    # A sweep's job runs its sweep file.
+    sweeps = [json.loads(line) for line in calls.read_text().splitlines() if line.startswith('["tune"')]
+    assert [argv[argv.index("--config") + 1] for argv in sweeps] == list(SWEEPS.values())
+    # The new-clients table's own rows, and FedBABU's alone on the same split; FedBABU's main rows at both alphas.
+    assert list(specs["new_clients"].rows) == ["FedAvg", "FedDyn", "Fed-RoD (linear)", "Fed-RoD (hyper)"]
+    assert list(specs["fedbabu_new_clients"].rows) == ["FedBABU"]
+    assert specs["fedbabu_new_clients"].fixed == specs["new_clients"].fixed
+    assert specs["fedbabu_new_clients"].row_config("FedBABU", 0).data.new_clients == 50
+    for alpha in ("0.3", "0.1"):
+        cfg = specs[f"fedbabu_a{alpha}"].row_config("FedBABU", 0)
+        assert (cfg.train.head, cfg.data.alpha, cfg.seed) == ("fedbabu", float(alpha), 0)
 
 
 # ---------------------------------------------------------------------------------------------------

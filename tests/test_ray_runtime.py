@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -26,16 +27,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fedrod_ray.client_update.local import RoundInput
 from fedrod_ray.clients import faults
 from fedrod_ray.clients.client import ClientState
-from fedrod_ray.config import config_from_dict
+from fedrod_ray.config import config_from_dict, load_config
 from fedrod_ray.drivers import ray_runtime
+from fedrod_ray.drivers.runner import run_local
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.executors.ray import Layout, LostCall, RayExecutor, plan_layout
 from fedrod_ray.executors.shared_setup import DATASET_ARRAYS, PARTITION_ARRAYS, share
 from fedrod_ray.federation_state.checkpoint import CheckpointWriter, load_checkpoint
 from fedrod_ray.federation_state.setup import make_host, prepare
+from fedrod_ray.federation_state.state import Snapshot
 from fedrod_ray.lifecycle.coordinator import Coordinator
+from fedrod_ray.lifecycle.run import RunLostError
 from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.round_loop.federation import Federation, RoundFailedError
 from fedrod_ray.server_math.privacy import clip_update, update_norm
@@ -114,6 +119,10 @@ VARIANTS = {
     "fedfomo": ("train.head=fedfomo", "train.balanced_loss=ce"),
     "ditto_small": ("train.head=ditto", "train.balanced_loss=ce", "data.num_clients=3", "train.client_fraction=1.0"),
     "perfedavg": ("train.head=perfedavg", "train.balanced_loss=ce", "train.momentum=0", "train.weight_decay=0"),
+    # FedBABU: the body trained under a frozen head, the PM fine-tuned from the GM on the actors, and the new
+    # client's fine-tuning.
+    "fedbabu": ("train.head=fedbabu", "train.balanced_loss=ce", "train.head_params={finetune_epochs: 1}",
+                "eval.finetune_epochs=1"),
 }
 _baselines: dict[str, tuple] = {}
 
@@ -135,9 +144,10 @@ ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources
     "variant, layout_overrides",
     [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ()),
      ("hyper_scaffold", ()), ("linear_compiled", ()), ("linear_keep", ()), ("fedfomo", ()),
-     ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ()), ("hyper", ("runtime.client_cache=1",))],
+     ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ()), ("hyper", ("runtime.client_cache=1",)),
+     ("fedbabu", ())],
     ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold", "linear-compiled",
-         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1"],
+         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1", "fedbabu"],
 )
 def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
                                                      variant, layout_overrides):
@@ -190,7 +200,7 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     for rec in records:
         assert {"gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before"} <= set(rec)
         assert rec["clients_failed"] == 0
-    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn"))
+    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn", "fedbabu"))
     assert ("pfl_ft" in records[-1]) == (variant == "fedavg_feddyn")
     assert any(st.momentum for st in states.values()) == (variant == "linear_keep")
     if variant == "linear_keep":  # and some client continued its buffers on an actor
@@ -202,6 +212,25 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     assert_same_tensors(h_ref, ckpt.server_state, "checkpointed server state")
     assert_same_tensors(m_ref, ckpt.method_state, "checkpointed method state")
     assert_same_states(states_ref, ckpt.clients)
+
+
+def test_ray_executor_makes_new_clients_zero_shot_models_as_in_process(ray_session, one_torch_thread):
+    """The new-client hook's executor call (``zero_shot``): on the actors, each client's zero-shot model from
+    the message and its data (hyper: the global weights, H(a; nu) from its class counts) scores as here."""
+    setup = prepare(tiny_config("train.head=hyper", "data.new_clients=3"))
+    host = make_host(setup)
+    new = setup.all_client_ids[setup.num_clients:]
+    jobs = [(cid, ClientState()) for cid in new]
+    message = RoundInput({k: host.initial[k] for k in host.model.shared_keys()})
+    here = host.zero_shot(jobs, message, 0)
+    executor = ray_executor(ray_session, setup)
+    try:
+        there = executor.zero_shot(jobs, message, 0)
+    finally:
+        executor.close()
+    assert not here.failed and not there.failed and sorted(there.correct) == new
+    for cid in new:
+        assert torch.equal(here.correct[cid], there.correct[cid]) and torch.equal(here.total[cid], there.total[cid])
 
 
 def test_private_updates_leave_their_actor_clipped_and_train_as_in_process(ray_session, one_torch_thread):
@@ -629,8 +658,10 @@ def kill_after_two_rounds(cmd: list[str], run_dir: Path, env: dict | None = None
     assert latest.read_text().strip() in ("round_000002", "round_000003")
 
 
-def assert_same_run(a: Path, b: Path) -> None:
-    """Same final model, every client's persisted state, the rule's server state and the metrics."""
+def assert_same_run(a: Path, b: Path, restarted: dict[int, int] | None = None) -> None:
+    """Same final model, every client's persisted state, the rule's server state and the metrics; ``b``'s
+    records of the rounds in ``restarted`` say that a restarted coordinator trained them again (round ->
+    restart), and no others do."""
     for rel in ("final/model.safetensors", "final/personal.safetensors", "checkpoints/round_000004/global.safetensors"):
         assert_same_tensors(load_file(a / rel), load_file(b / rel), rel)
     clients = load_checkpoint(RunStorage(str(b))).clients
@@ -639,6 +670,7 @@ def assert_same_run(a: Path, b: Path) -> None:
     ra = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
     rb = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rb] == [1, 2, 3, 4]
+    assert {r["round"]: r.pop("coordinator_restart") for r in rb if "coordinator_restart" in r} == (restarted or {})
     assert without_time(ra) == without_time(rb)
     assert json.loads((a / "final" / "meta.json").read_text()) == json.loads((b / "final" / "meta.json").read_text())
 
@@ -705,14 +737,170 @@ def test_ray_sigterm_stops_the_run_like_ctrl_c(tmp_path, private_ray_env):
     assert "Traceback" not in err
 
 
-# --- 6. a node lost from a multi-node cluster ------------------------------------------------------
+# --- 6. the coordinator actor killed mid-round -----------------------------------------------------------
+
+RAY_ARGS = ("--mode", "ray", "--set", "runtime.address=local")
+
+
+@pytest.mark.parametrize(("done", "died_in", "start", "again"), [
+    (None, 1, "the start", "round 1 is trained again"),
+    (2, 3, "the checkpoint after round 2", "round 3 is trained again"),
+    (1, 3, "the checkpoint after round 1", "rounds 2-3 are trained again"),  # round 2's save was in flight
+    (4, 4, "the checkpoint after round 4", "no round is trained again"),  # it died writing final/
+])
+def test_a_restart_says_where_it_starts_and_which_rounds_it_trains_again(done, died_in, start, again):
+    snapshot = None if done is None else Snapshot(done, tiny_config(), {}, {}, {})
+    assert ray_runtime.restarted(snapshot, 2, died_in, 3) == (
+        f"started again from {start} (restart 2 of 3, runtime.coordinator_restarts): {again}")
+
+
+def kill_the_coordinator_in_round_3(cmd: list[str], run_dir: Path, env: dict,
+                                    tmp_path: Path) -> subprocess.Popen:
+    """Start a Ray run (``env``: the ``private_ray_env`` fixture) whose round 3 hangs in a client's training
+    (the fault hook, in the actors of its private Ray), wait until round 2's checkpoint is committed, and
+    SIGKILL the coordinator actor's process from outside: it dies in the middle of round 3, whatever the
+    timing. Returns the still running driver."""
+    cfg = load_config(REPO / "configs" / "synthetic_tiny.yaml")
+    client = sample_clients(cfg.seed, 2, cfg.data.num_clients, cfg.train.client_fraction)[0]
+    marker = tmp_path / "fault"
+    fault = json.dumps({"call": "train", "client": int(client), "round_idx": 2, "marker": str(marker)})
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**env, faults.ENV: fault}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 180
+    try:
+        while not (marker.exists() and latest.is_file() and latest.read_text().strip() == "round_000002"):
+            assert proc.poll() is None, f"the run ended before its coordinator was killed:\n{proc.communicate()}"
+            assert time.monotonic() < deadline, "round 3 did not hang after round 2's checkpoint within 180 s"
+            time.sleep(0.02)
+        [pid] = [pid for pid, cmdline in env.processes() if cmdline.startswith("ray::CoordinatorImpl")]
+        os.kill(pid, signal.SIGKILL)
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    return proc
+
+
+def run_ray_until_round_3_hangs(cfg, run_dir: Path, tmp_path: Path, monkeypatch) -> tuple[Background, list[str]]:
+    """``run_ray`` in the background (this process's Ray), its round 3 hanging in a client's training (the
+    fault hook), returned once round 2's checkpoint is committed: (the run, its console lines)."""
+    victim = sample_clients(cfg.seed, 2, cfg.data.num_clients, cfg.train.client_fraction)[0]
+    marker = tmp_path / "fault"
+    arm_fault(monkeypatch, marker, "train", int(victim), round_idx=2)
+    logs: list[str] = []
+    running = Background(lambda: ray_runtime.run_ray(cfg, RunStorage(str(run_dir)), log=logs.append))
+    latest, deadline = run_dir / "checkpoints" / "latest", time.monotonic() + 180
+    while not (marker.exists() and latest.is_file() and latest.read_text().strip() == "round_000002"):
+        if not running.thread.is_alive():
+            running.result(0)
+            pytest.fail("the run ended before its coordinator was killed")
+        assert time.monotonic() < deadline, "round 3 did not hang after round 2's checkpoint within 180 s"
+        time.sleep(0.02)
+    return running, logs
+
+
+def coordinators(ray, run_dir: Path) -> list[str]:
+    """The names of the coordinators of the run in ``run_dir`` that Ray knows."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("fedrod-ray coordinator ") and a["name"].endswith(f" of {run_dir}")]
+
+
+def test_a_coordinator_ended_by_ray_kill_is_restarted_and_trains_as_in_process(ray_session, one_torch_thread,
+                                                                               tmp_path, monkeypatch):
+    """``ray.kill`` of the coordinator (found by its name, from outside the driver's code) while round 3
+    hangs: ``run_ray`` starts another from round 2's checkpoint, which trains round 3 again, and returns
+    what an uninterrupted in-process run records, its final weights bitwise the same."""
+    ray = ray_session
+    cfg = tiny_config("train.rounds=4")
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref_records = run_local(cfg, RunStorage(str(ref_dir)), log=lambda line: None)
+    running, logs = run_ray_until_round_3_hangs(cfg, run_dir, tmp_path, monkeypatch)
+    [name] = coordinators(ray, run_dir)
+    ray.kill(ray.get_actor(name))
+    records = running.result(300)
+
+    assert ("ray: the coordinator actor died in round 3; started again from the checkpoint after round 2 "
+            "(restart 1 of 3, runtime.coordinator_restarts): round 3 is trained again") in logs, logs
+    assert [r.pop("coordinator_restart", None) for r in records] == [None, None, 1, None]
+    assert without_time(records) == without_time(ref_records)
+    for rel in ("final/model.safetensors", "final/personal.safetensors"):
+        assert_same_tensors(load_file(ref_dir / rel), load_file(run_dir / rel), rel)
+
+
+def test_a_coordinator_dying_past_its_restarts_stops_the_run(ray_session, one_torch_thread, tmp_path, monkeypatch):
+    """With ``runtime.coordinator_restarts: 1``, the restarted coordinator killed too: ``run_ray`` raises
+    ``RunLostError`` naming the round and the restarts, and the checkpoint a resume needs is there."""
+    ray = ray_session
+    run_dir = tmp_path / "run"
+    running, logs = run_ray_until_round_3_hangs(tiny_config("train.rounds=4", "runtime.coordinator_restarts=1"),
+                                                run_dir, tmp_path, monkeypatch)
+    [first] = coordinators(ray, run_dir)
+    ray.kill(ray.get_actor(first))
+    deadline = time.monotonic() + 120
+    while not (second := [name for name in coordinators(ray, run_dir) if name != first]):
+        assert running.thread.is_alive() and time.monotonic() < deadline, "no second coordinator within 120 s"
+        time.sleep(0.02)
+    restarted = ray.get_actor(second[0])
+    ray.get(restarted.info.remote())  # set up, training round 3 again
+    ray.kill(restarted)
+    with pytest.raises(RunLostError) as lost:
+        running.result(300)
+    assert re.fullmatch(r"the coordinator actor died in round [34] after 1 restart\(s\) "
+                        r"\(runtime\.coordinator_restarts\)", str(lost.value)), lost.value
+    assert sum("started again" in line for line in logs) == 1, logs
+    assert load_checkpoint(RunStorage(str(run_dir))).rounds_done >= 2
+
+
+@pytest.mark.slow
+def test_a_killed_coordinator_is_restarted_and_the_run_trains_as_uninterrupted(uninterrupted_run, tmp_path,
+                                                                               private_ray_env):
+    """The coordinator's process SIGKILLed in round 3: the driver starts a new coordinator from round 2's
+    checkpoint, which trains round 3 again, says so on the console and in its record, and the run ends with
+    bitwise the uninterrupted run's weights, client states and metrics."""
+    b = tmp_path / "B"
+    proc = kill_the_coordinator_in_round_3(train_cmd(b, *RAY_ARGS), b, private_ray_env, tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, f"{out}\n{err}"
+    assert ("ray: the coordinator actor died in round 3; started again from the checkpoint after round 2 "
+            "(restart 1 of 3, runtime.coordinator_restarts): round 3 is trained again\n") in out, out
+    rounds = re.findall(r"^\[round\s+(\d+)/4\].*$", out, re.MULTILINE)
+    assert rounds == ["1", "2", "3", "4"], out
+    [line] = [ln for ln in out.splitlines() if ln.startswith("[round   3/4]")]
+    assert line.endswith("|  trained again (coordinator restart 1)"), line
+    assert "Traceback" not in err, err
+    assert_same_run(uninterrupted_run, b, restarted={3: 1})
+
+
+@pytest.mark.slow
+def test_a_dead_coordinator_without_restarts_stops_with_one_line_naming_resume(uninterrupted_run, tmp_path,
+                                                                               private_ray_env):
+    """With ``runtime.coordinator_restarts: 0`` the same death stops the run: one line saying what died and
+    the exact --resume command, exit 1, no traceback, its private Ray shut down; that command then reaches
+    the uninterrupted run's bits."""
+    b = tmp_path / "B"
+    cmd = train_cmd(b, *RAY_ARGS, "--set", "runtime.coordinator_restarts=0")
+    proc = kill_the_coordinator_in_round_3(cmd, b, private_ray_env, tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, f"{out}\n{err}"
+    said = [line for line in err.splitlines() if line.startswith("fedrod-ray:")]
+    assert said == [("fedrod-ray: the coordinator actor died in round 3 (runtime.coordinator_restarts is 0); "
+                     f"continue it with: fedrod-ray train --resume {b}")], err
+    assert "Traceback" not in err, err
+    assert "started again" not in out
+    proc = run_cli([*CLI, "--resume", str(b), "--set", "runtime.torch_threads=1"], env=private_ray_env)
+    assert_resumed_after_latest(proc.stdout, b, "round_000002")
+    assert_same_run(uninterrupted_run, b)
+
+
+# --- 7. a node lost from a multi-node cluster ------------------------------------------------------
 
 NODE_LOSS_SCRIPT = textwrap.dedent("""
     import json, threading, time
     import ray, torch
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
-    from fedrod_ray.config import config_from_dict
+    from fedrod_ray.config import config_from_dict, load_config
     from fedrod_ray.executors.ray import RayExecutor, plan_layout
     from fedrod_ray.round_loop.federation import Federation
     from fedrod_ray.federation_state.setup import prepare
@@ -805,7 +993,7 @@ def test_node_lost_from_cluster(tmp_path, private_ray_env):
     assert math.isfinite(res["gfl_gm"])
 
 
-# --- 7. the data held once, in the object store -------------------------------------------------------
+# --- 8. the data held once, in the object store -------------------------------------------------------
 
 
 def test_the_coordinator_maps_the_shared_data_and_hands_its_actors_the_same_references(ray_session, tmp_path):

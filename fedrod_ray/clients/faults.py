@@ -81,7 +81,8 @@ def from_env() -> Fault | None:
 
 
 def runtime_env() -> dict | None:
-    """Ray's ``runtime_env`` that hands ``FEDROD_TEST_FAULT`` to the actors an executor starts (their
-    workers would otherwise see the environment their node had when Ray started); None when it is unset."""
+    """Ray's ``runtime_env`` that hands ``FEDROD_TEST_FAULT`` to the actors an executor starts, and to the
+    coordinator that a Ray run's driver starts (their workers would otherwise see the environment their node
+    had when Ray started); None when it is unset."""
     text = os.environ.get(ENV)
     return {"env_vars": {ENV: text}} if text else None

@@ -144,6 +144,9 @@ class RuntimeConfig:
     clients_per_actor: NonNegativeInt = 0  # 0: sized from the cluster's resources
     client_resources: dict[StrictStr, NonNegativeFloat] = field(default_factory=lambda: {"num_cpus": 1.0})
     max_restarts: NonNegativeInt = 3
+    # ray only: how often the driver starts the coordinator actor again, from the last checkpoint, when it dies
+    # mid-run (killed, its process lost); 0: the run stops, saying how to --resume it
+    coordinator_restarts: NonNegativeInt = 3
     min_clients_per_round: PositiveInt = 1
     max_failed_fraction: Annotated[float, Field(strict=True, ge=0, le=1), BeforeValidator(number)] = 0.5
     checkpoint_every: PositiveInt = 1

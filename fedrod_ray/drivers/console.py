@@ -37,6 +37,8 @@ def format_record(rec: dict, rounds: int) -> str:
     for key, spec in (("clients_dropped", "d"), ("staleness", ".2f")):
         if key in rec:
             line += f"  |  {label('virtual_time')} {rec['virtual_time']:.1f}s  {label(key)} {rec[key]:{spec}}"
+    if "coordinator_restart" in rec:
+        line += f"  |  trained again (coordinator restart {rec['coordinator_restart']})"
     return line
 
 

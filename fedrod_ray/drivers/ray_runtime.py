@@ -1,5 +1,5 @@
-"""The driver of a Ray run: connect (or start local Ray), start the coordinator actor, which holds the run,
-and print a line per round."""
+"""The driver of a Ray run: connect (or start local Ray), start the coordinator actor, which holds the run
+(and start it again from the last checkpoint if it dies), and print a line per round."""
 
 from __future__ import annotations
 
@@ -9,17 +9,22 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ..clients import faults
 from ..config import ExperimentConfig
 from ..executors.shared_setup import share
+from ..federation_state.checkpoint import latest_checkpoint_name, load_checkpoint
 from ..federation_state.setup import prepare
 from ..federation_state.state import Snapshot
 from ..lifecycle.coordinator import Coordinator
+from ..lifecycle.run import RunLostError
+from ..outputs.results import read_records
 from ..outputs.storage import RunStorage
 from ..round_loop.federation import RoundFailedError
 from .console import format_record
@@ -75,7 +80,9 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
             log: Callable[[str], None] = print,
             progress: Callable[[int, int, int], None] | None = None) -> list[dict]:
     """Train on Ray: the run lives in the coordinator actor, which writes the run directory; this driver
-    prints its rounds. Arguments and result as ``runner.run_local``'s."""
+    prints its rounds. A coordinator that dies mid-run (killed, its process lost) is started again from the
+    run's last checkpoint, up to ``runtime.coordinator_restarts`` times; then ``RunLostError``. Arguments and
+    result as ``runner.run_local``'s."""
     # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message. Its arrays go
     # into the object store, and the coordinator is handed their references: this driver keeps no copy.
     setup = prepare(cfg)
@@ -88,15 +95,42 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
         release_freed_memory()
         # The coordinator takes no CPU from the clients: it only averages and evaluates the GM. A second
         # thread answers the driver while the run trains. It lives on this (the driver's) node, so that the
-        # run directory it writes need only be reachable from here.
+        # run directory it writes need only be reachable from here. Its name (`ray list actors`) says which
+        # run it holds; its own part keeps it from the name of the last one, which Ray frees in its own time.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        coordinator = Coordinator.options(num_cpus=0, max_restarts=0, max_concurrency=2,
-                                          scheduling_strategy=here).remote(shared, storage.uri, snapshot)
-        info = ray.get(coordinator.info.remote())
-        hosted = "any client" if info["clients_per_actor"] == 0 else f"{info['clients_per_actor']} client(s) each"
-        log(f"ray: {info['num_actors']} client actor(s) ({hosted}), {info['max_in_flight']} training(s) at once; "
-            f"ready in {time.perf_counter() - t0:.1f}s")
-        return follow(coordinator, info, log, progress)
+        restart, rounds = None, cfg.train.rounds
+        while True:
+            name = f"fedrod-ray coordinator {uuid.uuid4().hex[:8]} of {storage.uri}"
+            coordinator = Coordinator.options(
+                name=name, num_cpus=0, max_restarts=0, max_concurrency=2, scheduling_strategy=here,
+                runtime_env=faults.runtime_env()).remote(shared, storage.uri, snapshot, restart)
+            try:
+                info = ray.get(coordinator.info.remote())
+                rounds = info["rounds"]
+                if restart is None:
+                    hosted = ("any client" if info["clients_per_actor"] == 0
+                              else f"{info['clients_per_actor']} client(s) each")
+                    log(f"ray: {info['num_actors']} client actor(s) ({hosted}), {info['max_in_flight']} "
+                        f"training(s) at once; ready in {time.perf_counter() - t0:.1f}s")
+                return follow(coordinator, info, log, progress)
+            except RayActorError as e:
+                # An error of the run's own (raised in a round, or in the coordinator's setup) is not a death.
+                if isinstance(e, RayTaskError) or e.actor_init_failed:
+                    raise
+                died = e
+            ray.kill(coordinator)
+            restarts = restart[0] if restart else 0
+            recorded = read_records(storage)  # the rounds it finished: it died in the next (or in final/)
+            died_in = min((recorded[-1]["round"] if recorded else 0) + 1, rounds)
+            if restarts == cfg.runtime.coordinator_restarts:
+                raise RunLostError(f"the coordinator actor died in round {died_in} " + (
+                    f"after {restarts} restart(s) (runtime.coordinator_restarts)" if restarts
+                    else "(runtime.coordinator_restarts is 0)")) from died
+            if latest_checkpoint_name(storage) is not None:
+                snapshot = load_checkpoint(storage)
+            restart = (restarts + 1, died_in)
+            log(f"ray: the coordinator actor died in round {died_in}; "
+                f"{restarted(snapshot, *restart, cfg.runtime.coordinator_restarts)}")
     finally:
         if coordinator is not None:
             with contextlib.suppress(RayError):
@@ -104,6 +138,16 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
             ray.kill(coordinator)
         if started:
             ray.shutdown()
+
+
+def restarted(snapshot: Snapshot | None, number: int, died_in: int, limit: int) -> str:
+    """The console's word on the ``number``-th coordinator started again, from ``snapshot``, after the last
+    died in round ``died_in``: from where, and which rounds it trains again."""
+    done = snapshot.rounds_done if snapshot is not None else 0
+    again = ("no round is trained again" if died_in <= done else f"round {died_in} is trained again"
+             if died_in == done + 1 else f"rounds {done + 1}-{died_in} are trained again")
+    start = f"the checkpoint after round {done}" if snapshot is not None else "the start"
+    return f"started again from {start} (restart {number} of {limit}, runtime.coordinator_restarts): {again}"
 
 
 def follow(coordinator, info: dict, log: Callable[[str], None],

@@ -20,15 +20,20 @@ class CoordinatorImpl:
     """Owns the run on the cluster. The driver hands it the prepared setup (its arrays in the object store,
     which this actor and the client actors map, and none holds a copy of), the run directory and (to resume)
     a snapshot, starts ``train``, and meanwhile asks, from a second thread (``max_concurrency=2``), for the
-    progress of the round in hand and the records of the rounds done."""
+    progress of the round in hand and the records of the rounds done. A coordinator the driver starts again
+    after the last one died is told which (``restart``: its number, the round the last one died in) and
+    marks the records of the rounds it trains again (``Run.redo``)."""
 
-    def __init__(self, shared: SharedSetup, storage_uri: str, snapshot: Snapshot | None = None):
+    def __init__(self, shared: SharedSetup, storage_uri: str, snapshot: Snapshot | None = None,
+                 restart: tuple[int, int] | None = None):
         cfg = shared.cfg
         torch.set_num_threads(max(1, cfg.runtime.torch_threads or 1))
         setup = shared.setup()
         self.layout = plan_layout(cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
         self.executor = RayExecutor(setup, self.layout, shared=shared)
         self.run = Run(Federation(setup, self.executor, log=print), RunStorage(storage_uri), snapshot)
+        if restart is not None:
+            self.run.redo(*restart)
 
     def info(self) -> dict:
         return {"next_round": self.run.next_round, "rounds": self.run.rounds, "records": len(self.run.records),

@@ -27,6 +27,11 @@ from ..outputs.tracking import final_metrics, open_trackers
 from ..round_loop.federation import Federation
 
 
+class RunLostError(RuntimeError):
+    """The process that held the run died and was not started again (on Ray: the coordinator actor, past
+    ``runtime.coordinator_restarts``): the run stops, and ``--resume`` goes on from its last checkpoint."""
+
+
 def last_evaluation(records: list[dict]) -> dict:
     """The record of the last evaluated round ({} before the first evaluation)."""
     evaluated = [r for r in records if "gfl_gm" in r]
@@ -60,6 +65,7 @@ class Run:
         self.metrics = MetricsLog.resume(storage, federation.next_round)
         self.trackers = open_trackers(cfg, storage, federation.next_round) if track else []
         self.writer, self.saves = CheckpointWriter(storage), BackgroundSaves()
+        self.redone = (0, 0)  # (restart, the last round it trains again): see ``redo``
 
     @property
     def next_round(self) -> int:
@@ -102,9 +108,17 @@ class Run:
             raise
         return self.records
 
+    def redo(self, restart: int, through_round: int) -> None:
+        """This run is the ``restart``-th start again of one whose process died in round ``through_round``
+        (counted from 1; on Ray, the coordinator actor): the records of the rounds it trains again, from its
+        snapshot's up to that one, say so (``coordinator_restart``: ``restart``)."""
+        self.redone = (restart, through_round)
+
     def round(self) -> dict:
         """Train the next round and record it; when a checkpoint is due, start saving it. Returns its record."""
         record = self.federation.step(self.next_round)
+        if record["round"] <= self.redone[1]:
+            record["coordinator_restart"] = self.redone[0]
         self.metrics.append(record)
         for tracker in self.trackers:
             tracker.log_round(record)

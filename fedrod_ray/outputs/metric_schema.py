@@ -18,6 +18,7 @@ SAMPLED = "evaluation rounds, with `eval.clients` (P-FL over a sample of the tra
 PRIVATE = "every round, with `privacy.enabled`"
 DEADLINE = "every round, with `rounds.mode: deadline`"
 FEDBUFF = "every server step, with `rounds.mode: fedbuff`"
+RESTARTED = "rounds trained again by a restarted Ray coordinator (`runtime.coordinator_restarts`)"
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,12 @@ METRICS = (
            label="PM global", title="P-FL (PM, global)", accuracy=True),
     Metric("pfl_gm_new", EVALUATION, "the GM's P-FL on the held-out new clients (with `data.new_clients`)",
            label="new GM", title="P-FL (GM), new clients", accuracy=True),
-    Metric("pfl_new_before", EVALUATION, "the new clients' PM P-FL before any local training: the global "
-           "model (hyper: with the zero-shot head H(a; ν̄))",
+    Metric("pfl_new_before", EVALUATION, "the new clients' PM P-FL before any local training: the method's "
+           "zero-shot model (the global model; hyper: with the zero-shot head H(a; ν̄); the GM for a method "
+           "with no global reading)",
            label="new before", title="new clients, before", accuracy=True),
-    Metric("pfl_new_after", LAST_EVALUATION, "the same after fine-tuning each new client for "
-           "`eval.finetune_epochs` on its own data",
+    Metric("pfl_new_after", LAST_EVALUATION, "the same after each new client's adaptation (fine-tuning) "
+           "for `eval.finetune_epochs` on its own data",
            label="new after", title="new clients, after", accuracy=True),
     Metric("pfl_ft", LAST_EVALUATION, "P-FL of the global model fine-tuned on each training client's own data "
            "(the FT baseline, with `eval.finetune_train`)",
@@ -107,7 +109,14 @@ ROUND_MODE_METRICS = (
     Metric("staleness", FEDBUFF, "the mean staleness of the buffered updates: server steps between the model a "
            "client was sent and the one its update is applied to", label="staleness", title="mean staleness"),
 )
-BY_KEY = {m.key: m for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS)}
+# What happened to the run (docs/ray.md).
+RUN_METRICS = (
+    Metric("coordinator_restart", RESTARTED, "the coordinator actor died in this round or after it, before the "
+           "round's checkpoint, and the driver started it again from the last checkpoint: that restart's number "
+           "in this invocation (1 for the first); the round's figures are those of the restarted coordinator's "
+           "training"),
+)
+BY_KEY = {m.key: m for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS, *RUN_METRICS)}
 # The accuracies, in the order every table and report lists them: the exact ones only.
 ACCURACIES = tuple(m.key for m in METRICS if m.accuracy)
 ESTIMATES = tuple(m.key for m in ESTIMATE_METRICS)
@@ -144,5 +153,5 @@ def markdown_table() -> str:
     """docs/runs.md's table of the metrics files' columns (tests/test_metric_schema.py keeps them equal)."""
     lines = ["| column | in the record | console | tables, plots | what it is |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| `{m.key}` | {m.when} | {m.label} | {m.title} | {m.description} |"
-              for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS)]
+              for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS, *RUN_METRICS)]
     return "\n".join(lines) + "\n"
