@@ -64,22 +64,25 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Test counts of this node's clients' personalized models (``ClientHost.evaluate``) or after
-    fine-tuning (``ClientHost.finetune``), each from its own state after the server's rounds so far."""
+    """Test counts of this node's clients' personalized models (``ClientHost.evaluate``), after their
+    adaptation (``ClientHost.finetune``) or of the zero-shot models of those that never trained
+    (``ClientHost.zero_shot``), each from its own state after the server's rounds so far."""
     head, _, states, host = _node(context, msg.content)
-    done, ids = head["rounds_done"], head["clients"]
-    weights = wire.tensors(msg.content["weights"])
+    done, ids, action = head["rounds_done"], head["clients"], head["action"]
+    message = wire.round_input(msg.content, ids, None)
     jobs = []
     for cid in ids:
         state = states.load(cid, done)
-        if host.method.pm_from_global and head["action"] == "evaluate":
-            state = host.method.pm_job(state, weights, done)
+        if host.method.pm_from_global and action == "evaluate":
+            state = host.method.pm_job(state, message.weights, done)
         jobs.append((cid, state))
-    if head["action"] == "evaluate":
+    if action == "evaluate":
         counts = host.evaluate(jobs, head["estimate"])
+    elif action == "finetune":
+        counts = host.finetune([(cid, s.for_training()) for cid, s in jobs], message, head["epochs"],
+                               head["round_idx"])
     else:
-        counts = host.finetune([(cid, s.for_training()) for cid, s in jobs],
-                               wire.round_input(msg.content, [], None), head["epochs"], head["round_idx"])
+        counts = host.zero_shot(jobs, message, head["round_idx"])
     reply = RecordDict()
     wire.put_counts(reply, counts)
     return Message(reply, reply_to=msg)

@@ -124,7 +124,7 @@ class FlowerExecutor:
         def fill(content: RecordDict, cids: list[int]) -> None:
             wire.put_header(content, config=self.config_text, clients=cids, rounds_done=self.rounds_done,
                             **header)
-            wire.put_round_input(content, message, [])
+            wire.put_round_input(content, message, cids)
 
         by_node, replies = self._send([cid for cid, _ in jobs], MessageType.EVALUATE, fill)
         out = EvalCounts()
@@ -143,6 +143,9 @@ class FlowerExecutor:
 
     def finetune(self, jobs: list[Job], message: RoundInput, epochs: int, round_idx: int) -> EvalCounts:
         return self._counts(jobs, {"action": "finetune", "epochs": epochs, "round_idx": round_idx}, message)
+
+    def zero_shot(self, jobs: list[Job], message: RoundInput, round_idx: int) -> EvalCounts:
+        return self._counts(jobs, {"action": "zero_shot", "round_idx": round_idx}, message)
 
     def close(self) -> None:
         pass

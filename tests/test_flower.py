@@ -37,13 +37,14 @@ TIMING = {"seconds", "train_seconds"}  # wall-clock keys, the only ones allowed 
 
 
 def write_config(folder: Path, data_dir: Path, name: str, **train) -> Path:
-    """MNIST over 60 clients (Dir(0.3)), 3 a round, 3 rounds, evaluated after the last."""
+    """MNIST over 60 clients (Dir(0.3)) and 2 held-out new clients, 3 a round, 3 rounds, evaluated after the
+    last (the new clients' zero-shot models and their fine-tuning too)."""
     cfg = {"name": name, "seed": 0,
-           "data": {"dataset": "mnist", "data_dir": str(data_dir), "num_clients": 60, "partition": "dirichlet",
-                    "alpha": 0.3},
+           "data": {"dataset": "mnist", "data_dir": str(data_dir), "num_clients": 60, "new_clients": 2,
+                    "partition": "dirichlet", "alpha": 0.3},
            "train": {"rounds": 3, "client_fraction": 0.05, "local_epochs": 1, "batch_size": 50, "lr": 0.01,
                      **train},
-           "eval": {"eval_every": 3},
+           "eval": {"eval_every": 3, "finetune_epochs": 1},
            "runtime": {"torch_threads": 1, "max_failed_fraction": 0.7, "min_clients_per_round": 1}}
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -95,6 +96,7 @@ def assert_same_run(flower_dir: Path, local_dir: Path) -> None:
     assert len(got) == len(want) == 3, (flower_dir / "metrics.jsonl").read_text()
     for a, b in zip(got, want):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
+    assert {"pfl_new_before", "pfl_new_after"} <= got[-1].keys()
     a, b = load_file(str(flower_dir / "final" / "model.safetensors")), load_file(str(local_dir / "final" / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
