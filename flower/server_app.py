@@ -19,6 +19,7 @@ from fedrod_ray.federation_state.checkpoint import latest_checkpoint_name, load_
 from fedrod_ray.federation_state.setup import Setup, prepare
 from fedrod_ray.lifecycle.run import Run
 from fedrod_ray.objectives import meta_per_class
+from fedrod_ray.outputs.lock import exclusive_run_dir
 from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.personalization import build_method
 from fedrod_ray.round_loop.federation import Federation
@@ -49,15 +50,17 @@ def check_flower(setup: Setup) -> None:
 def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
     storage = RunStorage(str(rc["run-dir"]))
-    cfg, snapshot = load_config(str(rc["config"])), None
-    if latest_checkpoint_name(storage) is not None:
-        snapshot = load_checkpoint(storage)
-        check_resume(snapshot.config, cfg, snapshot.rounds_done)
-        print(f"resuming {storage.uri} after round {snapshot.rounds_done}", flush=True)
-    cfg.run_dir = storage.uri
-    setup = prepare(cfg)
-    check_flower(setup)
-    executor = FlowerExecutor(grid, cfg, float(rc["timeout"]))
-    executor.wait_for_nodes(int(rc["min-nodes"]), float(rc["timeout"]))
-    run = Run(Federation(setup, executor), storage, snapshot)
-    run.train(lambda record: print(format_record(record, run.rounds), flush=True))
+    # One writer per run directory, as for `fedrod-ray train`: a second ServerApp on it stops at once.
+    with exclusive_run_dir(storage):
+        cfg, snapshot = load_config(str(rc["config"])), None
+        if latest_checkpoint_name(storage) is not None:
+            snapshot = load_checkpoint(storage)
+            check_resume(snapshot.config, cfg, snapshot.rounds_done)
+            print(f"resuming {storage.uri} after round {snapshot.rounds_done}", flush=True)
+        cfg.run_dir = storage.uri
+        setup = prepare(cfg)
+        check_flower(setup)
+        executor = FlowerExecutor(grid, cfg, float(rc["timeout"]))
+        executor.wait_for_nodes(int(rc["min-nodes"]), float(rc["timeout"]))
+        run = Run(Federation(setup, executor), storage, snapshot)
+        run.train(lambda record: print(format_record(record, run.rounds), flush=True))
