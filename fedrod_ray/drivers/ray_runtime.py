@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..config import ExperimentConfig
 from ..executors.shared_setup import share
-from ..federation_state.setup import prepare
+from ..federation_state.setup import prepare, prepare_server
 from ..federation_state.state import Snapshot
 from ..lifecycle.coordinator import Coordinator
 from ..outputs.storage import RunStorage
@@ -78,7 +78,8 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
     prints its rounds. Arguments and result as ``runner.run_local``'s."""
     # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message. Its arrays go
     # into the object store, and the coordinator is handed their references: this driver keeps no copy.
-    setup = prepare(cfg)
+    # At sites, the server's test set only: the sites report their clients to the coordinator.
+    setup = prepare_server(cfg) if cfg.sites else prepare(cfg)
     started = connect(cfg)
     coordinator = None
     try:

@@ -45,7 +45,7 @@ def final_model(setup: Setup, snap: Snapshot,
     weights = generic_weights(method, model.personal_keys(), snap.global_shared, snap.clients,
                               model.state_dict(), setup.num_clients)
     heads = None
-    if model.variant == "linear":
+    if model.variant == "linear" and not setup.at_sites:  # at sites, each phi_m stays at its site
         # phi_m has the generic head's shape (classes x features): both are bias-free heads on the features.
         shape = snap.global_shared["generic_head.weight"].shape
         heads = {cid: st.personal["personal_head.weight"] if st.personal else torch.zeros(shape)

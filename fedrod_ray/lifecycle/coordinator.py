@@ -10,6 +10,7 @@ import torch
 
 from ..executors.ray import RayExecutor, plan_layout
 from ..executors.shared_setup import SharedSetup
+from ..executors.sites import SitesExecutor
 from ..federation_state.state import Snapshot
 from ..outputs.storage import RunStorage
 from ..round_loop.federation import Federation
@@ -26,8 +27,12 @@ class CoordinatorImpl:
         cfg = shared.cfg
         torch.set_num_threads(max(1, cfg.runtime.torch_threads or 1))
         setup = shared.setup()
-        self.layout = plan_layout(cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
-        self.executor = RayExecutor(setup, self.layout, shared=shared)
+        if cfg.sites:  # the sites' actors report their clients, which make the whole setup
+            self.executor = SitesExecutor(setup, log=print)
+            setup, self.layout = self.executor.setup, self.executor.layout
+        else:
+            self.layout = plan_layout(cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
+            self.executor = RayExecutor(setup, self.layout, shared=shared)
         self.run = Run(Federation(setup, self.executor, log=print), RunStorage(storage_uri), snapshot)
 
     def info(self) -> dict:

@@ -38,6 +38,7 @@ from ..timing.clock import (
     read_trace,
 )
 from .evaluation import Evaluation, anchored, estimate_offset
+from .site_evaluation import SiteEvaluation
 
 
 class RoundFailedError(RuntimeError):
@@ -76,7 +77,9 @@ class Federation:
         # disk. A state is only ever replaced, never written into, so a snapshot stays valid while training
         # goes on.
         self.clients = ClientStore(len(setup.all_client_ids), self.cfg.runtime.client_cache)
-        self.evaluation = Evaluation(setup, self.model, self.method, self.initial, log)
+        # At sites (``data.dataset: sites``), P-FL is computed where the clients are.
+        self.evaluation = (SiteEvaluation if setup.at_sites else Evaluation)(setup, self.model, self.method,
+                                                                              self.initial, log)
         self.estimate_offset: dict[str, float] = {}
         self.next_round = 0
         # Client-level DP (``privacy``): its sampling, clipping and noised aggregate replace the plain ones.
@@ -111,7 +114,7 @@ class Federation:
             except (OSError, ValueError) as e:
                 raise ConfigError(f"rounds.trace: {e}") from None
         speeds = client_speeds(rc.speeds, n, self.cfg.seed, rc.speed, rc.sigma, rc.shape, trace)
-        examples = np.array([len(self.setup.partition.client_indices[c]) for c in range(n)])
+        examples = np.asarray(self.setup.sizes[:n])
         model_bytes = sum(v.numel() * v.element_size() for v in self.global_shared.values())
         return durations(speeds, examples, self.cfg.train.local_epochs,
                          communication_seconds(model_bytes, rc.bandwidth))
@@ -124,7 +127,13 @@ class Federation:
         return Snapshot(self.next_round, self.cfg, dict(self.global_shared), dict(self.server_state),
                         self.clients.snapshot(), dict(self.estimate_offset), dict(self.method_state),
                         dict(self.privacy_state), self.virtual_time, buffered.dispatches if buffered else 0,
-                        list(buffered.in_flight) if buffered else [])
+                        list(buffered.in_flight) if buffered else [], self._site_versions())
+
+    def _site_versions(self) -> dict:
+        """At sites: the version and sha256 of every client's state that each site keeps (``SitesExecutor``)."""
+        if not self.setup.at_sites:
+            return {}
+        return self.executor.site_versions({cid: self.clients.rounds_trained(cid) for cid in self.clients})
 
     def restore(self, snap: Snapshot) -> None:
         if set(snap.global_shared) != set(self.shared_keys):
@@ -136,6 +145,8 @@ class Federation:
         if self.dp is not None:
             self.privacy_state = dict(snap.privacy_state) or self.dp.init_state()
         self.clients.restore(snap.clients)
+        if self.setup.at_sites:  # each site checks that it holds its clients' states as the snapshot names them
+            self.executor.restore_sites(snap.sites, {cid: self.clients.rounds_trained(cid) for cid in self.clients})
         self.next_round = snap.rounds_done
         self.estimate_offset = dict(snap.estimate_offset)
         self.virtual_time = snap.virtual_time

@@ -1,0 +1,186 @@
+"""The executor of a run at sites (``data.dataset: sites``, docs/sites.md): each site's clients on that site's
+actors (``clients.site_actor``), placed on its nodes by their label ``fedrod.site=<name>``.
+
+It starts the actors, learns each site's clients from them (``SiteActor.index``), and from then on runs the
+round's calls like the Ray executor it extends, each client on its home actor at its site: a training call
+carries the version and sha256 of the client's committed state instead of the state, and brings back the
+upload with the new state's version and hash, which the executor keeps (``site_versions``) for the server's
+checkpoint. P-FL is computed at the sites (``site_evaluate``), which send back sums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable
+
+import ray
+from ray.exceptions import RayActorError
+
+from ..client_update.local import RoundInput
+from ..clients import faults
+from ..clients.client import ClientFailure
+from ..clients.site_actor import PFL_KEYS, SITE_LABEL, SiteActor
+from ..clients.site_store import SiteStateError
+from ..federation_state.setup import Setup
+from ..federation_state.site_setup import SiteSetup
+from .base import Job
+from .ray import Layout, RayExecutor
+
+
+def site_cpus(name: str) -> float:
+    """The CPUs of the live nodes labelled ``fedrod.site=<name>``."""
+    return sum(node["Resources"].get("CPU", 0.0) for node in ray.nodes()
+               if node["Alive"] and node.get("Labels", {}).get(SITE_LABEL) == name)
+
+
+class SitesExecutor(RayExecutor):
+    """The executor protocol over the sites' actors, and what the server keeps of the sites' states."""
+
+    def __init__(self, server: Setup, log: Callable[[str], None] = print):
+        """``server``: the server's setup (``setup.prepare_server``); ``self.setup`` becomes the whole one
+        (``SiteSetup``) once the sites have reported their clients."""
+        cfg, ds = server.cfg, server.dataset
+        self.log = log
+        req = cfg.runtime.client_resources
+        unit = max(req.get("num_cpus", 1.0), 1.0)
+        classes = tuple(ds.class_names)
+        meta = {"image_shape": list(ds.image_shape), "mean": list(ds.mean), "std": list(ds.std),
+                "augment": server.augment}
+        base = {"num_cpus": req.get("num_cpus", 1.0), "num_gpus": req.get("num_gpus", 0.0),
+                "resources": {k: v for k, v in req.items() if k not in ("num_cpus", "num_gpus")},
+                "max_restarts": cfg.runtime.max_restarts, "max_task_retries": 0}
+        fault = faults.runtime_env()
+        if fault is not None:  # only in the tests that kill an actor mid-call
+            base["runtime_env"] = fault
+        started: list[list] = []
+        for i, site in enumerate(cfg.sites):
+            cpus = site_cpus(site.name)
+            if cpus < unit:
+                raise RuntimeError(f"sites.{i}: no live Ray node labelled {SITE_LABEL}={site.name} has "
+                                   f"{unit:g} CPU for a client (start the site's nodes with `ray start --labels "
+                                   f"{SITE_LABEL}={site.name}`)")
+            options = {**base, "label_selector": {SITE_LABEL: site.name}}
+            started.append([SiteActor.options(**options).remote(cfg.to_dict(), i)
+                            for _ in range(math.floor(cpus / unit + 1e-9))])
+        indexes = ray.get([actors[0].index.remote(classes) for actors in started])
+        self.setup = SiteSetup.of(server, indexes)
+        # Each site's clients in contiguous blocks over its actors (no more actors than clients); a client
+        # always trains on its home actor.
+        self.actors, self.site_actors, self.home = [], [], {}
+        self._attach_args: list[list] = []
+        test = [ray.put(server.test.x.numpy()), ray.put(server.test.y.numpy())]
+        per_site = []
+        for site, actors in zip(self.setup.sites, started):
+            for extra in actors[len(site.ids):]:
+                ray.kill(extra)
+            actors = actors[:len(site.ids)]
+            per = math.ceil(len(site.ids) / len(actors))
+            per_site.append(per)
+            self.site_actors.append(list(range(len(self.actors), len(self.actors) + len(actors))))
+            for k, actor in enumerate(actors):
+                ids = site.ids[k * per:(k + 1) * per]
+                self.home.update({cid: len(self.actors) for cid in ids})
+                self._attach_args.append([{site.client_name(cid): cid for cid in ids}, classes, meta, *test])
+                self.actors.append(actor)
+        self.layout = Layout(len(self.actors), max(per_site), len(self.actors), dict(req))
+        self.sizes = self.setup.sizes
+        self.dead: set[int] = set()
+        self.calls_done = [0] * len(self.actors)
+        self.lost_calls = []
+        # The sha256 of every state version the sites reported, by (client, version): the committed ones are
+        # those the server's client store names (its rounds_trained).
+        self.digests: dict[tuple[int, int], str] = {}
+        ray.get([self._attach(a) for a in range(len(self.actors))])
+
+    def _attach(self, a: int) -> ray.ObjectRef:
+        return self.actors[a].attach.remote(*self._attach_args[a])
+
+    def _version(self, cid: int, version: int) -> tuple[int, int, str | None]:
+        return cid, version, self.digests.get((cid, version))
+
+    def train(self, round_idx: int, jobs: list[Job], message: RoundInput):
+        message_ref = ray.put(message)
+
+        def submit(actor, slot):
+            cid, version, digest = self._version(jobs[slot][0], jobs[slot][1].rounds_trained)
+            return actor.train.remote(cid, version, digest, message_ref, round_idx)
+
+        for slot, value in self._run("train", list(range(len(jobs))), lambda slot: [jobs[slot][0]], submit,
+                                     retry_lost=False):
+            cid = jobs[slot][0]
+            if isinstance(value, Exception):
+                kind = " (actor died)" if isinstance(value, RayActorError) else ""
+                value = ClientFailure.from_exception(cid, value, kind, details=str(value))
+            elif not isinstance(value, ClientFailure):
+                result, state, digest = value
+                self.digests[(cid, state.rounds_trained)] = digest
+                value = result, state
+            yield slot, value
+
+    def evaluate(self, jobs, estimate=False):
+        raise NotImplementedError("with sites, P-FL is computed at the sites (site_evaluate)")
+
+    def finetune(self, jobs, message, epochs, round_idx):
+        raise NotImplementedError("fine-tuning is not supported with sites")
+
+    def site_evaluate(self, global_shared: dict, rounds_done: int, versions: dict[int, int]) -> dict:
+        """Each site's P-FL sums of its clients, whose committed state has ``versions`` (client -> rounds trained),
+        added up in the order of the actors: {"pfl_*": (sum, clients)}, "failed": {client: error}."""
+        by_home: dict[int, list] = {}
+        for cid in sorted(versions):
+            by_home.setdefault(self.home[cid], []).append(self._version(cid, versions[cid]))
+        chunks = [by_home[a] for a in sorted(by_home)]
+        ref = ray.put(global_shared)
+        values: dict[int, dict] = {}
+        failed: dict[int, str] = {}
+        for chunk, value in self._run("evaluate", chunks, lambda chunk: [cid for cid, _, _ in chunk],
+                                      lambda actor, chunk: actor.evaluate.remote(chunk, ref, rounds_done),
+                                      retry_lost=True):
+            if isinstance(value, Exception):
+                failed.update({cid: f"{type(value).__name__}: {value}" for cid, _, _ in chunk})
+            else:
+                values[self.home[chunk[0][0]]] = value
+        sums = {key: [0.0, 0] for key in PFL_KEYS}
+        for a in sorted(values):
+            for key, (total, count) in values[a]["sums"].items():
+                sums[key][0] += total
+                sums[key][1] += count
+            failed.update(values[a]["failed"])
+        return {"sums": sums, "failed": failed}
+
+    def site_versions(self, rounds: dict[int, int]) -> dict[str, dict]:
+        """What a checkpoint records of each site's state, with the server's committed ``rounds`` (client ->
+        rounds trained): every client's state version and sha256 by name, and a hash of them all."""
+        out = {}
+        for site in self.setup.sites:
+            clients = {site.client_name(cid): [rounds[cid], self.digests[(cid, rounds[cid])]]
+                       for cid in site.ids if rounds.get(cid, 0)}
+            text = json.dumps(clients, sort_keys=True, separators=(",", ":")).encode()
+            out[site.name] = {"clients": clients, "hash": hashlib.sha256(text).hexdigest()}
+        return out
+
+    def restore_sites(self, sites: dict[str, dict], rounds: dict[int, int]) -> None:
+        """Take a checkpoint's ``site_versions`` (the server's ``rounds`` with it), after every site has checked
+        that its store holds each of its clients' states as named; a site that does not is refused."""
+        problems = []
+        self.digests = {}
+        for i, site in enumerate(self.setup.sites):
+            recorded = sites.get(site.name, {"clients": {}})["clients"]
+            ids = {site.client_name(cid): cid for cid in site.ids}
+            for name, (version, digest) in recorded.items():
+                if name not in ids:
+                    problems.append(f"site {site.name} no longer holds client {name}, which the checkpoint names")
+                    continue
+                self.digests[(ids[name], version)] = digest
+            missing = [site.client_name(cid) for cid in site.ids
+                       if rounds.get(cid, 0) and site.client_name(cid) not in recorded]
+            if missing:
+                problems.append(f"the checkpoint names no state of site {site.name}'s client(s) {missing[:5]}")
+            first = self.site_actors[i][0]
+            committed = {name: tuple(v) for name, v in recorded.items() if name in ids}
+            problems += ray.get(self.actors[first].check.remote(committed))
+        if problems:
+            raise SiteStateError("the sites' stores do not hold the states this checkpoint committed:\n  "
+                                 + "\n  ".join(problems))
