@@ -22,7 +22,7 @@ import torch
 
 from ..client_update.local import ClientData, RoundInput, class_distribution
 from ..config import config_from_dict
-from ..data.sites import SiteIndex, client_counts, index_site, read_client, site_clients
+from ..data.sites import SiteIndex, client_counts, index_site, read_client, read_own_test, site_clients
 from ..data.transforms import normalize
 from ..models.metrics import TestSet, class_correct, features_and_logits, pfl_accuracy
 from . import faults
@@ -90,12 +90,12 @@ class SiteActorImpl:
         where = site_clients(site.path, self.where)
         sources = {cid: where[name] for name, cid in ids.items()}
         counts = {cid: client_counts(source, classes) for cid, source in sources.items()}
-        own = {cid: read_client(source, classes, test=True) for cid, source in sources.items()}
-        if any(arrays.test_x is not None for arrays in own.values()):
+        own = {cid: read_own_test(source, classes) for cid, source in sources.items()}
+        if any(test is not None for test in own.values()):
             cids = sorted(own)
-            x = normalize(torch.from_numpy(np.concatenate([own[c].test_x for c in cids])), meta["mean"], meta["std"])
-            test = TestSet(x, torch.from_numpy(np.concatenate([own[c].test_y for c in cids])), len(classes),
-                           torch.from_numpy(np.concatenate([np.full(len(own[c].test_y), c) for c in cids])))
+            x = normalize(torch.from_numpy(np.concatenate([own[c][0] for c in cids])), meta["mean"], meta["std"])
+            test = TestSet(x, torch.from_numpy(np.concatenate([own[c][1] for c in cids])), len(classes),
+                           torch.from_numpy(np.concatenate([np.full(len(own[c][1]), c) for c in cids])))
         else:
             with warnings.catch_warnings():
                 # The object store's arrays are read-only; nothing here writes to them.

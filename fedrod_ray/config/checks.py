@@ -305,7 +305,7 @@ def _check_sites(cfg: ExperimentConfig) -> None:
     names = [s.name for s in sites]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise ConfigError(f"sites[{i}].name: {name!r} names two sites; each site once")
+            raise ConfigError(f"sites.{i}.name: {name!r} names two sites; each site once")
     if d.partition != "natural":
         raise ConfigError("data.partition: the sites name their own clients (natural clients); set "
                           "data.partition=natural")

@@ -12,7 +12,8 @@ A site's data, at its ``path`` as the site's nodes see it, is one of:
 The server's test set (``data.path``) is ``<path>/test/<class>/*`` or an .npz of ``x_test``, ``y_test``
 (optionally ``class_names``). Its classes are the federation's: a client's class folder names one of them.
 Clients are named by their folders (or files), and a site's are read one at a time, when trained
-(``read_client``); ``index_site`` says what the site holds without decoding an image of it.
+(``read_client``); ``index_site`` says what the site holds without decoding an image of it, and ``read_own_test`` reads a
+client's own test set.
 """
 
 from __future__ import annotations
@@ -33,12 +34,10 @@ OWN_TEST = "test"  # under clients/<client>/: the client's own test set, never a
 
 @dataclass
 class ClientArrays:
-    """One client's examples: uint8 N x C x H x W images and int64 labels; its own test set, or None."""
+    """One client's training examples: uint8 N x C x H x W images and int64 labels."""
 
     x: np.ndarray
     y: np.ndarray
-    test_x: np.ndarray | None = None
-    test_y: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -110,21 +109,23 @@ def index_site(path: str, classes: tuple[str, ...], where: str) -> SiteIndex:
     return SiteIndex(tuple(clients), tuple(int(n) for n in sizes), shape, own[0])
 
 
-def read_client(source: Path, classes: tuple[str, ...], test: bool = False) -> ClientArrays:
+def read_client(source: Path, classes: tuple[str, ...]) -> ClientArrays:
     """Client ``source``'s training examples (a folder: classes in the order of ``classes``, files sorted), labels
-    indices into ``classes``; with ``test``, its own test set too."""
+    indices into ``classes``."""
     if source.is_dir():
-        train, own = _client_files(source, classes)
-        reader = _Reader()
-        out = ClientArrays(*_decode(train, classes, reader))
-        if test and own is not None:
-            out.test_x, out.test_y = _decode(own, classes, reader)
-        return out
-    arrays = _client_npz(source, ("x_train", "y_train", "x_test", "y_test") if test else ("x_train", "y_train"))
-    out = ClientArrays(*_npz_pair(arrays, "train", len(classes), source))
-    if test and "x_test" in arrays:
-        out.test_x, out.test_y = _npz_pair(arrays, "test", len(classes), source)
-    return out
+        train, _ = _client_files(source, classes)
+        return ClientArrays(*_decode(train, classes, _Reader()))
+    arrays = _client_npz(source, ("x_train", "y_train"))
+    return ClientArrays(*_npz_pair(arrays, "train", len(classes), source))
+
+
+def read_own_test(source: Path, classes: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Client ``source``'s own test set (images, labels), or None where it has none."""
+    if source.is_dir():
+        _, own = _client_files(source, classes)
+        return None if own is None else _decode(own, classes, _Reader())
+    arrays = _client_npz(source, ("x_test", "y_test"))
+    return _npz_pair(arrays, "test", len(classes), source) if "x_test" in arrays else None
 
 
 def client_counts(source: Path, classes: tuple[str, ...]) -> np.ndarray:
