@@ -261,3 +261,36 @@ def test_two_sites_on_a_cluster(tmp_path, private_ray_env, shared_data_dir):
     assert res["tampered"] is not None and "site store" in res["tampered"], res["tampered"]
     assert "sha256" in res["tampered"] and "refusing to mix" in res["tampered"], res["tampered"]
     assert res["tampered_run_unchanged"] is True
+
+
+@pytest.mark.slow
+def test_a_site_that_goes_away_and_comes_back(tmp_path, private_ray_env, shared_data_dir):
+    """Site a's node is removed while its actor trains (tests/sites_node_loss.py): its clients are unavailable,
+    not failed, and the rounds go on with site b's; a node with its label and directory comes back and its
+    clients rejoin from the very states they had (the site checks each one's sha256 before it trains); a round
+    whose clients are all away waits runtime.site_wait_s, then stops with a clear message."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "sites_node_loss.py"), str(tmp_path / "run")],
+                          check=False, cwd=REPO, env={**private_ray_env, "FEDROD_TEST_DATA": str(shared_data_dir)},
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(line[len("RESULT "):])
+    assert res["seen_training"] is True and res["round_2_ended"] is True
+    r1, r2, r3, r4 = res["records"]
+    everyone = {"clients": 6, "clients_done": 6, "clients_failed": 0, "clients_unavailable": 0,
+                "unavailable_ids": [], "pm_eval_unavailable": 0, "pm_eval_failed": 0}
+    assert r1 == {"round": 1, **everyone}
+    # Lost with its node, the client in training is unavailable too, never failed; site b's clients trained.
+    away = {"clients": 6, "clients_done": 3, "clients_failed": 0, "clients_unavailable": 3,
+            "unavailable_ids": [0, 1, 2], "pm_eval_unavailable": 3, "pm_eval_failed": 0}
+    assert r2 == {"round": 2, **away} and r3 == {"round": 3, **away}
+    assert r4 == {"round": 4, **everyone}
+    # Back on the new node, each client of site a trained once more from the state it had before.
+    assert res["a_actor_node"] == res["a_node_back"]
+    assert {name: v for name, (v, _) in res["after"].items()} == {name: v + 1 for name, (v, _) in res["before"].items()}
+    assert res["finite"] is True
+    assert res["all_away"] == ("round 5: all 6 sampled clients are unavailable (site a has no live node; site b has "
+                               "no live node); the run stops here (runtime.site_wait_s says how long a round waits "
+                               "for a site to come back)")
+    assert res["waited_s"] >= 2.0

@@ -290,14 +290,19 @@ def _check_data(cfg: ExperimentConfig) -> None:
                           "examples, which data.partition=natural keeps whole; use another loss or partition")
 
 
+SITES_KEY: str = "sites"  # the config's list of sites (ExperimentConfig.sites), beside data.dataset's choice
+
+
 def _check_sites(cfg: ExperimentConfig) -> None:
     """What training at sites (``data.dataset: sites``, docs/sites.md) needs and rules out: the clients are the
     sites' own (natural), trained on their sites' Ray nodes, and evaluated there (P-FL) or on the server (G-FL)."""
     d, sites = cfg.data, cfg.sites
     if d.dataset != SITES:
         if sites:
-            raise no_effect("sites", f"with data.dataset={d.dataset} (the driver reads the data)",
+            raise no_effect(SITES_KEY, f"with data.dataset={d.dataset} (the driver reads the data)",
                             "set data.dataset=sites")
+        if cfg.runtime.site_wait_s:
+            raise no_effect("runtime.site_wait_s", f"with data.dataset={d.dataset} (only sites can be away)")
         return
     if not sites:
         raise ConfigError("sites: data.dataset=sites trains the clients where their data lives; list the sites "

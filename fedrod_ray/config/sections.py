@@ -150,6 +150,9 @@ class RuntimeConfig:
     # Client states kept in memory between rounds, the most recently used; the others are read from the client
     # store on disk (the checkpoint's client files) when needed. 0: none, only the round's own clients are.
     client_cache: NonNegativeInt = 1000
+    # data.dataset=sites only: how long a round whose sampled clients are all at sites with no live node waits for
+    # one to come back before the run stops; 0: it stops at once
+    site_wait_s: NonNegativeFloat = 0.0
     progress_seconds: NonNegativeFloat = 30.0  # not on a terminal: a progress line inside a round at most this often
 
 

@@ -13,20 +13,28 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from ..client_update.local import RoundInput
 from ..clients import faults
-from ..clients.client import ClientFailure
+from ..clients.client import ClientFailure, ClientUnavailable
 from ..clients.site_actor import PFL_KEYS, SITE_LABEL, SiteActor
 from ..clients.site_store import SiteStateError
 from ..federation_state.setup import Setup
 from ..federation_state.site_setup import SiteSetup
 from .base import Job
-from .ray import Layout, RayExecutor
+from .ray import RESTART_TIMEOUT_S, Layout, RayExecutor
+
+SITE_POLL_S = 1.0  # how often a round that waits for a site (runtime.site_wait_s) looks again
+
+
+def live_sites() -> set[str]:
+    """The sites that have a live node now."""
+    return {node.get("Labels", {}).get(SITE_LABEL) for node in ray.nodes() if node["Alive"]} - {None}
 
 
 def site_cpus(name: str) -> float:
@@ -55,6 +63,7 @@ class SitesExecutor(RayExecutor):
         if fault is not None:  # only in the tests that kill an actor mid-call
             base["runtime_env"] = fault
         started: list[list] = []
+        self.cfg_dict, self.site_options, self.wait_s = cfg.to_dict(), [], cfg.runtime.site_wait_s
         for i, site in enumerate(cfg.sites):
             cpus = site_cpus(site.name)
             if cpus < unit:
@@ -62,6 +71,7 @@ class SitesExecutor(RayExecutor):
                                    f"{unit:g} CPU for a client (start the site's nodes with `ray start --labels "
                                    f"{SITE_LABEL}={site.name}`)")
             options = {**base, "label_selector": {SITE_LABEL: site.name}}
+            self.site_options.append(options)
             started.append([SiteActor.options(**options).remote(cfg.to_dict(), i)
                             for _ in range(math.floor(cpus / unit + 1e-9))])
         indexes = ray.get([actors[0].index.remote(classes) for actors in started])
@@ -85,6 +95,8 @@ class SitesExecutor(RayExecutor):
                 self._attach_args.append([{site.client_name(cid): cid for cid in ids}, classes, meta, *test])
                 self.actors.append(actor)
         self.layout = Layout(len(self.actors), max(per_site), len(self.actors), dict(req))
+        self.site_index = {cid: i for i, site in enumerate(self.setup.sites) for cid in site.ids}
+        self.gone: set[int] = set()  # the sites seen without a live node (their actors stopped)
         self.sizes = self.setup.sizes
         self.dead: set[int] = set()
         self.calls_done = [0] * len(self.actors)
@@ -100,6 +112,61 @@ class SitesExecutor(RayExecutor):
     def _version(self, cid: int, version: int) -> tuple[int, int, str | None]:
         return cid, version, self.digests.get((cid, version))
 
+    def available(self) -> set[int]:
+        """The sites (their index) that have a live node now. A site seen without one has its actors stopped;
+        one that has nodes again gets fresh actors, attached to its clients, whose state its store kept (so does
+        a present site's actor that Ray gave up)."""
+        live = live_sites()
+        for i, site in enumerate(self.setup.sites):
+            actors = self.site_actors[i]
+            if site.name not in live:
+                if i not in self.gone:
+                    self.gone.add(i)
+                    for a in actors:
+                        ray.kill(self.actors[a], no_restart=True)
+                    self.log(f"site {site.name}: no live node; its clients are unavailable until it comes back")
+                continue
+            fresh = actors if i in self.gone else [a for a in actors if a in self.dead]
+            for a in fresh:
+                self.actors[a] = SiteActor.options(**self.site_options[i]).remote(self.cfg_dict, i)
+                self.dead.discard(a)
+            ray.get([self._attach(a) for a in fresh])
+            if i in self.gone:
+                self.gone.discard(i)
+                self.log(f"site {site.name} is back: its clients rejoin")
+        return {i for i in range(len(self.setup.sites)) if i not in self.gone}
+
+    def _wait_for(self, cids: list[int]) -> set[int]:
+        """The available sites, after waiting up to runtime.site_wait_s for one of ``cids``' sites to be."""
+        deadline = time.monotonic() + self.wait_s
+        available = self.available()
+        while cids and not {self.site_index[c] for c in cids} & available and time.monotonic() < deadline:
+            time.sleep(SITE_POLL_S)
+            available = self.available()
+        return available
+
+    def _away(self, cid: int) -> ClientUnavailable:
+        return ClientUnavailable(cid, f"site {self.setup.sites[self.site_index[cid]].name} has no live node")
+
+    def _revive(self, a: int) -> bool:
+        """``RayExecutor._revive``, except that an actor whose site has no live node is not waited for: its
+        site is away (``available``), which its clients' calls report."""
+        name = next(self.setup.sites[i].name for i, actors in enumerate(self.site_actors) if a in actors)
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if name not in live_sites():
+                return False
+            try:
+                if not ray.get(self.actors[a].ready.remote(), timeout=SITE_POLL_S)["attached"]:
+                    ray.get(self._attach(a))
+                return True
+            except ActorDiedError:
+                break
+            except (RayActorError, GetTimeoutError):
+                time.sleep(0.2)
+        self.dead.add(a)
+        return False
+
     def train(self, round_idx: int, jobs: list[Job], message: RoundInput):
         message_ref = ray.put(message)
 
@@ -107,10 +174,18 @@ class SitesExecutor(RayExecutor):
             cid, version, digest = self._version(jobs[slot][0], jobs[slot][1].rounds_trained)
             return actor.train.remote(cid, version, digest, message_ref, round_idx)
 
-        for slot, value in self._run("train", list(range(len(jobs))), lambda slot: [jobs[slot][0]], submit,
-                                     retry_lost=False):
+        available = self._wait_for([cid for cid, _ in jobs])
+        slots = []
+        for slot, (cid, _) in enumerate(jobs):
+            if self.site_index[cid] in available:
+                slots.append(slot)
+            else:
+                yield slot, self._away(cid)
+        for slot, value in self._run("train", slots, lambda slot: [jobs[slot][0]], submit, retry_lost=False):
             cid = jobs[slot][0]
-            if isinstance(value, Exception):
+            if isinstance(value, Exception) and self.setup.sites[self.site_index[cid]].name not in live_sites():
+                value = self._away(cid)  # lost with its site's nodes
+            elif isinstance(value, Exception):
                 kind = " (actor died)" if isinstance(value, RayActorError) else ""
                 value = ClientFailure.from_exception(cid, value, kind, details=str(value))
             elif not isinstance(value, ClientFailure):
@@ -127,10 +202,14 @@ class SitesExecutor(RayExecutor):
 
     def site_evaluate(self, global_shared: dict, rounds_done: int, versions: dict[int, int]) -> dict:
         """Each site's P-FL sums of its clients, whose committed state has ``versions`` (client -> rounds trained),
-        added up in the order of the actors: {"pfl_*": (sum, clients)}, "failed": {client: error}."""
+        added up in the order of the actors: {"pfl_*": (sum, clients)}, "failed": {client: error}, and the
+        clients at sites that are away, "unavailable"."""
+        available = self.available()
+        unavailable = [cid for cid in sorted(versions) if self.site_index[cid] not in available]
         by_home: dict[int, list] = {}
         for cid in sorted(versions):
-            by_home.setdefault(self.home[cid], []).append(self._version(cid, versions[cid]))
+            if self.site_index[cid] in available:
+                by_home.setdefault(self.home[cid], []).append(self._version(cid, versions[cid]))
         chunks = [by_home[a] for a in sorted(by_home)]
         ref = ray.put(global_shared)
         values: dict[int, dict] = {}
@@ -138,7 +217,9 @@ class SitesExecutor(RayExecutor):
         for chunk, value in self._run("evaluate", chunks, lambda chunk: [cid for cid, _, _ in chunk],
                                       lambda actor, chunk: actor.evaluate.remote(chunk, ref, rounds_done),
                                       retry_lost=True):
-            if isinstance(value, Exception):
+            if isinstance(value, Exception) and self.setup.sites[self.site_index[chunk[0][0]]].name not in live_sites():
+                unavailable += [cid for cid, _, _ in chunk]
+            elif isinstance(value, Exception):
                 failed.update({cid: f"{type(value).__name__}: {value}" for cid, _, _ in chunk})
             else:
                 values[self.home[chunk[0][0]]] = value
@@ -148,7 +229,7 @@ class SitesExecutor(RayExecutor):
                 sums[key][0] += total
                 sums[key][1] += count
             failed.update(values[a]["failed"])
-        return {"sums": sums, "failed": failed}
+        return {"sums": sums, "failed": failed, "unavailable": sorted(unavailable)}
 
     def site_versions(self, rounds: dict[int, int]) -> dict[str, dict]:
         """What a checkpoint records of each site's state, with the server's committed ``rounds`` (client ->

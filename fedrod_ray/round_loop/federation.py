@@ -17,7 +17,7 @@ import numpy as np
 
 from ..algorithms import build_rule
 from ..client_update.local import LocalResult, RoundInput, round_lr
-from ..clients.client import ClientFailure, ClientState
+from ..clients.client import ClientFailure, ClientState, ClientUnavailable
 from ..config import ConfigError
 from ..executors.base import Executor
 from ..federation_state.buffered_rounds import BufferedRounds
@@ -201,15 +201,21 @@ class Federation:
         results: dict[int, LocalResult] = {}
         new_states: dict[int, ClientState] = {}
         failures: list[ClientFailure] = []
+        unavailable: list[ClientUnavailable] = []  # at sites: clients whose site is away (not failures)
         self._report(r + 1, 0, len(ids))
         for slot, out in self.executor.train(r, jobs, message):
-            if isinstance(out, ClientFailure):
+            if isinstance(out, ClientUnavailable):
+                for averager in (generic, rest, uploads, clipped):
+                    averager.skip(slot)
+                unavailable.append(out)
+                self.log(f"[round {r + 1}] client {out.client_id} unavailable: {out.reason}")
+            elif isinstance(out, ClientFailure):
                 res = out
                 for averager in (generic, rest, uploads, clipped):
                     averager.skip(slot)
                 failures.append(res)
                 self.log(f"[round {r + 1}] client {res.client_id} failed: {res.error}\n{res.traceback}")
-                self._check_failures(r, len(ids), failures)
+                self._check_failures(r, len(ids) - len(unavailable), failures)
             else:
                 res, new_states[ids[slot]] = out
                 if dp:
@@ -221,8 +227,13 @@ class Federation:
                              res.num_samples)
                     uploads.add(slot, res.upload, 1.0)
                 results[ids[slot]] = res
-            self._report(r + 1, len(results) + len(failures), len(ids))
-        self._check_failures(r, len(ids), failures)
+            self._report(r + 1, len(results) + len(failures) + len(unavailable), len(ids))
+        if ids and len(unavailable) == len(ids):
+            reasons = "; ".join(sorted({u.reason for u in unavailable}))
+            raise RoundFailedError(f"round {r + 1}: all {len(ids)} sampled clients are unavailable ({reasons}); the "
+                                   "run stops here (runtime.site_wait_s says how long a round waits for a site to "
+                                   "come back)")
+        self._check_failures(r, len(ids) - len(unavailable), failures)
         if dp:
             # The rule's server step sees only the noised mean, and the expected number of participants.
             averaged, privacy_state = dp.aggregate(clipped.total(), clipped.count, unclipped, self.global_shared,
@@ -247,6 +258,9 @@ class Federation:
         self.virtual_time += seconds
 
         record = self._record(r, list(results.values()), failures, t0, seconds)
+        if self.setup.at_sites:
+            record.update(clients=len(ids), clients_unavailable=len(unavailable),
+                          unavailable_ids=sorted(u.client_id for u in unavailable))
         if rc.mode == "deadline":
             record.update(clients=len(sampled), clients_dropped=len(sampled) - len(ids))
         if dp:

@@ -49,5 +49,6 @@ class SiteEvaluation:
         for key, (value, count) in site["sums"].items():
             out[key] = value / count if count else float("nan")
         out["pm_eval_failed"] = len(site["failed"])
+        out["pm_eval_unavailable"] = len(site["unavailable"])  # at sites that are away: not in the P-FL means
         out.update(gfl_at="server: its test set", pfl_at=self.pfl_at)
         return out
