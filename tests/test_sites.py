@@ -23,8 +23,12 @@ from fedrod_ray.data import load_server_test
 from fedrod_ray.data.files import DatasetFormatError
 from fedrod_ray.data.folder import read_folder
 from fedrod_ray.data.sites import client_counts, index_site, read_client, read_own_test, read_server_test
+from fedrod_ray.federation_state.final import write_final
 from fedrod_ray.federation_state.setup import prepare_server
 from fedrod_ray.federation_state.site_setup import SiteSetup
+from fedrod_ray.federation_state.state import Snapshot
+from fedrod_ray.models.export import load_final
+from fedrod_ray.outputs.storage import RunStorage
 
 # --- the config ---------------------------------------------------------------------------------------------
 
@@ -158,6 +162,22 @@ def test_the_server_setup_numbers_the_sites_clients_in_blocks(sites):
     cfg.data.num_clients = 5
     with pytest.raises(ConfigError, match=r"^data.num_clients: the sites hold 6 clients \(a 3, b 3\)"):
         SiteSetup.of(prepare_server(cfg), indexes)
+
+
+def test_final_at_sites_serves_the_generic_model_and_no_clients_head(sites, tmp_path):
+    """At sites the server never holds a phi_m: a linear run's final/ has the GM and no personal head (where an
+    in-memory run's would have every client's)."""
+    cfg = config_from_dict(sites_config(sites, "linear"))
+    server = prepare_server(cfg)
+    classes = tuple(server.dataset.class_names)
+    setup = SiteSetup.of(server, [index_site(str(sites[n]), classes, "sites.0.path") for n in SITES])
+    model = setup.build_model()
+    glob = {k: v for k, v in model.state_dict().items() if k in set(model.shared_keys())}
+    snap = Snapshot(3, cfg, glob, {}, {cid: ClientState(rounds_trained=1) for cid in range(6)})
+    write_final(RunStorage(str(tmp_path)), setup, snap, {"gfl_gm": 0.5})
+    served = load_final(RunStorage(str(tmp_path)))
+    assert served.meta.head == "linear" and served.personal_heads == {}
+    assert all(torch.equal(served.model.state_dict()[k], v) for k, v in glob.items())
 
 
 # --- a site's store -----------------------------------------------------------------------------------------
