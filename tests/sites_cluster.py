@@ -31,7 +31,6 @@ from sites_data import SITES, make_sites, memory_config, sites_config
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.drivers.ray_runtime import run_ray
 from fedrod_ray.drivers.runner import run_local
-from fedrod_ray.federation_state.checkpoint import load_checkpoint
 from fedrod_ray.outputs.storage import RunStorage
 
 KEYS = ("round", "clients", "clients_done", "clients_failed", "train_loss", "personal_loss", "gfl_gm", "pfl_gm",
@@ -146,12 +145,14 @@ def main(root: Path) -> None:
         saved = victim.read_bytes()
         victim.write_bytes(saved[:-4] + bytes(b ^ 0xFF for b in saved[-4:]))
         before = (run / "metrics.jsonl").read_bytes(), (run / "final" / "model.safetensors").read_bytes()
-        try:
-            run_ray(config_from_dict(config("hyper", "hyper")), RunStorage(str(run)),
-                    load_checkpoint(RunStorage(str(run))), log=lambda s: None)
-            out["tampered"] = None
-        except Exception as e:  # noqa: BLE001 - the test reads what it said
-            out["tampered"] = f"{type(e).__name__}: {e}"
+        refused = subprocess.run([*cli, "--resume", str(run)], check=False, env=env, capture_output=True, text=True,
+                                 timeout=300)
+        out["tampered"] = [refused.returncode, [ln for ln in refused.stderr.splitlines() if "fedrod-ray:" in ln]]
+        # A config that miscounts the sites' clients: the one-line error the CLI gives its own config errors.
+        wrong = subprocess.run([*cli, "--config", str(cfg_file), "--run-dir", str(root / "wrong"), "--set",
+                                "data.num_clients=5"], check=False, env=env, capture_output=True, text=True,
+                               timeout=300)
+        out["miscounted"] = [wrong.returncode, [ln for ln in wrong.stderr.splitlines() if "fedrod-ray:" in ln]]
         after = (run / "metrics.jsonl").read_bytes(), (run / "final" / "model.safetensors").read_bytes()
         out["tampered_run_unchanged"] = before == after
     finally:

@@ -277,10 +277,16 @@ def test_two_sites_on_a_cluster(tmp_path, private_ray_env, shared_data_dir):
     uninterrupted, resumed = res["resumed_records"]
     assert uninterrupted == resumed
 
-    # A site whose store no longer holds the committed state is refused with a clear error; nothing written.
-    assert res["tampered"] is not None and "site store" in res["tampered"], res["tampered"]
-    assert "sha256" in res["tampered"] and "refusing to mix" in res["tampered"], res["tampered"]
+    # A site whose store no longer holds the committed state is refused with a clear error (the CLI's own
+    # one line); nothing of the run is changed.
+    rc, said = res["tampered"]
+    assert rc == 2 and len(said) == 1, res["tampered"]
+    assert said[0].startswith("fedrod-ray: error: the sites' stores do not hold the states this checkpoint "
+                              "committed:"), said
     assert res["tampered_run_unchanged"] is True
+    # The sites' clients miscounted by the config: the error names the field, in one line.
+    said = "fedrod-ray: error: data.num_clients: the sites hold 6 clients (a 3, b 3); set data.num_clients=6"
+    assert res["miscounted"] == [2, [said]], res["miscounted"]
 
 
 @pytest.mark.slow

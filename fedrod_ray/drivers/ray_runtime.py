@@ -19,7 +19,7 @@ from ..config import ExperimentConfig
 from ..executors.shared_setup import share
 from ..federation_state.setup import prepare, prepare_server
 from ..federation_state.state import Snapshot
-from ..lifecycle.coordinator import Coordinator
+from ..lifecycle.coordinator import STARTUP_ERRORS, Coordinator
 from ..outputs.storage import RunStorage
 from ..round_loop.federation import RoundFailedError
 from .console import format_record
@@ -93,7 +93,12 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         coordinator = Coordinator.options(num_cpus=0, max_restarts=0, max_concurrency=2,
                                           scheduling_strategy=here).remote(shared, storage.uri, snapshot)
-        info = ray.get(coordinator.info.remote())
+        try:
+            info = ray.get(coordinator.info.remote())
+        except RayTaskError as e:  # the run could not start, and says why (the sites' data or stores)
+            if isinstance(e.cause, STARTUP_ERRORS):
+                raise e.cause from None
+            raise
         hosted = "any client" if info["clients_per_actor"] == 0 else f"{info['clients_per_actor']} client(s) each"
         log(f"ray: {info['num_actors']} client actor(s) ({hosted}), {info['max_in_flight']} training(s) at once; "
             f"ready in {time.perf_counter() - t0:.1f}s")
