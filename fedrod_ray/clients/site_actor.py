@@ -71,8 +71,11 @@ class SiteActorImpl:
         self.cfg = config_from_dict(cfg_dict)
         self.site = site
         self.where = f"sites.{site}.path"
-        threads = self.cfg.runtime.torch_threads or max(1, int(self.cfg.runtime.client_resources.get("num_cpus", 1)))
-        torch.set_num_threads(threads)
+        resources = self.cfg.runtime.client_resources
+        torch.set_num_threads(self.cfg.runtime.torch_threads or max(1, int(resources.get("num_cpus", 1))))
+        # As a ClientActor: a GPU share puts the site's clients on the GPU.
+        use_gpu = resources.get("num_gpus", 0) > 0 and bool(ray.get_gpu_ids()) and torch.cuda.is_available()
+        self.device = "cuda" if use_gpu else "cpu"
         self.host: SiteHost | None = None
         self.store: SiteStore | None = None
         self.names: dict[int, str] = {}
@@ -104,7 +107,8 @@ class SiteActorImpl:
         del own
         shape = tuple(meta["image_shape"])
         context = ClientContext(torch.empty((0, *shape), dtype=torch.uint8), torch.empty(0, dtype=torch.long), {},
-                                counts, test, tuple(meta["mean"]), tuple(meta["std"]), meta["augment"])
+                                counts, test, tuple(meta["mean"]), tuple(meta["std"]), meta["augment"],
+                                device=self.device)
         self.host = SiteHost(cfg, context, sources, classes, site.data_cache)
         self.gm_model = copy.deepcopy(self.host.model)  # the GM and the PMs' global reading
         self.store = SiteStore(store_uri(cfg, self.site), cfg.runtime.client_cache)
