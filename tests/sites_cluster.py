@@ -113,6 +113,10 @@ def main(root: Path) -> None:
         out["manifest_clients"] = manifest["clients"]
         stores = root / "stores" / "hyper"
         out["stores"] = {name: sorted(p.name for p in (stores / name).iterdir()) for name in SITES}
+        out["store_versions"] = {name: {p.name: sorted(int(f.stem) for f in p.iterdir())
+                                        for p in (stores / name).iterdir()} for name in SITES}
+        out["kept_manifest_sites"] = [json.loads((ckpt / r / "manifest.json").read_text())["sites"]
+                                      for r in ("round_000002", "round_000003")]
 
         # The driver killed by SIGKILL after its first checkpoint, then resumed: the uninterrupted run's weights.
         killed = root / "killed"

@@ -219,6 +219,18 @@ def test_a_site_store_refuses_a_state_other_than_the_committed_one(tmp_path):
     assert len(fresh.check({"c1": (1, digest), "c2": (1, digest)})) == 2
 
 
+def test_a_site_store_prunes_the_versions_no_checkpoint_can_name(tmp_path):
+    store = SiteStore(str(tmp_path), capacity=4)
+    digests = {v: store.save("c1", state(v, v)) for v in (1, 2, 3)}
+    store.save("c2", state(9, 1))
+    assert store.prune({"c1": 3, "c2": 1}) == 2
+    assert sorted(p.name for p in (tmp_path / "c1").iterdir()) == ["3.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "c2").iterdir()) == ["1.safetensors"]
+    assert store.load("c1", 3, digests[3]).rounds_trained == 3
+    with pytest.raises(SiteStateError, match="no state of version 2"):
+        store.load("c1", 2, digests[2])  # gone from memory too
+
+
 # --- two sites on a multi-node local Ray cluster ------------------------------------------------------------
 
 PFL = ("pfl_gm", "pfl_pm", "pfl_pm_global")
@@ -269,6 +281,15 @@ def test_two_sites_on_a_cluster(tmp_path, private_ray_env, shared_data_dir):
         assert set(site["clients"]) <= set(SITES[name]) and re.fullmatch(r"[0-9a-f]{64}", site["hash"])
         assert all(isinstance(v, int) and re.fullmatch(r"[0-9a-f]{64}", h) for v, h in site["clients"].values())
         assert set(res["stores"][name]) == set(site["clients"])
+    # The stores keep what a kept checkpoint names and drop what none can (pruned as the run goes): the client
+    # that trained every round kept its last two versions only.
+    named = {(name, c, v) for m in res["kept_manifest_sites"] for name, site in m.items()
+             for c, (v, _) in site["clients"].items()}
+    kept = {(name, c, v) for name, clients in res["store_versions"].items() for c, vs in clients.items() for v in vs}
+    assert named <= kept, (named, kept)
+    oldest = {(name, c): min(v for n, cc, v in named if (n, cc) == (name, c)) for name, c, _ in named}
+    assert all(v >= oldest[name, c] for name, c, v in kept), (kept, oldest)
+    assert any(len(vs) == 2 and vs[0] > 1 for clients in res["store_versions"].values() for vs in clients.values())
 
     # Killed by SIGKILL after a checkpoint, then --resume: bitwise the uninterrupted run.
     assert res["killed_before_end"] is True and res["killed_at"] in ("round_000001", "round_000002")

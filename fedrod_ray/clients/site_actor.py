@@ -123,6 +123,11 @@ class SiteActorImpl:
         self._host()
         return self.store.check(committed)
 
+    def prune(self, floor: dict[str, int]) -> int:
+        """Delete the site's client states older than ``floor`` (name -> oldest version still needed)."""
+        self._host()
+        return self.store.prune(floor)
+
     def _host(self) -> SiteHost:
         if self.host is None:
             raise ActorNotReady("this site actor restarted and has no clients yet")

@@ -4,7 +4,8 @@ Each state is a safetensors file ``<client>/<version>.safetensors`` in the site'
 nodes see, or an object-store URI), its version the rounds its client has trained, which is what the server
 knows of it, with the file's sha256. Writing a version again (a round trained again after a resume) replaces
 it; the server names the version and hash it committed, and a state whose file does not have that hash is
-refused (``SiteStateError``), never mixed into the run. The ``capacity`` most recently used states stay in
+refused (``SiteStateError``), never mixed into the run. Versions older than any a kept checkpoint can name
+are deleted as the run goes (``prune``). The ``capacity`` most recently used states stay in
 memory, as in the server's client store (``federation_state.client_store``).
 """
 
@@ -78,6 +79,19 @@ class SiteStore:
             except SiteStateError as e:
                 problems.append(str(e))
         return problems
+
+    def prune(self, floor: dict[str, int]) -> int:
+        """Delete each client's versions older than ``floor[name]`` (versions no kept checkpoint can name);
+        returns how many files went."""
+        gone = 0
+        for name, oldest in floor.items():
+            for file in self.storage.list_files(name):
+                version = file.removesuffix(".safetensors")
+                if version.isdigit() and int(version) < oldest:
+                    self.storage.delete_file(f"{name}/{file}")
+                    self._cache.pop((name, int(version)), None)
+                    gone += 1
+        return gone
 
     def _keep(self, key: tuple[str, int], digest: str, state: ClientState) -> None:
         self._cache[key] = (digest, state)

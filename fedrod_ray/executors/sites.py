@@ -30,6 +30,9 @@ from .base import Job
 from .ray import RESTART_TIMEOUT_S, Layout, RayExecutor
 
 SITE_POLL_S = 1.0  # how often a round that waits for a site (runtime.site_wait_s) looks again
+# Snapshots whose state versions the sites keep: the checkpoints kept (``checkpoint.KEEP``, 2) are among the last
+# three snapshots (one more: a save in flight, which may not commit).
+KEPT_SNAPSHOTS = 3
 
 
 def live_sites() -> set[str]:
@@ -97,6 +100,8 @@ class SitesExecutor(RayExecutor):
         self.layout = Layout(len(self.actors), max(per_site), len(self.actors), dict(req))
         self.site_index = {cid: i for i, site in enumerate(self.setup.sites) for cid in site.ids}
         self.gone: set[int] = set()  # the sites seen without a live node (their actors stopped)
+        self.snapshots: list[dict[int, int]] = []  # the last snapshots' rounds per client (``_prune``)
+        self.pruning: list[ray.ObjectRef] = []  # the sites' prunes in flight
         self.sizes = self.setup.sizes
         self.dead: set[int] = set()
         self.calls_done = [0] * len(self.actors)
@@ -240,7 +245,28 @@ class SitesExecutor(RayExecutor):
                        for cid in site.ids if rounds.get(cid, 0)}
             text = json.dumps(clients, sort_keys=True, separators=(",", ":")).encode()
             out[site.name] = {"clients": clients, "hash": hashlib.sha256(text).hexdigest()}
+        self._prune(rounds)
         return out
+
+    def _prune(self, rounds: dict[int, int]) -> None:
+        """Have each present site delete its clients' state versions older than the last KEPT_SNAPSHOTS
+        snapshots name (in the background: nothing waits for it)."""
+        self.snapshots = [*self.snapshots[-(KEPT_SNAPSHOTS - 1):], dict(rounds)]
+        if len(self.snapshots) < KEPT_SNAPSHOTS:
+            return
+        available = self.available()
+        for i, site in enumerate(self.setup.sites):
+            floor = {site.client_name(cid): min(s.get(cid, 0) for s in self.snapshots) for cid in site.ids}
+            floor = {name: v for name, v in floor.items() if v > 1}
+            if floor and i in available:
+                self.pruning.append(self.actors[self.site_actors[i][0]].prune.remote(floor))
+        self.pruning = ray.wait(self.pruning, num_returns=len(self.pruning), timeout=0)[1]
+
+    def close(self) -> None:
+        """Let the prunes in flight finish (a site that went away meanwhile is not waited for), then stop."""
+        if self.pruning:
+            ray.wait(self.pruning, num_returns=len(self.pruning), timeout=RESTART_TIMEOUT_S)
+        super().close()
 
     def restore_sites(self, sites: dict[str, dict], rounds: dict[int, int]) -> None:
         """Take a checkpoint's ``site_versions`` (the server's ``rounds`` with it), after every site has checked
@@ -262,6 +288,7 @@ class SitesExecutor(RayExecutor):
             first = self.site_actors[i][0]
             committed = {name: tuple(v) for name, v in recorded.items() if name in ids}
             problems += ray.get(self.actors[first].check.remote(committed))
+        self.snapshots = [dict(rounds)]  # the checkpoint resumed from counts as the first snapshot kept
         if problems:
             raise SiteStateError("the sites' stores do not hold the states this checkpoint committed:\n  "
                                  + "\n  ".join(problems))
