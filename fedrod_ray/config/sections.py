@@ -217,6 +217,7 @@ class SiteConfig:
     """A site (``sites``, with ``data.dataset: sites``; docs/sites.md): Ray nodes started with the label
     fedrod.site=<name>, the data that lives there, and the store that keeps its clients' state there."""
 
+    # the site: its nodes carry the Ray label fedrod.site=<name> (letters, digits, ".", "_", "-")
     name: Annotated[StrictStr, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
     # The site's clients as its nodes see them: clients/<client>/<class>/*.png|jpg (optionally
     # clients/<client>/test/<class>/..., every client's own test set) or clients/<client>.npz (x_train, y_train,
