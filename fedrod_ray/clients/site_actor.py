@@ -113,6 +113,7 @@ class SiteActorImpl:
         self.gm_model = copy.deepcopy(self.host.model)  # the GM and the PMs' global reading
         self.store = SiteStore(store_uri(cfg, self.site), cfg.runtime.client_cache)
         self.names = {cid: name for name, cid in ids.items()}
+        self._pms: dict[int, tuple[tuple[int, str | None], tuple]] = {}  # PM counts by the state they came from
 
     def ready(self) -> dict:
         return {"attached": self.host is not None, "pid": os.getpid(),
@@ -188,11 +189,14 @@ class SiteActorImpl:
                 reading = self._reading(model, state.personal, counts, z, logits, gm, test, cid)
                 if state.local_model is None and state.personal is None:
                     pm = reading  # never trained: its PM is the global reading
+                elif not method.pm_from_global and self._pms.get(cid, (None,))[0] == (version, digest):
+                    pm = self._pms[cid][1]  # a PM changes only when its client trains
                 else:
                     evaluated = host.evaluate([(cid, state)])
                     if cid in evaluated.failed:
                         raise RuntimeError(evaluated.failed[cid])
                     pm = evaluated.correct[cid], evaluated.total[cid]
+                    self._pms[cid] = (version, digest), pm
             except Exception as e:  # noqa: BLE001 - one broken client must not stop the evaluation
                 failed[cid] = f"{type(e).__name__}: {e}"
                 values_done = values

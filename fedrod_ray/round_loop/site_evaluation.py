@@ -30,7 +30,7 @@ class SiteEvaluation:
         self.pfl_at = "sites: " + where.get(frozenset(own), mixed)
 
     def clear(self) -> None:
-        """Nothing is cached here (the sites evaluate every client's PM afresh)."""
+        """Nothing is cached here (each site keeps its PMs' counts, by the state they came from)."""
 
     def evaluate(self, executor, global_shared: StateDict, clients: ClientStore, round_idx: int,
                  final: bool = False) -> dict:
