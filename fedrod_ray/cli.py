@@ -240,6 +240,7 @@ def cmd_schema(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .clients.site_store import SiteStateError
     from .data import DatasetFormatError, DatasetNotFoundError
     from .outputs.lock import DirectoryInUse
     from .round_loop.federation import RoundFailedError
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         handler = getattr(args, "handler", None) or {"train": cmd_train, "partition": cmd_partition,
                                                        "list": cmd_list, "schema": cmd_schema}[args.command]
         return handler(args)
-    except (ConfigError, DatasetNotFoundError, DatasetFormatError) as e:
+    except (ConfigError, DatasetNotFoundError, DatasetFormatError, SiteStateError) as e:
         print(f"fedrod-ray: error: {e}", file=sys.stderr)
         return 2
     except RoundFailedError as e:

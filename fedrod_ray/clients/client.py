@@ -125,6 +125,15 @@ class ClientFailure:
                    "".join(traceback.format_exception(e)) if details is None else details)
 
 
+@dataclass(frozen=True)
+class ClientUnavailable:
+    """A sampled client that could not be reached this round (at sites: its site has no live node); not a
+    failure: the round goes on without it, and its state stays as it was."""
+
+    client_id: int
+    reason: str
+
+
 @dataclass
 class EvalCounts:
     correct: dict[int, torch.Tensor] = field(default_factory=dict)

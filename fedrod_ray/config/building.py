@@ -70,7 +70,9 @@ def _message(cls: type, errors: list[Any], prefix: str) -> str:
 
 def _section_fields(cls: type, loc: list[str]) -> list[str]:
     for name in loc:
+        if name.isdigit():  # an item of a list of sections (sites): the list's class, already taken
+            continue
         cls = typing.get_type_hints(cls)[name]
-        # An optional section (privacy.adaptive_clip): the section's own class.
+        # An optional section (privacy.adaptive_clip) or a list of them (sites): the section's own class.
         cls = next((a for a in typing.get_args(cls) if dataclasses.is_dataclass(a)), cls)
     return [f.name for f in dataclasses.fields(cls)]

@@ -17,8 +17,9 @@ SUMMARY_METRICS = ("gfl_gm", "pfl_gm", "pfl_pm")
 def format_record(rec: dict, rounds: int) -> str:
     """A round's line: its time, learning rate, clients, loss and whatever it evaluated or estimated."""
     line = (f"[round {rec['round']:>3}/{rounds}] {rec['seconds']:6.1f}s  lr {rec['lr']:.4g}  "
-            f"clients {rec['clients_done']}/{rec['clients']} (failed {rec['clients_failed']})  "
-            f"{label('train_loss')} {rec['train_loss']:.3f}")
+            f"clients {rec['clients_done']}/{rec['clients']} (failed {rec['clients_failed']}"
+            + (f", {label('clients_unavailable')} {rec['clients_unavailable']}" if rec.get("clients_unavailable") else "")
+            + f")  {label('train_loss')} {rec['train_loss']:.3f}")
     if "gfl_gm" in rec:
         # The two readings of the PM together, and the new clients' GM -> PM -> fine-tuned PM as one story.
         line += (f"  |  {values_line(rec, ('gfl_gm', 'pfl_gm', 'pfl_pm'))}"

@@ -6,10 +6,11 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from ..client_update.local import LocalResult, RoundInput
-from ..clients.client import ClientFailure, ClientState, EvalCounts
+from ..clients.client import ClientFailure, ClientState, ClientUnavailable, EvalCounts
 
 Job = tuple[int, ClientState]  # a client id and the state its call starts from
-TrainOutcome = tuple[LocalResult, ClientState] | ClientFailure  # a client's result and new state, or its failure
+# A client's result and new state, or its failure, or (at sites) that it could not be reached.
+TrainOutcome = tuple[LocalResult, ClientState] | ClientFailure | ClientUnavailable
 
 
 class Executor(Protocol):

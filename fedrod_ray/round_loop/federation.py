@@ -17,7 +17,7 @@ import numpy as np
 
 from ..algorithms import build_rule
 from ..client_update.local import LocalResult, RoundInput, round_lr
-from ..clients.client import ClientFailure, ClientState
+from ..clients.client import ClientFailure, ClientState, ClientUnavailable
 from ..config import ConfigError
 from ..executors.base import Executor
 from ..federation_state.buffered_rounds import BufferedRounds
@@ -38,6 +38,7 @@ from ..timing.clock import (
     read_trace,
 )
 from .evaluation import Evaluation, anchored, estimate_offset
+from .site_evaluation import SiteEvaluation
 
 
 class RoundFailedError(RuntimeError):
@@ -76,7 +77,9 @@ class Federation:
         # disk. A state is only ever replaced, never written into, so a snapshot stays valid while training
         # goes on.
         self.clients = ClientStore(len(setup.all_client_ids), self.cfg.runtime.client_cache)
-        self.evaluation = Evaluation(setup, self.model, self.method, self.initial, log)
+        # At sites (``data.dataset: sites``), P-FL is computed where the clients are.
+        self.evaluation = (SiteEvaluation if setup.at_sites else Evaluation)(setup, self.model, self.method,
+                                                                              self.initial, log)
         self.estimate_offset: dict[str, float] = {}
         self.next_round = 0
         # Client-level DP (``privacy``): its sampling, clipping and noised aggregate replace the plain ones.
@@ -111,7 +114,7 @@ class Federation:
             except (OSError, ValueError) as e:
                 raise ConfigError(f"rounds.trace: {e}") from None
         speeds = client_speeds(rc.speeds, n, self.cfg.seed, rc.speed, rc.sigma, rc.shape, trace)
-        examples = np.array([len(self.setup.partition.client_indices[c]) for c in range(n)])
+        examples = np.asarray(self.setup.sizes[:n])
         model_bytes = sum(v.numel() * v.element_size() for v in self.global_shared.values())
         return durations(speeds, examples, self.cfg.train.local_epochs,
                          communication_seconds(model_bytes, rc.bandwidth))
@@ -124,7 +127,13 @@ class Federation:
         return Snapshot(self.next_round, self.cfg, dict(self.global_shared), dict(self.server_state),
                         self.clients.snapshot(), dict(self.estimate_offset), dict(self.method_state),
                         dict(self.privacy_state), self.virtual_time, buffered.dispatches if buffered else 0,
-                        list(buffered.in_flight) if buffered else [])
+                        list(buffered.in_flight) if buffered else [], self._site_versions())
+
+    def _site_versions(self) -> dict:
+        """At sites: the version and sha256 of every client's state that each site keeps (``SitesExecutor``)."""
+        if not self.setup.at_sites:
+            return {}
+        return self.executor.site_versions({cid: self.clients.rounds_trained(cid) for cid in self.clients})
 
     def restore(self, snap: Snapshot) -> None:
         if set(snap.global_shared) != set(self.shared_keys):
@@ -136,6 +145,8 @@ class Federation:
         if self.dp is not None:
             self.privacy_state = dict(snap.privacy_state) or self.dp.init_state()
         self.clients.restore(snap.clients)
+        if self.setup.at_sites:  # each site checks that it holds its clients' states as the snapshot names them
+            self.executor.restore_sites(snap.sites, {cid: self.clients.rounds_trained(cid) for cid in self.clients})
         self.next_round = snap.rounds_done
         self.estimate_offset = dict(snap.estimate_offset)
         self.virtual_time = snap.virtual_time
@@ -190,15 +201,21 @@ class Federation:
         results: dict[int, LocalResult] = {}
         new_states: dict[int, ClientState] = {}
         failures: list[ClientFailure] = []
+        unavailable: list[ClientUnavailable] = []  # at sites: clients whose site is away (not failures)
         self._report(r + 1, 0, len(ids))
         for slot, out in self.executor.train(r, jobs, message):
-            if isinstance(out, ClientFailure):
+            if isinstance(out, ClientUnavailable):
+                for averager in (generic, rest, uploads, clipped):
+                    averager.skip(slot)
+                unavailable.append(out)
+                self.log(f"[round {r + 1}] client {out.client_id} unavailable: {out.reason}")
+            elif isinstance(out, ClientFailure):
                 res = out
                 for averager in (generic, rest, uploads, clipped):
                     averager.skip(slot)
                 failures.append(res)
                 self.log(f"[round {r + 1}] client {res.client_id} failed: {res.error}\n{res.traceback}")
-                self._check_failures(r, len(ids), failures)
+                self._check_failures(r, len(ids) - len(unavailable), failures)
             else:
                 res, new_states[ids[slot]] = out
                 if dp:
@@ -210,8 +227,13 @@ class Federation:
                              res.num_samples)
                     uploads.add(slot, res.upload, 1.0)
                 results[ids[slot]] = res
-            self._report(r + 1, len(results) + len(failures), len(ids))
-        self._check_failures(r, len(ids), failures)
+            self._report(r + 1, len(results) + len(failures) + len(unavailable), len(ids))
+        if ids and len(unavailable) == len(ids):
+            reasons = "; ".join(sorted({u.reason for u in unavailable}))
+            raise RoundFailedError(f"round {r + 1}: all {len(ids)} sampled clients are unavailable ({reasons}); the "
+                                   "run stops here (runtime.site_wait_s says how long a round waits for a site to "
+                                   "come back)")
+        self._check_failures(r, len(ids) - len(unavailable), failures)
         if dp:
             # The rule's server step sees only the noised mean, and the expected number of participants.
             averaged, privacy_state = dp.aggregate(clipped.total(), clipped.count, unclipped, self.global_shared,
@@ -236,6 +258,9 @@ class Federation:
         self.virtual_time += seconds
 
         record = self._record(r, list(results.values()), failures, t0, seconds)
+        if self.setup.at_sites:
+            record.update(clients=len(ids), clients_unavailable=len(unavailable),
+                          unavailable_ids=sorted(u.client_id for u in unavailable))
         if rc.mode == "deadline":
             record.update(clients=len(sampled), clients_dropped=len(sampled) - len(ids))
         if dp:
