@@ -1,10 +1,11 @@
 """The privacy accountant of client-level DP: epsilon at the run's delta after r rounds, from Google's
 ``dp_accounting`` library (``pip install "fedrod-ray[privacy]"``), never from formulas of our own.
 
-One round is a Gaussian mechanism (noise multiplier sigma, sensitivity one clipped update) on the clients
-sampled for it: Poisson sampling at rate q (``PoissonSampledDpEvent``, add-or-remove-one neighbours, RDP
-or PLD) or a fixed number of them without replacement (``SampledWithoutReplacementDpEvent``, replace-one
-neighbours, RDP only). r rounds compose (``SelfComposedDpEvent``). Epsilon after r rounds is a function of r
+One round is a Gaussian mechanism (noise std sigma S) on the clients sampled for it: Poisson sampling at
+rate q (``PoissonSampledDpEvent``, add-or-remove-one neighbours: the sum moves by at most S, multiplier
+sigma; RDP or PLD) or a fixed number of them without replacement (``SampledWithoutReplacementDpEvent``,
+replace-one neighbours: replacing a client's update u by u' moves the sum by ||u - u'|| <= 2S, so the
+Gaussian's multiplier over that sensitivity is sigma / 2; RDP only). r rounds compose (``SelfComposedDpEvent``). Epsilon after r rounds is a function of r
 alone, computed afresh from a new accountant, so a resumed run reports exactly the uninterrupted run's.
 """
 
@@ -42,12 +43,14 @@ class Mechanism:
 
     def event(self, rounds: int):
         dp = _library()
-        gaussian = dp.GaussianDpEvent(self.noise_multiplier)
         if self.sampling == "poisson":
-            sampled = dp.PoissonSampledDpEvent(self.rate, gaussian)
+            sampled = dp.PoissonSampledDpEvent(self.rate, dp.GaussianDpEvent(self.noise_multiplier))
         else:
+            # The library's noise multiplier is over the sensitivity under its neighbouring relation: replace-one's
+            # is 2S, twice add-or-remove's.
             size = round(self.rate * self.num_clients)
-            sampled = dp.SampledWithoutReplacementDpEvent(self.num_clients, size, gaussian)
+            sampled = dp.SampledWithoutReplacementDpEvent(self.num_clients, size,
+                                                          dp.GaussianDpEvent(self.noise_multiplier / 2))
         return dp.SelfComposedDpEvent(sampled, rounds)
 
     def new_accountant(self):

@@ -105,7 +105,9 @@ def update_noise_multiplier(noise_multiplier: float, count_noise: float) -> floa
     The round releases the clipped sum with noise multiplier z_Delta and the count of unclipped updates,
     centred (b_m - 1/2, sensitivity 1/2), with noise std sigma_b: together a Gaussian mechanism of multiplier
     (z_Delta^-2 + (2 sigma_b)^-2)^-1/2. For that to be ``noise_multiplier``, z_Delta = (sigma^-2 -
-    (2 sigma_b)^-2)^-1/2, which needs 2 sigma_b > sigma (else the count alone spends the whole budget).
+    (2 sigma_b)^-2)^-1/2, which needs 2 sigma_b > sigma (else the count alone spends the whole budget). Under
+    replace-one neighbours (fixed-size sampling) both sensitivities double, and the two are one mechanism of
+    multiplier sigma / 2, which is what the accountant charges there.
     """
     if noise_multiplier == 0:
         return 0.0
