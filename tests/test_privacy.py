@@ -6,6 +6,7 @@ privacy-utility table's rows in tests/test_reproduce.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -261,6 +262,31 @@ def test_sigma_from_a_target_epsilon_is_the_smallest_within_it():
     # Unreachable: a config error naming the field, before the run starts.
     with pytest.raises(ConfigError, match=r"privacy\.target_epsilon: epsilon 0\.0001 .* out of reach"):
         federation(*PRIVATE, "privacy.target_epsilon=1e-4")
+
+
+def test_sigma_for_a_target_epsilon_under_pld_searches_only_where_pld_is_cheap(monkeypatch):
+    """PLD's memory grows as the noise shrinks (a search from sigma = 1e-3 asked for 38 GiB): every noise
+    multiplier PLD is asked about lies between half of RDP's answer and the answer it returns, which is the
+    smallest within the target. A target that would take PLD below its floor is a config error naming the
+    accountant, and nothing is allocated (a PLD event below the floor fails the test here before it is)."""
+    asked: list[float] = []
+    event = Mechanism.event
+
+    def spied(self, rounds):
+        if self.accountant == "pld":
+            if self.noise_multiplier < 0.2:
+                raise AssertionError(f"PLD asked about sigma {self.noise_multiplier:g}")
+            asked.append(self.noise_multiplier)
+        return event(self, rounds)
+
+    monkeypatch.setattr(Mechanism, "event", spied)
+    mechanism = Mechanism(0.0, "poisson", 100, 0.5, "pld")
+    rdp = noise_for_epsilon(dataclasses.replace(mechanism, accountant="rdp"), 3.0, 1e-5, 5)
+    sigma = noise_for_epsilon(mechanism, 3.0, 1e-5, 5)
+    assert rdp / 2 <= min(asked) and sigma <= rdp
+    assert epsilon(mechanism.with_noise(sigma), 5, 1e-5) <= 3.0 < epsilon(mechanism.with_noise(sigma - 1e-3), 5, 1e-5)
+    with pytest.raises(ConfigError, match=r"privacy\.target_epsilon: epsilon 500 .* use privacy\.accountant=rdp"):
+        federation(*PRIVATE, "privacy.accountant=pld", "privacy.target_epsilon=500")
 
 
 # --- runs ---------------------------------------------------------------------------------------------

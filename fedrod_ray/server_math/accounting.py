@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 NOISE_BRACKET = (1e-3, 1e3)  # the noise multipliers a target epsilon is searched between
+PLD_LEAST_NOISE = 0.25  # PLD's search goes no lower (about 0.3 GiB at q = 0.1 and 100 rounds; 1e-3: 38 GiB)
 
 
 def _library():
@@ -92,13 +93,33 @@ def noise_for_epsilon(mechanism: Mechanism, target_epsilon: float, delta: float,
     ``target_epsilon`` at ``delta``: the library's calibration (Brent's method on its own accountant), which
     returns a value on the safe side of the target. ``mechanism``'s own noise multiplier is not read.
 
-    Raises ValueError when no noise multiplier in ``NOISE_BRACKET`` reaches the target."""
-    dp = _library()
+    PLD's memory grows as the noise shrinks (about 1/sigma^2: 38 GiB at 1e-3), so its search is bounded by
+    RDP's answer, an upper bound on the noise PLD needs, and half of it, which PLD is far from ever needing;
+    a target whose RDP noise is below ``PLD_LEAST_NOISE`` is refused rather than searched.
+
+    Raises ValueError when no noise multiplier in ``NOISE_BRACKET`` reaches the target, or PLD's search would
+    go where it is costly."""
     low, high = NOISE_BRACKET
     most = epsilon(mechanism.with_noise(high), rounds, delta)
     if most > target_epsilon:
         raise ValueError(f"epsilon {target_epsilon:g} at delta {delta:g} over {rounds} rounds is out of reach: "
                          f"even a noise multiplier of {high:g} spends {most:.4g}")
+    if mechanism.accountant == "rdp":
+        return _calibrate(mechanism, target_epsilon, delta, rounds, low, high)
+    rdp = _calibrate(dataclasses.replace(mechanism, accountant="rdp"), target_epsilon, delta, rounds, low, high)
+    low = rdp / 2
+    if low < PLD_LEAST_NOISE or epsilon(mechanism.with_noise(low), rounds, delta) <= target_epsilon:
+        raise ValueError(f"epsilon {target_epsilon:g} at delta {delta:g} over {rounds} rounds needs a noise "
+                         f"multiplier of about {rdp:.3g} (RDP), below where privacy.accountant=pld can search "
+                         f"({2 * PLD_LEAST_NOISE:g}) within its memory; use privacy.accountant=rdp")
+    if epsilon(mechanism.with_noise(rdp), rounds, delta) > target_epsilon:
+        rdp = high  # PLD is the tighter: never so far, but the bracket must hold the answer
+    return _calibrate(mechanism, target_epsilon, delta, rounds, low, rdp)
+
+
+def _calibrate(mechanism: Mechanism, target_epsilon: float, delta: float, rounds: int, low: float,
+               high: float) -> float:
+    dp = _library()
     with _quiet_orders():
         return float(dp.calibrate_dp_mechanism(
             mechanism.new_accountant, lambda sigma: mechanism.with_noise(sigma).event(rounds), target_epsilon,
