@@ -18,13 +18,14 @@ from fedrod_ray_api.app import create_app
 from fedrod_ray_tune.space import load_sweep
 
 from fedrod_ray.algorithms.fedavg import FedAvg
-from fedrod_ray.config import ConfigError, check_resume, config_from_dict
+from fedrod_ray.client_update.local import derived_seed
+from fedrod_ray.config import ConfigError, check_resume, config_from_dict, config_from_record
 from fedrod_ray.drivers.console import format_record
 from fedrod_ray.drivers.runner import run_local
 from fedrod_ray.executors.batched import in_process_executor
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
-from fedrod_ray.federation_state.dp_rounds import ClientLevelDP, check_shared
+from fedrod_ray.federation_state.dp_rounds import NOISE_TAG, ClientLevelDP, check_shared
 from fedrod_ray.federation_state.setup import make_host, prepare
 from fedrod_ray.models.export import _version_id, load_final
 from fedrod_ray.outputs.storage import RunStorage
@@ -51,6 +52,7 @@ BASE = {
     "eval": {"eval_every": 4},
 }
 PRIVATE = ("privacy.enabled=true",)
+SEEDED = ("privacy.noise_seed=11",)  # seeded noise and sampling: the tests that compare runs bit for bit
 
 
 def federation(*overrides: str) -> Federation:
@@ -299,7 +301,7 @@ def test_without_noise_or_clipping_a_private_run_is_the_uniform_non_private_run(
     monkeypatch.setattr(FedAvg, "aggregation_weight", lambda self, num_samples: 1.0)
     rounds = ("train.rounds=2", f"train.generic_rule={rule}")
     plain = federation(*rounds)
-    private = federation(*rounds, *PRIVATE, "privacy.noise_multiplier=0", "privacy.clip_norm=.inf",
+    private = federation(*rounds, *PRIVATE, *SEEDED, "privacy.noise_multiplier=0", "privacy.clip_norm=.inf",
                          "privacy.sampling=fixed")
     for r in range(2):
         a, b = plain.step(r), private.step(r)
@@ -313,7 +315,7 @@ def test_without_noise_or_clipping_a_private_run_is_the_uniform_non_private_run(
 def test_a_resumed_private_run_continues_the_uninterrupted_ones_weights_clip_norm_and_epsilon(tmp_path):
     """Poisson sampling, adaptive clipping (the clip norm is server state, checkpointed), seeded noise, the
     hyper head (nu is noised with theta and psi)."""
-    overrides = (*PRIVATE, "train.head=hyper", "privacy.noise_multiplier=0.5", "privacy.clip_norm=0.3",
+    overrides = (*PRIVATE, *SEEDED, "train.head=hyper", "privacy.noise_multiplier=0.5", "privacy.clip_norm=0.3",
                  "privacy.adaptive_clip={count_noise: 1.0}")
     a = federation(*overrides)
     records = [a.step(r) for r in range(4)]
@@ -332,11 +334,83 @@ def test_a_resumed_private_run_continues_the_uninterrupted_ones_weights_clip_nor
     assert epsilons == sorted(epsilons) and epsilons[0] > 0
 
 
+def test_a_resumed_private_run_with_secure_noise_continues_from_its_checkpoint(tmp_path):
+    """Secure noise and sampling (the default): a resumed run is not the uninterrupted one bit for bit (no seed
+    replays the noise), but it continues correctly: from the checkpoint's weights and clip norm, the same
+    epsilon for the same rounds, and through the runner as a resumed run is."""
+    overrides = (*PRIVATE, "privacy.noise_multiplier=0.5", "privacy.clip_norm=0.3",
+                 "privacy.adaptive_clip={count_noise: 1.0}")
+    b = federation(*overrides)
+    first = [b.step(r) for r in (0, 1)]
+    save_checkpoint(RunStorage(str(tmp_path / "fed")), b.snapshot())
+    resumed = federation(*overrides)
+    resumed.restore(load_checkpoint(RunStorage(str(tmp_path / "fed"))))
+    assert same(resumed.global_shared, b.global_shared) and same(resumed.privacy_state, b.privacy_state)
+    again = [resumed.step(r) for r in (2, 3)]
+    assert again[0]["dp_clip_norm"] == float(b.privacy_state["clip_norm"])
+    assert [r["dp_epsilon"] for r in first + again] == [b.dp.epsilon(r) for r in (1, 2, 3, 4)]
+    cfg = config_from_dict({**BASE, "run_dir": str(tmp_path / "run")}, [*overrides, "train.rounds=2"])
+    storage = RunStorage(str(tmp_path / "run"))
+    run_local(cfg, storage, log=lambda s: None)
+    records = run_local(config_from_dict({**BASE, "run_dir": str(tmp_path / "run")}, list(overrides)), storage,
+                        load_checkpoint(storage), log=lambda s: None)
+    assert [r["round"] for r in records] == [1, 2, 3, 4] and load_final(str(tmp_path / "run")).meta.round == 4
+    assert load_final(str(tmp_path / "run")).meta.privacy.noise == "secure"
+
+
+def released_noise(fed: Federation, anchor: dict, r: int, noise_seed: int) -> float:
+    """An attacker's try at round ``r``'s noise: regenerate it from ``noise_seed`` (the scheme of seeded runs,
+    which is the run's seed for a record of an earlier version), subtract it from what round r released, and
+    compare with the exact sum of the clipped updates (read here from the clients, which kept them). Returns
+    the norm of what is left over that of the noise."""
+    generator = SeededNoise(derived_seed(noise_seed, r, NOISE_TAG))
+    std, expected = fed.dp.noise_multiplier * fed.cfg.privacy.clip_norm, fed.dp.expected
+    left, noise = 0.0, 0.0
+    for k in sorted(anchor):
+        exact = sum(st.local_model[k].double() - anchor[k].double() for st in fed.clients.values()
+                    if st.rounds_trained == r + 1)
+        guess = std * generator.normal(anchor[k].numel()).view(anchor[k].shape)
+        released = (fed.global_shared[k].double() - anchor[k].double()) * expected
+        left += float((released - guess - exact).square().sum())
+        noise += float(guess.square().sum())
+    return math.sqrt(left / noise)
+
+
+@pytest.mark.parametrize("head", ["none", "hyper"])
+def test_the_noise_cannot_be_regenerated_from_the_config_by_default(head):
+    """The attack of issue 47: seeded noise is regenerated from config.yaml's seed and subtracted, and the
+    exact sum of the clipped updates comes back (checked here under privacy.noise_seed, so the test can
+    fail). With the default, secure noise, what is left is as large as the noise itself."""
+    overrides = (*PRIVATE, "privacy.noise_multiplier=1", "privacy.clip_norm=0.5", "train.client_fraction=1",
+                 f"train.head={head}", "train.balanced_loss=ce" if head == "none" else "train.balanced_loss=bsm")
+    for extra, recovered in (((f"privacy.noise_seed={BASE['seed']}",), True), ((), False)):
+        fed = federation(*overrides, *extra)
+        anchor = dict(fed.global_shared)
+        fed.step(0)
+        left = released_noise(fed, anchor, 0, BASE["seed"])
+        assert (left < 1e-3) if recovered else (left > 1), left
+
+
+def test_who_took_part_cannot_be_replayed_from_the_seed_by_default():
+    """Poisson sampling at 0.5 over 6 clients and 6 rounds: under privacy.noise_seed each round's clients are
+    poisson_sample(seed, round) (so the test can fail); by default they come from the OS's CSPRNG, and the
+    seed's draw matches all six rounds with probability (1/64)^6."""
+    for extra, replayed in ((SEEDED, True), ((), False)):
+        fed = federation(*PRIVATE, *extra, "privacy.noise_multiplier=1", "train.rounds=6", "eval.eval_every=6")
+        matches = 0
+        for r in range(6):
+            before = {c: st.rounds_trained for c, st in fed.clients.items()}
+            fed.step(r)
+            took_part = sorted(c for c, st in fed.clients.items() if st.rounds_trained > before[c])
+            matches += took_part == poisson_sample(BASE["seed"], r, 6, 0.5)
+        assert (matches == 6) == replayed
+
+
 def test_a_round_without_participants_moves_the_weights_by_the_noise_alone_and_spends_privacy():
     seed = 5
     empty = next(r for r in range(30) if not poisson_sample(seed, r, 6, 0.2))
     overrides = (f"seed={seed}", f"train.rounds={empty + 1}", "train.client_fraction=0.2", f"eval.eval_every={empty + 1}",
-                 *PRIVATE)
+                 *PRIVATE, *SEEDED)
     for sigma in (0.0, 1.0):
         fed = federation(*overrides, f"privacy.noise_multiplier={sigma}")
         for r in range(empty):
@@ -366,6 +440,30 @@ def test_the_budget_stops_the_run_and_final_and_the_http_service_state_the_guara
     with TestClient(create_app(str(tmp_path))) as client:
         info = client.get("/v1/model").json()
     assert info["privacy"]["epsilon"] == guarantee.epsilon and info["privacy"]["adaptive_clip"] is False
+
+
+def test_seeded_noise_is_an_explicit_opt_in_and_a_seeded_run_says_so(tmp_path):
+    """Secure by default; privacy.noise_seed opts into seeded noise and sampling, and the run then says on the
+    console and in final/meta.json that it is not private against whoever knows the seed. The key it
+    replaced is an error that names the new one; a record written with it still loads, as it ran."""
+    for overrides in (["privacy.secure_rng=true"], []):
+        data = {**BASE, "privacy": {"enabled": True, "noise_multiplier": 1.0, "secure_rng": False}}
+        with pytest.raises(ConfigError, match=r"privacy\.secure_rng was replaced by privacy\.noise_seed"):
+            config_from_dict(data if not overrides else BASE, [*PRIVATE, *overrides])
+    record = {**BASE, "privacy": {"enabled": True, "noise_multiplier": 1.0, "secure_rng": False}}
+    assert config_from_record(record).privacy.noise_seed == BASE["seed"]  # what the earlier version seeded by
+    record["privacy"]["secure_rng"] = True
+    assert config_from_record(record).privacy.noise_seed is None
+    assert config_from_record({**BASE, "privacy": {"secure_rng": False}}).privacy == config_from_dict(BASE).privacy
+    for extra, noise in ((SEEDED, "seeded"), ((), "secure")):
+        run_dir = tmp_path / noise
+        cfg = config_from_dict({**BASE, "run_dir": str(run_dir)},
+                               [*PRIVATE, *extra, "privacy.noise_multiplier=1", "train.rounds=1", "eval.eval_every=1"])
+        lines: list[str] = []
+        run_local(cfg, RunStorage(str(run_dir)), log=lines.append)
+        assert load_final(str(run_dir)).meta.privacy.noise == noise
+        warned = [line for line in lines if "not private against anyone who knows the seed" in line]
+        assert len(warned) == (noise == "seeded")
 
 
 def test_a_final_written_before_privacy_still_loads(tmp_path):

@@ -20,8 +20,13 @@ def config_from_record(record: dict[str, Any]) -> ExperimentConfig:
 
     A record keeps every setting, defaults included, as the version that wrote it had them, unused ones too.
     Those never had an effect, so they are dropped whatever their values (a default changed since would
-    otherwise read as a user's setting with no effect); everything else is checked as a user's config is."""
+    otherwise read as a user's setting with no effect); everything else is checked as a user's config is.
+    ``privacy.secure_rng`` (before ``privacy.noise_seed``): ``false`` seeded the noise by the run's seed and
+    the round, which ``noise_seed: <seed>`` does the same way; ``true`` is today's default."""
     data = deep_copy(record)
+    privacy = _get(data, "privacy", None)
+    if isinstance(privacy, dict) and privacy.pop("secure_rng", None) is False and privacy.get("enabled"):
+        privacy["noise_seed"] = data.get("seed", ExperimentConfig.seed)
     loss = _get(data, "train.balanced_loss", TrainConfig.balanced_loss)
     for key in unused_settings(loss, _get(data, "data.partition", DataConfig.partition)):
         section, name = key.rsplit(".", 1)

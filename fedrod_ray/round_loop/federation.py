@@ -92,6 +92,10 @@ class Federation:
                 log(f"privacy: the budget of epsilon {self.cfg.privacy.target_epsilon:g} lasts {self.rounds} of "
                     f"the {self.cfg.train.rounds} rounds at noise multiplier {self.dp.noise_multiplier:g}: the run "
                     f"stops after round {self.rounds}")
+            if self.dp.seeded:
+                log(f"privacy: the noise and the client sampling are seeded (privacy.noise_seed="
+                    f"{self.cfg.privacy.noise_seed}, seed={self.cfg.seed}): reproducible, but not private against "
+                    "anyone who knows the seed (config.yaml holds it)")
         self.durations = self._durations()  # each client's local update, in virtual seconds
         self.virtual_time = 0.0
         rc = self.cfg.rounds
