@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import dp_accounting
 import pytest
 import torch
 from fastapi.testclient import TestClient
 from fedrod_ray_api.app import create_app
+from fedrod_ray_tune.repro_spec import build_spec
 from fedrod_ray_tune.space import load_sweep
 
 from fedrod_ray.algorithms.fedavg import FedAvg
@@ -43,6 +45,7 @@ from fedrod_ray.server_math.privacy import (
 from fedrod_ray.server_math.server import poisson_sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+REPO = Path(__file__).resolve().parents[1]
 
 BASE = {
     "seed": 3,
@@ -554,3 +557,53 @@ def test_tune_sweeps_sigma_and_the_clip_norm(tmp_path):
     spec = load_sweep(sweep)
     cfg = spec.trial_config({"privacy.noise_multiplier": 2.0, "privacy.clip_norm": 0.1})
     assert (cfg.privacy.noise_multiplier, cfg.privacy.clip_norm) == (2.0, 0.1)
+
+
+def sweep_of_sigma(tmp_path, privacy: dict):
+    base = tmp_path / "base.yaml"
+    base.write_text(json.dumps({**BASE, "train": {**BASE["train"], "client_fraction": 1.0},
+                                "privacy": {"enabled": True, "noise_multiplier": 1.0, "clip_norm": 0.5, **privacy}}))
+    sweep = tmp_path / "dp.yaml"
+    sweep.write_text(json.dumps({"base": str(base), "search": {"privacy.noise_multiplier": {"grid": [0.5, 2.0]}}}))
+    return load_sweep(sweep)
+
+
+def test_two_trials_of_a_seeded_sweep_do_not_cancel_each_others_noise(tmp_path):
+    """Issue 47's attack on a sweep: two trials that differ only in sigma released w_a and w_b after a round
+    whose clipped sum is the same in both (same clients, same start); with the same noise z,
+    (sigma_b (w_a - w) - sigma_a (w_b - w)) / (sigma_b - sigma_a) is the noise-free mean. Each trial of a
+    seeded sweep has a noise seed of its own (the same on every call), so the combination is as noisy as a
+    model; a secure sweep's trials have none to share."""
+    spec = sweep_of_sigma(tmp_path, {"noise_seed": 5})
+    params = [{"privacy.noise_multiplier": s} for s in (0.5, 2.0)]
+    seeds = [spec.trial_config(p).privacy.noise_seed for p in params]
+    assert len(set(seeds)) == 2 and seeds == [spec.experiment_config(p).privacy.noise_seed for p in params]
+    feds, anchor = [], None
+    for p in params:
+        setup = prepare(spec.trial_config(p))
+        fed = Federation(setup, InProcessExecutor(make_host(setup)), log=lambda s: None)
+        anchor = dict(fed.global_shared)
+        fed.step(0)
+        feds.append(fed)
+    (a, b), (sa, sb) = feds, (0.5, 2.0)
+    left, noise = 0.0, 0.0
+    for k in anchor:
+        exact = sum(st.local_model[k].double() - anchor[k].double() for st in a.clients.values()) / a.dp.expected
+        combined = (sb * (a.global_shared[k].double() - anchor[k].double())
+                    - sa * (b.global_shared[k].double() - anchor[k].double())) / (sb - sa)
+        left += float((combined - exact).square().sum())
+        noise += float((a.global_shared[k].double() - anchor[k].double() - exact).square().sum())
+    assert math.sqrt(left / noise) > 0.5
+    secure = sweep_of_sigma(tmp_path, {})
+    assert all(secure.trial_config(p).privacy.noise_seed is None for p in params)
+
+
+def test_every_private_row_of_a_seeded_reproduction_has_its_own_noise_seed(tmp_path):
+    """--set privacy.noise_seed=3 on the privacy table: a seed of its own for every private row and seed
+    of the reproduction; the rows without DP (epsilon = inf) drop it."""
+    spec = build_spec("privacy", REPO / "configs" / "synthetic_tiny.yaml", seeds=[0, 1], rounds=2,
+                      overrides={"privacy.noise_seed": 3})
+    seeds = {(row, seed): spec.row_config(row, seed).privacy.noise_seed for row in spec.rows for seed in (0, 1)}
+    private = [v for (row, _), v in seeds.items() if "∞" not in row]
+    assert len(private) == 12 and len(set(private)) == 12
+    assert all(v is None for (row, _), v in seeds.items() if "∞" in row)

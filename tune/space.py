@@ -17,6 +17,7 @@ before any trial starts.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from fedrod_ray.client_update.local import derived_seed
 from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, config_from_dict, load_config
 
 METRICS = ("gfl", "pfl_pm", "hmean")
@@ -74,6 +76,7 @@ class SweepSpec:
         data = self.base_data()
         for key, value in [*self.fixed.items(), *params.items()]:
             apply_override(data, f"{key}={json.dumps(value)}")  # JSON is YAML
+        own_noise(data, params)
         if trial:
             # A trial reports each round's metrics, on which ASHA decides: the estimate's
             # (eval.estimate_size) where the config has one, else an exact evaluation every round.
@@ -102,6 +105,22 @@ class SweepSpec:
         """The trial's placement group: the coordinator's bundle, then one per client slot."""
         client = {{"num_cpus": "CPU", "num_gpus": "GPU"}.get(k, k): v for k, v in self.client_resources.items() if v}
         return [{"memory": COORDINATOR_MEMORY}] + [dict(client) for _ in range(self.client_slots)]
+
+
+def own_noise(data: dict, params: dict[str, Any]) -> None:
+    """Every trial draws its own noise: models that differ only in sigma but share their noise give the
+    noise-free mean by a linear combination. Secure noise (``privacy.noise_seed`` null) is fresh in every
+    run; a seeded sweep's ``noise_seed`` becomes each trial's own, mixed from it and the trial's ``params``
+    (the same trial, resumed or rerun from best.yaml, gets the same one). It applies to the private trials
+    only: a trial without privacy.enabled (a reproduction's epsilon = inf rows) drops it."""
+    privacy = data.get("privacy") or {}
+    if privacy.get("noise_seed") is None:
+        return
+    if not privacy.get("enabled"):
+        privacy["noise_seed"] = None
+        return
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).digest()
+    privacy["noise_seed"] = derived_seed(privacy["noise_seed"], int.from_bytes(digest[:8], "big"))
 
 
 def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepSpec:
