@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pickle
 from pathlib import Path
 
 import dp_accounting
@@ -20,7 +21,8 @@ from fedrod_ray_tune.repro_spec import build_spec
 from fedrod_ray_tune.space import load_sweep
 
 from fedrod_ray.algorithms.fedavg import FedAvg
-from fedrod_ray.client_update.local import derived_seed
+from fedrod_ray.client_update.local import LocalResult, LocalTrainingError, RoundInput, derived_seed
+from fedrod_ray.clients.client import ClientFailure, clipped
 from fedrod_ray.config import ConfigError, check_resume, config_from_dict, config_from_record
 from fedrod_ray.drivers.console import format_record
 from fedrod_ray.drivers.runner import run_local
@@ -31,9 +33,10 @@ from fedrod_ray.federation_state.dp_rounds import NOISE_TAG, ClientLevelDP, chec
 from fedrod_ray.federation_state.setup import make_host, prepare
 from fedrod_ray.models.export import _version_id, load_final
 from fedrod_ray.outputs.storage import RunStorage
-from fedrod_ray.round_loop.federation import Federation
+from fedrod_ray.round_loop.federation import Federation, RoundFailedError
 from fedrod_ray.server_math.accounting import Mechanism, epsilon, noise_for_epsilon
 from fedrod_ray.server_math.privacy import (
+    NonFiniteUpdateError,
     SecureNoise,
     SeededNoise,
     adapted_clip_norm,
@@ -104,6 +107,106 @@ def test_every_clipped_update_the_server_reads_back_is_within_the_norm():
         nearest = {k: (a.double() + (model[k].double() - a.double()) * scale).float() for k, a in anchor.items()}
         nearest_over += update_norm(nearest, anchor) > s
     assert nearest_over > 20
+
+
+def test_an_update_that_is_not_finite_is_a_diverged_client_not_an_upload():
+    """clip_update scaled NaN into all-NaN and inf into NaN, which the server then summed: now it refuses,
+    and the client's upload becomes a failure marked diverged (which survives pickling, Ray's way back)."""
+    anchor = {"a": torch.zeros(3), "b": torch.zeros(2)}
+    for bad in (math.nan, math.inf, -math.inf):
+        model = {"a": torch.tensor([1.0, bad, 0.0]), "b": torch.ones(2)}
+        with pytest.raises(NonFiniteUpdateError):
+            clip_update(model, anchor, 1.0)
+        result = LocalResult(shared=model, num_samples=3, loss=0.1, personal_loss=None, steps=1, seconds=0.0)
+        with pytest.raises(LocalTrainingError) as raised:
+            clipped((result, {}, {}), RoundInput(anchor, {}, {}, 1.0))
+        assert raised.value.diverged
+        assert pickle.loads(pickle.dumps(raised.value)).diverged
+        failure = ClientFailure.from_exception(4, raised.value)
+        assert failure.diverged and failure.error.startswith("LocalTrainingError: the update's norm is")
+    assert not ClientFailure.from_exception(4, LocalTrainingError("the client has no training examples")).diverged
+
+
+def poisoned(fed: Federation, clients: set[int], value: float = math.nan) -> None:
+    """Clients ``clients`` of ``fed`` come back from their local update with ``value`` in their weights."""
+    host = fed.executor.host
+    train = host.train
+
+    def poisoning(client_id, state, message, round_idx):
+        if client_id in clients:
+            method_train = host.method.train
+
+            def bad(*args):
+                result, personal, rule_state = method_train(*args)
+                shared = {k: v.clone() for k, v in result.shared.items()}
+                next(iter(shared.values())).view(-1)[0] = value
+                return dataclasses.replace(result, shared=shared), personal, rule_state
+
+            host.method.train = bad
+            try:
+                return train(client_id, state, message, round_idx)
+            finally:
+                host.method.train = method_train
+        return train(client_id, state, message, round_idx)
+
+    host.train = poisoning
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_diverged_client_is_dropped_from_the_noised_sum_and_the_round_goes_on(value):
+    """Every client in the round, one of them not finite, no noise: the new weights are the anchor plus the
+    others' clipped updates over the expected number (the diverged client's term is missing, not zero
+    weighted into a smaller divisor), and the failure limits do not stop the round, even when every client
+    diverges (a private round may have no participant: it is the noise alone)."""
+    overrides = (*PRIVATE, *SEEDED, "privacy.noise_multiplier=0", "privacy.clip_norm=0.05", "train.client_fraction=1",
+                 "privacy.sampling=fixed", "runtime.max_failed_fraction=0", "train.rounds=2", "eval.eval_every=2")
+    fed = federation(*overrides)
+    poisoned(fed, {2}, value)
+    anchor = dict(fed.global_shared)
+    record = fed.step(0)
+    assert record["failed_ids"] == [2] and record["clients_done"] == 5
+    for k, a in anchor.items():
+        others = sum(st.local_model[k].double() - a.double() for c, st in fed.clients.items() if c != 2)
+        assert torch.allclose(fed.global_shared[k].double(), a.double() + others / 6, rtol=0, atol=1e-6), k
+    assert fed.clients[2].rounds_trained == 0
+    poisoned(fed, set(range(6)), value)
+    before = dict(fed.global_shared)
+    record = fed.step(1)
+    assert record["clients_failed"] == 6 and same(before, fed.global_shared)
+
+
+def test_a_private_run_whose_clients_diverge_runs_to_its_end(tmp_path):
+    """End to end (issue 47: quickstart at sigma 1, S 1 stopped at round 3, "1 of 1 clients failed"): at a
+    learning rate where local updates diverge, the private run drops the diverged clients from each
+    round and finishes, stating its guarantee, whatever runtime.max_failed_fraction says; the same run
+    without privacy stops at it."""
+    overrides = ["train.lr=1e12", "train.rounds=3", "eval.eval_every=3", "runtime.max_failed_fraction=0"]
+    cfg = config_from_dict({**BASE, "run_dir": str(tmp_path / "dp")}, [*overrides, *PRIVATE, "privacy.noise_multiplier=1"])
+    lines: list[str] = []
+    records = run_local(cfg, RunStorage(str(tmp_path / "dp")), log=lines.append)
+    assert [r["round"] for r in records] == [1, 2, 3]
+    assert sum(r["clients_failed"] for r in records) > 0
+    assert any("non-finite loss" in line for line in lines)
+    assert load_final(str(tmp_path / "dp")).meta.privacy.epsilon == records[-1]["dp_epsilon"]
+    with pytest.raises(RoundFailedError, match="non-finite loss"):
+        run_local(config_from_dict({**BASE, "run_dir": str(tmp_path / "plain")}, overrides),
+                  RunStorage(str(tmp_path / "plain")), log=lambda s: None)
+
+
+def test_without_privacy_the_failure_limits_still_stop_a_round_of_diverged_clients():
+    fed = federation("train.client_fraction=1", "runtime.max_failed_fraction=0")
+    host = fed.executor.host
+    method_train = host.method.train
+
+    def bad(*args):
+        raise LocalTrainingError("non-finite loss in local epoch 1 (lr=0.01)", diverged=True)
+
+    host.method.train = bad
+    try:
+        with pytest.raises(RoundFailedError, match="1 of 6 clients failed .* non-finite loss"):
+            fed.step(0)
+    finally:
+        host.method.train = method_train
 
 
 def test_the_server_step_by_hand():

@@ -29,9 +29,14 @@ def update_norm(model: StateDict, anchor: StateDict) -> float:
     return math.sqrt(float(squares))
 
 
+class NonFiniteUpdateError(ArithmeticError):
+    """An update whose norm is not finite (NaN or inf weights): scaled, it would be all NaN, and summed, it
+    would end the sum's bound; its client failed instead."""
+
+
 def clip_update(model: StateDict, anchor: StateDict, clip_norm: float) -> tuple[StateDict, bool]:
     """(anchor + clip(model - anchor), whether it was clipped): the update scaled to L2 norm at most
-    ``clip_norm``.
+    ``clip_norm``. Raises NonFiniteUpdateError for an update that is not finite.
 
     An update within the norm comes back as ``model`` itself, bit for bit. A longer one is scaled by
     S / ||Delta|| (less ``CLIP_MARGIN``) in float64 and rounded to the model's dtype towards the anchor, not to
@@ -39,6 +44,8 @@ def clip_update(model: StateDict, anchor: StateDict, clip_norm: float) -> tuple[
     within S: rounded to the nearest, a small update on large weights could gain a good part of its norm.
     """
     norm = update_norm(model, anchor)
+    if not math.isfinite(norm):
+        raise NonFiniteUpdateError(f"the update's norm is {norm} (its weights are not finite)")
     if norm <= clip_norm:
         return model, False
     scale = clip_norm / norm * CLIP_MARGIN
