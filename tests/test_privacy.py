@@ -19,6 +19,8 @@ from fastapi.testclient import TestClient
 from fedrod_ray_api.app import create_app
 from fedrod_ray_tune.repro_spec import build_spec
 from fedrod_ray_tune.space import load_sweep
+from fedrod_ray_tune.spend import check_budget, most_spent, spent
+from fedrod_ray_tune.sweep import write_results
 
 from fedrod_ray.algorithms.fedavg import FedAvg
 from fedrod_ray.client_update.local import LocalResult, LocalTrainingError, RoundInput, derived_seed
@@ -34,7 +36,7 @@ from fedrod_ray.federation_state.setup import make_host, prepare
 from fedrod_ray.models.export import _version_id, load_final
 from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.round_loop.federation import Federation, RoundFailedError
-from fedrod_ray.server_math.accounting import Mechanism, epsilon, noise_for_epsilon
+from fedrod_ray.server_math.accounting import Mechanism, composed_epsilon, epsilon, noise_for_epsilon
 from fedrod_ray.server_math.privacy import (
     NonFiniteUpdateError,
     SecureNoise,
@@ -710,3 +712,66 @@ def test_every_private_row_of_a_seeded_reproduction_has_its_own_noise_seed(tmp_p
     private = [v for (row, _), v in seeds.items() if "∞" not in row]
     assert len(private) == 12 and len(set(private)) == 12
     assert all(v is None for (row, _), v in seeds.items() if "∞" in row)
+
+
+def test_a_sweeps_trials_spend_privacy_together():
+    """Four trials at epsilon 8 each, on the same clients, compose on one accountant: 400 rounds of the
+    sampled Gaussian, by RDP more than 16 (issue 47: at least 16.2), not 8."""
+    mechanism = Mechanism(0.0, "poisson", 1000, 0.1)
+    sigma = noise_for_epsilon(mechanism, 8.0, 1e-5, 100)
+    total = composed_epsilon([(mechanism.with_noise(sigma), 100)] * 4, 1e-5)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(sigma)), 400)
+    assert total == pytest.approx(dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5), rel=1e-9)
+    assert total > 16.2
+    assert composed_epsilon([(mechanism.with_noise(sigma), 0)], 1e-5) == 0
+    assert composed_epsilon([(mechanism.with_noise(sigma), 3), (mechanism, 1)], 1e-5) == math.inf
+
+
+def budgeted_sweep(tmp_path, search: dict, budget, num_samples: int = 1, privacy: bool = True):
+    base = tmp_path / "base.yaml"
+    base.write_text(json.dumps({**BASE, "privacy": {"enabled": True, "noise_multiplier": 1.0}} if privacy else BASE))
+    sweep = tmp_path / "dp.yaml"
+    sweep.write_text(json.dumps({"base": str(base), "search": search, "num_samples": num_samples,
+                                 "privacy_budget": budget}))
+    return load_sweep(sweep)
+
+
+def test_a_sweep_refuses_to_start_past_its_privacy_budget(tmp_path):
+    """The most a sweep can spend: every trial at all its rounds, a random dimension at its costliest
+    extreme (the least noise), num_samples times; past privacy_budget it is a config error before any
+    trial, and a budget on a sweep that is not private has no effect (an error too)."""
+    grid = {"privacy.noise_multiplier": {"grid": [0.8, 3.0]}, "train.lr": {"loguniform": [0.001, 0.1]}}
+    spec = budgeted_sweep(tmp_path, grid, 1000.0, num_samples=2)
+    at = [({"privacy.noise_multiplier": s, "train.lr": 0.01}, 4) for s in (0.8, 0.8, 3.0, 3.0)]
+    assert most_spent(spec) == pytest.approx(spent(spec, at), rel=1e-12)
+    uniform = budgeted_sweep(tmp_path, {"privacy.noise_multiplier": {"uniform": [0.8, 3.0]}}, 1000.0, num_samples=3)
+    assert most_spent(uniform) == pytest.approx(spent(uniform, [({"privacy.noise_multiplier": 0.8}, 4)] * 3))
+    check_budget(spec)
+    tight = budgeted_sweep(tmp_path, grid, most_spent(spec) * 0.99, num_samples=2)
+    with pytest.raises(ConfigError, match=r"privacy_budget: the sweep's trials could spend epsilon [0-9.]+ in all"):
+        check_budget(tight)
+    with pytest.raises(ConfigError, match=r"privacy_budget: has no effect: the base config is not private"):
+        budgeted_sweep(tmp_path, grid, 8.0, privacy=False)
+    with pytest.raises(ConfigError, match=r"privacy_budget: must be a positive number"):
+        budgeted_sweep(tmp_path, grid, -1)
+
+
+def test_a_private_sweeps_results_and_best_yaml_say_what_it_spent(tmp_path):
+    """The results table and best.yaml of a private sweep give the total epsilon of its trials' rounds as
+    they ran (one stopped early by the scheduler spends only its rounds), and say what it does not cover."""
+    spec = budgeted_sweep(tmp_path, {"privacy.noise_multiplier": {"grid": [0.8, 3.0]}}, 100.0)
+    rows = [{"privacy.noise_multiplier": 0.8, "rounds": 4, "status": "finished", "objective": 0.5, "gfl_gm": 0.5,
+             "pfl_gm": 0.5, "pfl_pm": 0.6, "best_objective": 0.5, "best_round": 4},
+            {"privacy.noise_multiplier": 3.0, "rounds": 2, "status": "stopped", "objective": 0.4, "gfl_gm": 0.4,
+             "pfl_gm": 0.4, "pfl_pm": 0.5, "best_objective": 0.4, "best_round": 2}]
+    out = tmp_path / "sweep"
+    out.mkdir()
+    write_results(spec, rows, out)
+    total = spent(spec, [({"privacy.noise_multiplier": 0.8}, 4), ({"privacy.noise_multiplier": 3.0}, 2)])
+    mechanism = Mechanism(0.8, "poisson", 6, 0.5)
+    assert total == composed_epsilon([(mechanism, 4), (mechanism.with_noise(3.0), 2)], 1e-5)
+    line = f"Privacy: the trials spent epsilon {total:.4g} in all at delta 1e-05, of a budget of 100"
+    assert line in (out / "results.md").read_text()
+    best = (out / "best.yaml").read_text()
+    assert f"# {line}" in best and "the selection metric, whose P-FL comes from un-noised local models" in best

@@ -32,7 +32,8 @@ from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, con
 METRICS = ("gfl", "pfl_pm", "hmean")
 SCHEDULERS = ("asha", "none")
 SAMPLERS = ("grid", "choice", "uniform", "loguniform")
-SPEC_KEYS = {"base", "set", "search", "num_samples", "metric", "scheduler", "asha", "resources", "name"}
+SPEC_KEYS = {"base", "set", "search", "num_samples", "metric", "scheduler", "asha", "resources", "name",
+             "privacy_budget"}
 COORDINATOR_MEMORY = 512 * 2**20  # the coordinator's bundle: it needs memory, not a core
 # What every trial sets itself, whatever its base config says, and why: setting it in a sweep has no effect.
 _ON_ITS_ACTORS = "it runs on its placement group's actors, sized by resources (reproduce: --resources)"
@@ -58,6 +59,8 @@ class SweepSpec:
     client_slots: int = 1
     client_resources: dict[str, float] = field(default_factory=lambda: {"num_cpus": 1.0})
     name: str = "sweep"
+    # A private sweep's total epsilon (every trial's rounds composed), which it refuses to start past.
+    privacy_budget: float | None = None
 
     def to_dict(self) -> dict:
         """The sweep file of this sweep (what ``--resume`` reads back)."""
@@ -66,6 +69,8 @@ class SweepSpec:
                "resources": {"client_slots": self.client_slots, "client": dict(self.client_resources)}}
         if self.scheduler == "asha":
             doc["asha"] = dict(self.asha)
+        if self.privacy_budget is not None:
+            doc["privacy_budget"] = self.privacy_budget
         return doc
 
     def base_data(self) -> dict:
@@ -159,7 +164,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepSpe
         scheduler=raw.get("scheduler", "asha"), asha={"grace_period": 1, "reduction_factor": 2, **(raw.get("asha") or {})},
         client_slots=resources.get("client_slots", 1),
         client_resources={k: float(v) for k, v in (resources.get("client") or {"num_cpus": 1}).items()},
-        name=raw.get("name", path.stem),
+        name=raw.get("name", path.stem), privacy_budget=raw.get("privacy_budget"),
     )
     _check(spec)
     return spec
@@ -187,9 +192,15 @@ def _check(spec: SweepSpec) -> None:
             if why:
                 raise ConfigError(f"{section}.{key}: {why}")
     try:
-        spec.experiment_config({})
+        base = spec.experiment_config({})
     except ConfigError as e:
         raise ConfigError(f"set: {e}") from None
+    if spec.privacy_budget is not None:
+        budget = spec.privacy_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf:
+            raise ConfigError(f"privacy_budget: must be a positive number (a total epsilon), got {budget!r}")
+        if not base.privacy.enabled:
+            raise ConfigError("privacy_budget: has no effect: the base config is not private (privacy.enabled)")
     corners: list[dict[str, Any]] = [{}]
     for key, dist in spec.search.items():
         values = _check_dimension(key, dist)

@@ -66,6 +66,24 @@ class Mechanism:
         return dataclasses.replace(self, noise_multiplier=noise_multiplier)
 
 
+def composed_epsilon(runs: list[tuple[Mechanism, int]], delta: float) -> float:
+    """Epsilon at ``delta`` of several runs on the same clients (a sweep's trials): every run's ``rounds``
+    rounds of its mechanism composed on one accountant, of their kind (they must share sampling and
+    accountant). 0 without any round; infinite where a run that trained had no noise."""
+    runs = [(m, r) for m, r in runs if r > 0]
+    if not runs:
+        return 0.0
+    if any(m.noise_multiplier == 0 for m, _ in runs):
+        return math.inf
+    kinds = {(m.sampling, m.accountant) for m, _ in runs}
+    if len(kinds) > 1:
+        raise ValueError(f"runs of different sampling or accountants do not compose on one accountant: {sorted(kinds)}")
+    dp = _library()
+    with _quiet_orders():
+        event = dp.ComposedDpEvent([m.event(r) for m, r in runs])
+        return float(runs[0][0].new_accountant().compose(event).get_epsilon(delta))
+
+
 @functools.lru_cache(maxsize=4096)
 def epsilon(mechanism: Mechanism, rounds: int, delta: float) -> float:
     """Epsilon at ``delta`` after ``rounds`` rounds of ``mechanism``: 0 before any, infinite without noise."""
