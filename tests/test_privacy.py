@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import pickle
+import shutil
 from pathlib import Path
 
 import dp_accounting
@@ -17,7 +18,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from fedrod_ray_api.app import create_app
-from fedrod_ray_tune.repro_spec import build_spec
+from fedrod_ray_tune.repro_spec import build_spec, load_spec
 from fedrod_ray_tune.space import load_sweep
 from fedrod_ray_tune.spend import check_budget, most_spent, spent
 from fedrod_ray_tune.sweep import write_results
@@ -775,3 +776,14 @@ def test_a_private_sweeps_results_and_best_yaml_say_what_it_spent(tmp_path):
     assert line in (out / "results.md").read_text()
     best = (out / "best.yaml").read_text()
     assert f"# {line}" in best and "the selection metric, whose P-FL comes from un-noised local models" in best
+
+
+def test_a_reproduction_recorded_with_secure_rng_resumes_with_the_noise_it_drew(tmp_path):
+    """The published privacy_eps8 job's reproduce.yaml holds privacy.secure_rng: false (seeded by the run's
+    seed): it still loads for --resume and --status, its private rows seeded as they ran."""
+    (tmp_path / "trials").mkdir()
+    shutil.copy(REPO / "bench" / "results" / "fmnist" / "privacy_eps8" / "reproduce.yaml", tmp_path)
+    spec = load_spec(tmp_path)
+    for row in spec.rows:
+        cfg = spec.row_config(row, 0)
+        assert cfg.privacy.enabled and cfg.privacy.noise_seed == cfg.seed == 0

@@ -15,6 +15,22 @@ RESUMABLE = ("name", "run_dir", "data.data_dir", "data.path", "data.download", "
              "runtime.", "tracking.")
 
 
+# Keys that only a record of an earlier version holds, which config_from_record reads (a user's config may not).
+RECORD_KEYS = ("privacy.secure_rng",)
+
+
+def without_record_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a record's config, as a mapping) without ``RECORD_KEYS``: what checks a record's keys and
+    types as a user's config is checked, before config_from_record reads the whole of it."""
+    data = deep_copy(data)
+    for key in RECORD_KEYS:
+        section, name = key.rsplit(".", 1)
+        node = _get(data, section, None)
+        if isinstance(node, dict):
+            node.pop(name, None)
+    return data
+
+
 def config_from_record(record: dict[str, Any]) -> ExperimentConfig:
     """The config a record holds: a checkpoint's, a reproduction's (reproduce.yaml), written by any version.
 
