@@ -239,7 +239,7 @@ def test_private_updates_leave_their_actor_clipped_and_train_as_in_process(ray_s
     clipped model, and the run (Poisson sampling, seeded noise) is the in-process one, bitwise."""
     clip = 0.05
     overrides = ("privacy.enabled=true", "privacy.noise_multiplier=1.0", f"privacy.clip_norm={clip}",
-                 "train.rounds=2", "eval.eval_every=2")
+                 "privacy.noise_seed=0", "train.rounds=2", "eval.eval_every=2")
     setup = prepare(tiny_config(*overrides))
     executor = ray_executor(ray_session, setup)
     arrived = []

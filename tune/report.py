@@ -116,9 +116,14 @@ def format_table(spec: ReproSpec, records: list[dict]) -> str:
                          "+ its zero-shot head) before, and after fine-tuning it on their own data for "
                          f"{' or '.join(map(_epochs, epochs))} at the last round.")
     if spec.table == "privacy":
+        private = next(label for label, row in spec.rows.items() if row.get("privacy.enabled"))
+        seeded = spec.row_config(private, spec.seeds[0]).privacy.noise_seed is not None
+        noise = ("seeded (privacy.noise_seed): ε holds only against whoever does not know the seed" if seeded
+                 else "from the OS's CSPRNG")
         footnotes.append("ε: client-level DP at δ = 1e-5 (RDP accountant), the noise multiplier derived from the target "
-                         f"over the run's rounds, Poisson sampling, updates clipped to {DP_CLIP_NORM:g}; ε = ∞: the "
-                         "method without DP. The personalized head never leaves its client and takes no noise.")
+                         f"over the run's rounds, Poisson sampling, updates clipped to {DP_CLIP_NORM:g}, noise and "
+                         f"sampling {noise}; ε = ∞: the method without DP. The personalized head never leaves its "
+                         "client and takes no noise.")
     if footnotes:
         lines += ["", *footnotes]
     return "\n".join(lines) + "\n"

@@ -19,6 +19,9 @@ RENAMED = {
     "train.variant": "train.head (linear | hyper)",
     "train.prox_mu": "train.rule_params.mu (with train.generic_rule=fedprox)",
     "train.feddyn_alpha": "train.rule_params.alpha (with train.generic_rule=feddyn)",
+    "privacy.secure_rng": "privacy.noise_seed (the noise and the client sampling now come from the OS's CSPRNG "
+                          "by default; an integer noise_seed opts into seeded, reproducible ones for experiments, "
+                          "which are not private against anyone who knows the seed)",
 }
 _EXPECTED = {"int_type": "expected an integer", "float_type": "expected a number", "bool_type": "expected true/false",
              "string_type": "expected a string", "dict_type": "expected a mapping",

@@ -185,7 +185,10 @@ class PrivacyConfig:
     clip_norm: PositiveFloat = 1.0  # S: the L2 norm each client's update is clipped to (adaptive: the first)
     sampling: Annotated[StrictStr, OneOf(SAMPLINGS)] = "poisson"  # see SAMPLINGS
     adaptive_clip: AdaptiveClipConfig | None = None  # None: the clip norm stays S
-    secure_rng: StrictBool = False  # noise from the OS's CSPRNG instead of the run's seed (not reproducible)
+    # None: the noise and the client sampling come from the OS's CSPRNG (not reproducible). An integer: both
+    # seeded (the noise by (noise_seed, round), the sampling by (seed, round)), reproducible, for experiments
+    # only: not private against anyone who knows the seeds, which config.yaml holds.
+    noise_seed: NonNegativeInt | None = None
     accountant: Annotated[StrictStr, OneOf(ACCOUNTANTS)] = "rdp"
 
 

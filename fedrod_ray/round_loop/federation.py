@@ -95,6 +95,10 @@ class Federation:
                 log(f"privacy: the budget of epsilon {self.cfg.privacy.target_epsilon:g} lasts {self.rounds} of "
                     f"the {self.cfg.train.rounds} rounds at noise multiplier {self.dp.noise_multiplier:g}: the run "
                     f"stops after round {self.rounds}")
+            if self.dp.seeded:
+                log(f"privacy: the noise and the client sampling are seeded (privacy.noise_seed="
+                    f"{self.cfg.privacy.noise_seed}, seed={self.cfg.seed}): reproducible, but not private against "
+                    "anyone who knows the seed (config.yaml holds it)")
         self.durations = self._durations()  # each client's local update, in virtual seconds
         self.virtual_time = 0.0
         rc = self.cfg.rounds
@@ -344,7 +348,16 @@ class Federation:
             self.progress(round_number, finished, sampled)
 
     def _check_failures(self, r: int, sampled: int, failures: list[ClientFailure]) -> None:
+        """Raise RoundFailedError past the runtime's failure limits. Under client-level DP a client that
+        diverged (a non-finite loss or update) is left out of the count, as if it had not been sampled: it is
+        dropped from the round's sum, the mean still divides by the expected number, and the limits are for
+        what the runtime breaks, not for what the noise does to a client's training."""
         rt = self.cfg.runtime
+        if self.dp is not None:
+            sampled -= sum(f.diverged for f in failures)
+            failures = [f for f in failures if not f.diverged]
+        if not failures:
+            return
         if len(failures) > rt.max_failed_fraction * sampled or sampled - len(failures) < min(
                 rt.min_clients_per_round, sampled):
             ids = ", ".join(str(f.client_id) for f in failures)
