@@ -166,7 +166,7 @@ def result_with(upload):
 
 def test_fedfomo_server_adds_the_uploaded_weights_to_the_affinities_and_averages_every_model():
     method = build_method("fedfomo")
-    state = method.init_server_state(3)
+    state = method.init_server_state(3, {}, 0)
     state[AFFINITY][0, 1] = 0.5
     uploads = {0: {"w": torch.tensor([2.0])}, 1: None, 2: {"w": torch.tensor([4.0])}}
     results = {0: result_with({"ids": torch.tensor([1, 2]), "u": torch.tensor([0.25, -1.0], dtype=torch.float64)}),
@@ -181,7 +181,7 @@ def test_fedfomo_server_adds_the_uploaded_weights_to_the_affinities_and_averages
 
 def test_fedfomo_messages_carry_the_chosen_models_of_clients_the_server_has():
     method = build_method("fedfomo", {"models": 2, "epsilon": 0.0})
-    state = method.init_server_state(4)
+    state = method.init_server_state(4, {}, 0)
     state[AFFINITY][0] = torch.tensor([0.0, 0.1, 0.3, 0.2], dtype=torch.float64)
     uploads = {0: {"w": torch.tensor([0.0])}, 1: {"w": torch.tensor([1.0])}, 2: None, 3: {"w": torch.tensor([3.0])}}
     msgs = method.messages(state, [0, 2], uploads, 0, 0)
@@ -281,7 +281,7 @@ def test_the_methods_params_are_recorded_with_their_defaults():
                                 "train.head_params={lam: 20}"])
     assert cfg.train.head_params == {"lam": 20.0, "personal_lr": 0.01, "inner_steps": 5}
     assert isinstance(cfg, ExperimentConfig) and sorted(METHODS) == sorted(
-        ("none", "linear", "hyper", *BASELINES))
+        ("none", "linear", "hyper", *BASELINES, "pfedhn"))
 
 
 # --- end to end, in process ----------------------------------------------------------------------------------
@@ -358,7 +358,7 @@ def test_perfedavg_pm_is_the_global_model_after_one_step_on_the_clients_data():
     assert all(r["pfl_pm"] != r["pfl_gm"] for r in records)
     host = fed.executor.host
     cid = 0
-    state = fed.evaluation._pm_state(fed.clients, cid, fed.global_shared, 3)
+    state = fed.evaluation._pm_state(fed.clients, cid, fed.global_shared, 3, fed.method_state)
     assert state.local_model is fed.global_shared and state.rounds_trained == 3
     host.method.load_pm(host.model, state, lambda: host.data(cid), host.context_of(cid, 2))
     moved = [k for k, v in host.model.state_dict().items() if not torch.equal(v, fed.global_shared[k])]

@@ -225,7 +225,7 @@ def test_fedfomo_weighs_the_received_models_on_its_validation_split_then_trains_
 def test_fedfomo_epsilon_decays_by_its_step_each_round_to_zero():
     """Round r's picks are epsilon-greedy with epsilon = max(0, 0.3 - 0.05 r), each client's draws its own."""
     method = host_of("fedfomo").method
-    state = method.init_server_state(12)
+    state = method.init_server_state(12, {}, 0)
     state[AFFINITY] = torch.arange(144, dtype=torch.float64).reshape(12, 12).remainder(7)
     uploads = {c: {"w": torch.tensor([float(c)])} for c in range(12)}
     told = []

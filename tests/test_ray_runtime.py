@@ -114,6 +114,8 @@ VARIANTS = {
     "fedfomo": ("train.head=fedfomo", "train.balanced_loss=ce"),
     "ditto_small": ("train.head=ditto", "train.balanced_loss=ce", "data.num_clients=3", "train.client_fraction=1.0"),
     "perfedavg": ("train.head=perfedavg", "train.balanced_loss=ce", "train.momentum=0", "train.weight_decay=0"),
+    # A server that generates each client's model from its hypernetwork and steps it on each client's Delta.
+    "pfedhn": ("train.head=pfedhn", "train.balanced_loss=ce"),
 }
 _baselines: dict[str, tuple] = {}
 
@@ -135,9 +137,10 @@ ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources
     "variant, layout_overrides",
     [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ()),
      ("hyper_scaffold", ()), ("linear_compiled", ()), ("linear_keep", ()), ("fedfomo", ()),
-     ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ()), ("hyper", ("runtime.client_cache=1",))],
+     ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ()), ("hyper", ("runtime.client_cache=1",)),
+     ("pfedhn", ())],
     ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold", "linear-compiled",
-         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1"],
+         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1", "pfedhn"],
 )
 def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
                                                      variant, layout_overrides):
@@ -182,7 +185,7 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     assert_same_tensors(h_ref, fed.server_state, "the rule's server state")
     assert bool(h_ref) == (variant in ("fedavg_feddyn", "hyper_scaffold"))
     assert_same_tensors(m_ref, fed.method_state, "the method's server state")
-    assert bool(m_ref) == (variant == "fedfomo")
+    assert bool(m_ref) == (variant in ("fedfomo", "pfedhn"))
     assert_same_states(states_ref, states)
     assert len(records) == 3
     # As JSON: a reading the method has not is NaN in both, which == would call different.
@@ -202,6 +205,37 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     assert_same_tensors(h_ref, ckpt.server_state, "checkpointed server state")
     assert_same_tensors(m_ref, ckpt.method_state, "checkpointed method state")
     assert_same_states(states_ref, ckpt.clients)
+
+
+@pytest.mark.parametrize("variant", ["pfedhn"])
+def test_a_server_model_method_resumed_on_ray_trains_on_to_the_in_process_bits(ray_session, one_torch_thread,
+                                                                              tmp_path_factory, variant):
+    """A method whose server holds a model of its own (pFedHN's hypernetwork, embeddings and their momentum):
+    checkpointed in process after two rounds and resumed on Ray actors, its last round is the uninterrupted
+    in-process run's, bitwise: records, global weights, the method's server state, every client."""
+    g_ref, _, records_ref, states_ref, m_ref = in_process_baseline(variant, tmp_path_factory.getbasetemp())
+    storage = RunStorage(str(tmp_path_factory.mktemp("resume_on_ray")))
+    setup = prepare(tiny_config(*VARIANTS[variant]))
+    first = Federation(setup, InProcessExecutor(make_host(setup)), log=lambda s: None)
+    run_rounds_until(first, 2)
+    CheckpointWriter(storage).save(first.snapshot())
+    setup = prepare(tiny_config(*VARIANTS[variant]))
+    executor = ray_executor(ray_session, setup)
+    try:
+        fed = Federation(setup, executor, log=lambda s: None)
+        fed.restore(load_checkpoint(storage))
+        records = run_rounds(fed)
+    finally:
+        executor.close()
+    assert json.dumps(without_time(records)) == json.dumps(without_time(records_ref[2:]))
+    assert_same_tensors(g_ref, fed.global_shared, "global_shared")
+    assert_same_tensors(m_ref, fed.method_state, "the method's server state")
+    assert_same_states(states_ref, fed.clients)
+
+
+def run_rounds_until(fed: Federation, rounds: int) -> None:
+    for r in range(rounds):
+        fed.step(r)
 
 
 def test_private_updates_leave_their_actor_clipped_and_train_as_in_process(ray_session, one_torch_thread):

@@ -199,6 +199,10 @@ def _check_head(cfg: ExperimentConfig) -> None:
                                   f"steps; set {key}=0")
     if not spec.global_model and cfg.eval.finetune_epochs:
         raise ConfigError(f"eval.finetune_epochs: {why} has no global model to fine-tune from; set it to 0")
+    if spec.generates_model and cfg.model.arch in BUFFERED_ARCHS:
+        raise ConfigError(f"model.arch: {why} generates every weight of each client's model on the server, and "
+                          f"model.arch={cfg.model.arch} has batch-norm statistics, which no hypernetwork generates; "
+                          "use a model without buffers")
 
 
 def _check_privacy(cfg: ExperimentConfig) -> None:

@@ -6,15 +6,20 @@ own heads (none, linear, hyper) are methods like the personalized-FL baselines (
 "Personalized-FL baselines"). A round, as the federation drives it:
 
 1. ``messages``: what each sampled client receives besides the global weights (FedFOMO: other clients'
-   models); the global weights and the generic rule's broadcast go to every client;
+   models; pFedHN: its own model, generated from the server's state); the global weights and the generic
+   rule's broadcast go to every client;
 2. on the client, ``train`` runs the local update from the client's state and returns the result for the
    server, the personal state the client keeps (never sent) and the generic rule's client state;
 3. the server averages the shared weights (``FedModel.shared_keys``) as the generic rule says, then
-   ``server_update`` gives the new global weights and the method's server state.
+   ``server_update`` gives the new global weights and the method's server state from that average and each
+   client's own result (pFedHN: its model, whose difference from the one it was sent the server
+   back-propagates into its hypernetwork).
 
 The method's client state is ``ClientState.personal`` (a flat ``StateDict`` whose keys it chooses: a head,
 Ditto's personal model, pFedMe's theta~) and ``ClientState.local_model`` (its last upload); its server state
-is a flat ``StateDict`` the checkpoint keeps under ``method/<name>/``. Every hook's default is Fed-RoD's.
+is a flat ``StateDict`` the checkpoint keeps under ``method/<name>/`` (which can be a whole server model:
+pFedHN's hypernetwork, embeddings and optimiser state), made from the model's initial weights and the run's
+seed, and read by ``pm_job`` where the server makes the PMs. Every hook's default is Fed-RoD's.
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ class Personalization:
     # The PM's global reading (``pfl_pm_global``): "model", the global weights with the client's personal
     # part (``reading_heads``); None, no such reading (NaN), a client that never trained then reads the GM.
     global_reading: ClassVar[str | None] = "model"
-    # The PM is made from the global model at evaluation (``pm_job``): it changes every round.
+    # The PM is made on the server at evaluation (``pm_job``), from the global model or the method's server
+    # state: it changes every round.
     pm_from_global: ClassVar[bool] = False
     # A client's calls carry its last local model (``ClientState.for_training``).
     starts_from_local_model: ClassVar[bool] = False
@@ -98,7 +104,9 @@ class Personalization:
         client's last upload (None: it never trained)."""
         return {}
 
-    def init_server_state(self, num_clients: int) -> StateDict:
+    def init_server_state(self, num_clients: int, initial: StateDict, seed: int) -> StateDict:
+        """The server state before the first round, for ``num_clients`` training clients and a model whose
+        initial weights are ``initial`` (its shapes), drawn from the run's ``seed``."""
         return {}
 
     def server_update(self, averaged: StateDict, results: dict[int, LocalResult],
@@ -123,9 +131,10 @@ class Personalization:
         distributions; None: the reading is the global model itself."""
         return None
 
-    def pm_job(self, state, global_shared: StateDict, rounds_done: int):
-        """The ``ClientState`` that the client's PM is evaluated from (``load_pm``) after ``rounds_done``
-        rounds: its own (with ``pm_from_global``: one made of the global weights)."""
+    def pm_job(self, state, global_shared: StateDict, rounds_done: int, server_state: StateDict, client_id: int):
+        """The ``ClientState`` that client ``client_id``'s PM is evaluated from (``load_pm``) after ``rounds_done``
+        rounds: its own (with ``pm_from_global``: one made on the server, of the global weights or of the
+        method's ``server_state``)."""
         return state
 
 

@@ -71,7 +71,7 @@ class Federation:
         self.generic_keys = set(self.model.generic_keys())
         self.global_shared: StateDict = {k: state[k].detach().clone() for k in self.shared_keys}
         self.server_state: StateDict = self.rule.init_server_state(self._generic(self.global_shared))
-        self.method_state: StateDict = self.method.init_server_state(setup.num_clients)
+        self.method_state: StateDict = self.method.init_server_state(setup.num_clients, self.initial, self.cfg.seed)
         # Every client's committed state, the runtime.client_cache most recently used in memory, the rest on
         # disk. A state is only ever replaced, never written into, so a snapshot stays valid while training
         # goes on.
@@ -132,7 +132,8 @@ class Federation:
                              f"{sorted(set(snap.global_shared) ^ set(self.shared_keys))}")
         self.global_shared = dict(snap.global_shared)
         self.server_state = dict(snap.server_state)
-        self.method_state = dict(snap.method_state) or self.method.init_server_state(self.setup.num_clients)
+        self.method_state = dict(snap.method_state) or self.method.init_server_state(self.setup.num_clients,
+                                                                                            self.initial, self.cfg.seed)
         if self.dp is not None:
             self.privacy_state = dict(snap.privacy_state) or self.dp.init_state()
         self.clients.restore(snap.clients)
@@ -152,7 +153,7 @@ class Federation:
         t0 = time.perf_counter()
         record = self._buffered_round(r, t0) if self.buffered is not None else self._round(r, t0)
         cfg = self.cfg
-        sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients, r + 1)
+        sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients, r + 1, self.method_state)
                   if cfg.eval.estimate_size else None)
         last = r + 1 == self.rounds
         # Exact: every eval_every rounds and after the last; with the estimate, after round 1 too, which
@@ -330,4 +331,5 @@ class Federation:
 
     def evaluate(self, final: bool = False) -> dict:
         """The metrics of the current state (``evaluation``); ``final`` adds the fine-tuned P-FL."""
-        return self.evaluation.evaluate(self.executor, self.global_shared, self.clients, self.next_round - 1, final)
+        return self.evaluation.evaluate(self.executor, self.global_shared, self.clients, self.next_round - 1,
+                                        self.method_state, final)

@@ -47,6 +47,14 @@ class MTLParams:
     lam: NonNegativeFloat = 0.1  # lambda: the pull towards the mean of all clients' models
 
 
+@dataclass(config=CLOSED)
+class PFedHNParams:
+    # the clients' embeddings v_m; None: the paper's code's 1 + M / 4 (M training clients)
+    embed_dim: PositiveInt | None = None
+    hidden: PositiveInt = 100  # the hypernetwork's width (its MLP: 4 linear layers, ReLU between)
+    server_lr: PositiveFloat = 0.01  # the server's SGD step on phi and the embeddings
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadSpec:
     """A method's ``Params`` (filled from ``train.head_params``) and constraints.
@@ -56,7 +64,8 @@ class HeadSpec:
     formulas of plain gradient steps (no momentum, no weight decay); ``global_model``: it has a global model
     (else its GM is the mean of the personalized models); ``reads_uploads``: its server reads every client's
     own upload (not only their aggregate); ``hypernetwork``: the server averages a hypernetwork that makes
-    each client's head (``model.hyper_hidden``)."""
+    each client's head (``model.hyper_hidden``); ``generates_model``: the server generates every weight of each
+client's model (which therefore can have no buffers, such as batch-norm statistics)."""
 
     params: type = NoParams
     erm: bool = True
@@ -64,6 +73,7 @@ class HeadSpec:
     global_model: bool = True
     reads_uploads: bool = False
     hypernetwork: bool = False
+    generates_model: bool = False
 
 
 # What a personalized-FL baseline (``erm``) trains with: cross-entropy on one head, FedAvg's server step.
@@ -76,6 +86,7 @@ HEADS: dict[str, HeadSpec] = {
     "pfedme": HeadSpec(PFedMeParams, plain_steps=True), "perfedavg": HeadSpec(PerFedAvgParams, plain_steps=True),
     "fedfomo": HeadSpec(FedFomoParams, global_model=False, reads_uploads=True),
     "mtl": HeadSpec(MTLParams, global_model=False, reads_uploads=True),
+    "pfedhn": HeadSpec(PFedHNParams, global_model=False, reads_uploads=True, generates_model=True),
 }
 
 
