@@ -24,7 +24,7 @@ from fedrod_ray.federation_state.final import write_final
 from fedrod_ray.models import build_model
 from fedrod_ray.models.export import _version_id, load_final
 from fedrod_ray.outputs.storage import RunStorage
-from fedrod_ray.personalization import METHODS, build_method, generic_weights, mean_state
+from fedrod_ray.personalization import METHODS, ServerContext, build_method, generic_weights, mean_state
 from fedrod_ray.personalization.fedfomo import (
     AFFINITY,
     choose,
@@ -166,7 +166,7 @@ def result_with(upload):
 
 def test_fedfomo_server_adds_the_uploaded_weights_to_the_affinities_and_averages_every_model():
     method = build_method("fedfomo")
-    state = method.init_server_state(3, {}, 0)
+    state = method.init_server_state(ServerContext(3, {}, 0, (1, 28, 28), 10))
     state[AFFINITY][0, 1] = 0.5
     uploads = {0: {"w": torch.tensor([2.0])}, 1: None, 2: {"w": torch.tensor([4.0])}}
     results = {0: result_with({"ids": torch.tensor([1, 2]), "u": torch.tensor([0.25, -1.0], dtype=torch.float64)}),
@@ -181,7 +181,7 @@ def test_fedfomo_server_adds_the_uploaded_weights_to_the_affinities_and_averages
 
 def test_fedfomo_messages_carry_the_chosen_models_of_clients_the_server_has():
     method = build_method("fedfomo", {"models": 2, "epsilon": 0.0})
-    state = method.init_server_state(4, {}, 0)
+    state = method.init_server_state(ServerContext(4, {}, 0, (1, 28, 28), 10))
     state[AFFINITY][0] = torch.tensor([0.0, 0.1, 0.3, 0.2], dtype=torch.float64)
     uploads = {0: {"w": torch.tensor([0.0])}, 1: {"w": torch.tensor([1.0])}, 2: None, 3: {"w": torch.tensor([3.0])}}
     msgs = method.messages(state, [0, 2], uploads, 0, 0)

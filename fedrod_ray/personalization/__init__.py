@@ -16,7 +16,7 @@ from ..models import FedModel, build_model
 from ..objectives import model_parts
 from ..server_math.aggregate import StateDict
 from ..specs.methods import HEADS
-from .base import Personalization, UpdateContext, mean_state
+from .base import Ask, Personalization, ServerContext, UpdateContext, mean_state
 from .registry import METHODS, register
 
 
@@ -55,4 +55,4 @@ from . import ditto, fedfomo, fedper, fedrep, fedrod, lg_fedavg, mtl, perfedavg,
 
 check_registry(METHODS, tuple(HEADS), "train.head")
 
-__all__ = ["METHODS", "Personalization", "UpdateContext", "build_method", "generic_weights", "mean_state", "method_model", "register"]
+__all__ = ["METHODS", "Ask", "Personalization", "ServerContext", "UpdateContext", "build_method", "generic_weights", "mean_state", "method_model", "register"]

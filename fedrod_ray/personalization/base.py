@@ -18,8 +18,8 @@ own heads (none, linear, hyper) are methods like the personalized-FL baselines (
 The method's client state is ``ClientState.personal`` (a flat ``StateDict`` whose keys it chooses: a head,
 Ditto's personal model, pFedMe's theta~) and ``ClientState.local_model`` (its last upload); its server state
 is a flat ``StateDict`` the checkpoint keeps under ``method/<name>/`` (which can be a whole server model:
-pFedHN's hypernetwork, embeddings and optimiser state), made from the model's initial weights and the run's
-seed, and read by ``pm_job`` where the server makes the PMs. Every hook's default is Fed-RoD's.
+pFedHN's hypernetwork, embeddings and optimiser state), made from a ``ServerContext`` (the model's initial
+weights, the run's seed, the data's shape), and read by ``pm_job`` where the server makes the PMs. Every hook's default is Fed-RoD's.
 """
 
 from __future__ import annotations
@@ -36,6 +36,23 @@ from ..config import TrainConfig
 from ..models import FedModel
 from ..server_math.aggregate import StateDict
 from ..specs.rules import NoParams
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What the method's server state is made from before the first round."""
+
+    num_clients: int  # the training clients
+    initial: StateDict  # the model's initial weights (their shapes: a server model that generates them)
+    seed: int  # the run's
+    image_shape: tuple[int, int, int]  # C x H x W
+    num_classes: int
+
+
+# The server's question to some of the round's clients, within the round (``Personalization.answer``):
+# ask(phase, common, questions) sends each client ``common`` and its own question (by client id) and gives
+# back the answers of those that answered (a client that failed is logged and left out).
+Ask = Callable[[str, StateDict, dict[int, StateDict]], dict[int, StateDict]]
 
 
 @dataclass
@@ -104,9 +121,8 @@ class Personalization:
         client's last upload (None: it never trained)."""
         return {}
 
-    def init_server_state(self, num_clients: int, initial: StateDict, seed: int) -> StateDict:
-        """The server state before the first round, for ``num_clients`` training clients and a model whose
-        initial weights are ``initial`` (its shapes), drawn from the run's ``seed``."""
+    def init_server_state(self, ctx: ServerContext) -> StateDict:
+        """The server state before the first round (drawn from ``ctx.seed`` where it is random)."""
         return {}
 
     def server_update(self, averaged: StateDict, results: dict[int, LocalResult],

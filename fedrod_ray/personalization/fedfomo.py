@@ -84,8 +84,8 @@ class FedFomo(OwnModels):
     name = "fedfomo"
     Params = FedFomoParams
 
-    def init_server_state(self, num_clients, initial, seed):
-        return {AFFINITY: torch.zeros(num_clients, num_clients, dtype=torch.float64)}
+    def init_server_state(self, ctx):
+        return {AFFINITY: torch.zeros(ctx.num_clients, ctx.num_clients, dtype=torch.float64)}
 
     def messages(self, server_state, ids, uploads, round_idx, seed):
         p = self.params

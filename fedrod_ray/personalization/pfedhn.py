@@ -133,8 +133,9 @@ class PFedHN(Personalization):
             raise RuntimeError("pfedhn: the server's hypernetwork is built by init_server_state")
         return self._net
 
-    def init_server_state(self, num_clients, initial, seed):
-        self._net, state = init_state(self.params, num_clients, {k: v.shape for k, v in initial.items()}, seed)
+    def init_server_state(self, ctx):
+        shapes = {k: v.shape for k, v in ctx.initial.items()}
+        self._net, state = init_state(self.params, ctx.num_clients, shapes, ctx.seed)
         return state
 
     @torch.no_grad()

@@ -25,7 +25,7 @@ from ..federation_state.client_store import ClientStore, LocalModels
 from ..federation_state.dp_rounds import ClientLevelDP, check_shared
 from ..federation_state.setup import Setup
 from ..federation_state.state import Arrival, Snapshot
-from ..personalization import build_method
+from ..personalization import ServerContext, build_method
 from ..server_math.aggregate import OrderedAverager, StateDict
 from ..server_math.buffered import buffered_update, staleness_weight
 from ..server_math.server import clients_per_round, sample_clients, sample_count
@@ -71,7 +71,7 @@ class Federation:
         self.generic_keys = set(self.model.generic_keys())
         self.global_shared: StateDict = {k: state[k].detach().clone() for k in self.shared_keys}
         self.server_state: StateDict = self.rule.init_server_state(self._generic(self.global_shared))
-        self.method_state: StateDict = self.method.init_server_state(setup.num_clients, self.initial, self.cfg.seed)
+        self.method_state: StateDict = self.method.init_server_state(self._server_context())
         # Every client's committed state, the runtime.client_cache most recently used in memory, the rest on
         # disk. A state is only ever replaced, never written into, so a snapshot stays valid while training
         # goes on.
@@ -116,6 +116,11 @@ class Federation:
         return durations(speeds, examples, self.cfg.train.local_epochs,
                          communication_seconds(model_bytes, rc.bandwidth))
 
+    def _server_context(self) -> ServerContext:
+        ds = self.setup.dataset
+        return ServerContext(self.setup.num_clients, self.initial, self.cfg.seed, tuple(ds.image_shape),
+                             ds.num_classes)
+
     def _generic(self, state: StateDict) -> StateDict:
         return {k: v for k, v in state.items() if k in self.generic_keys}
 
@@ -132,8 +137,7 @@ class Federation:
                              f"{sorted(set(snap.global_shared) ^ set(self.shared_keys))}")
         self.global_shared = dict(snap.global_shared)
         self.server_state = dict(snap.server_state)
-        self.method_state = dict(snap.method_state) or self.method.init_server_state(self.setup.num_clients,
-                                                                                            self.initial, self.cfg.seed)
+        self.method_state = dict(snap.method_state) or self.method.init_server_state(self._server_context())
         if self.dp is not None:
             self.privacy_state = dict(snap.privacy_state) or self.dp.init_state()
         self.clients.restore(snap.clients)
