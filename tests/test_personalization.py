@@ -172,7 +172,7 @@ def test_fedfomo_server_adds_the_uploaded_weights_to_the_affinities_and_averages
     results = {0: result_with({"ids": torch.tensor([1, 2]), "u": torch.tensor([0.25, -1.0], dtype=torch.float64)}),
                2: result_with({})}
     weights, new = method.server_update({"w": torch.tensor([9.0])}, results, uploads, state, {"w": torch.tensor([0.0])},
-                                        3)
+                                        3, None)
     assert new[AFFINITY][0].tolist() == [0.0, 0.75, -1.0] and not new[AFFINITY][1:].any()
     assert state[AFFINITY][0, 1] == 0.5  # the previous state is not written into
     # The plain mean of every client's model, a client that never trained with the initial weights.
@@ -184,16 +184,16 @@ def test_fedfomo_messages_carry_the_chosen_models_of_clients_the_server_has():
     state = method.init_server_state(ServerContext(4, {}, 0, (1, 28, 28), 10))
     state[AFFINITY][0] = torch.tensor([0.0, 0.1, 0.3, 0.2], dtype=torch.float64)
     uploads = {0: {"w": torch.tensor([0.0])}, 1: {"w": torch.tensor([1.0])}, 2: None, 3: {"w": torch.tensor([3.0])}}
-    msgs = method.messages(state, [0, 2], uploads, 0, 0)
+    msgs = method.messages(state, [0, 2], uploads, 0, 0, None)
     assert msgs[0]["ids"].tolist() == [3, 1] and msgs[0]["3/w"].item() == 3.0 and msgs[0]["1/w"].item() == 1.0
     assert sorted(msgs[2]["ids"].tolist()) == [0, 1]  # client 2 has none of its own, and never gets itself
-    assert method.messages(state, [0], {c: None for c in range(4)}, 0, 0)[0]["ids"].numel() == 0
+    assert method.messages(state, [0], {c: None for c in range(4)}, 0, 0, None)[0]["ids"].numel() == 0
 
 
 def test_mtl_server_step_is_the_plain_mean_of_all_clients_models():
     method = build_method("mtl")
     uploads = {0: {"w": torch.tensor([1.0])}, 1: {"w": torch.tensor([5.0])}, 2: None}
-    weights, _ = method.server_update({"w": torch.tensor([9.0])}, {}, uploads, {}, {"w": torch.tensor([0.0])}, 3)
+    weights, _ = method.server_update({"w": torch.tensor([9.0])}, {}, uploads, {}, {"w": torch.tensor([0.0])}, 3, None)
     assert torch.equal(weights["w"], torch.tensor([2.0]))
 
 

@@ -231,7 +231,7 @@ def test_fedfomo_epsilon_decays_by_its_step_each_round_to_zero():
     uploads = {c: {"w": torch.tensor([float(c)])} for c in range(12)}
     told = []
     for r in range(9):
-        msgs = method.messages(state, list(range(12)), uploads, r, 5)
+        msgs = method.messages(state, list(range(12)), uploads, r, 5, None)
         for cid, msg in msgs.items():
             have = [c for c in range(12) if c != cid]
             draws = np.random.default_rng([5, r, cid, CHOICE_TAG])

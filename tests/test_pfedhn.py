@@ -165,13 +165,13 @@ def test_one_clients_server_step_moves_phi_and_its_embedding_along_the_clipped_v
 def test_the_server_steps_each_returned_client_in_increasing_id_from_the_model_it_was_sent():
     method, net, state = tiny()
     method._net = net
-    sent = method.messages(state, [2, 0], {}, 0, 0)
+    sent = method.messages(state, [2, 0], {}, 0, 0, None)
     assert set(sent) == {0, 2} and all(torch.equal(sent[c][k], generate(net, state, state[EMBEDDINGS][c])[k])
                                        for c in sent for k in SHAPES)
     trained = {c: {k: v - 0.1 * (c + 1) for k, v in sent[c].items()} for c in sent}
     results = {c: LocalResult(trained[c], 5, 0.0, None, 1, 0.0) for c in (2, 0)}  # returned out of order
     gm, new = method.server_update({k: torch.zeros(s) for k, s in SHAPES.items()}, results, {}, state,
-                                   {}, 3)
+                                   {}, 3, None)
     expected = state
     for c in (0, 2):
         expected = server_step(net, expected, c, client_delta(sent[c], trained[c]), method.params.server_lr)
@@ -196,7 +196,7 @@ def test_client_delta_is_the_sent_model_less_the_returned_one():
 def test_the_client_trains_from_the_model_the_server_generated_for_it():
     fed = make_federation(*PFEDHN)
     host = fed.executor.host
-    sent = fed.method.messages(fed.method_state, [CID], {}, ROUND, fed.cfg.seed)
+    sent = fed.method.messages(fed.method_state, [CID], {}, ROUND, fed.cfg.seed, None)
     message = RoundInput(fed.global_shared, per_client=sent)
     res, personal, _ = host.method.train(host.model, message, host.data(CID), None, None, {}, {}, {},
                                          host.context_of(CID, ROUND))

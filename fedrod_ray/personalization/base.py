@@ -8,12 +8,16 @@ own heads (none, linear, hyper) are methods like the personalized-FL baselines (
 1. ``messages``: what each sampled client receives besides the global weights (FedFOMO: other clients'
    models; pFedHN: its own model, generated from the server's state); the global weights and the generic
    rule's broadcast go to every client;
+   Before that, ``messages`` may ask clients a question (``Ask``, answered by ``answer`` on the client:
+   PeFLL's descriptor of the client's data, which the server's message is made from);
 2. on the client, ``train`` runs the local update from the client's state and returns the result for the
    server, the personal state the client keeps (never sent) and the generic rule's client state;
 3. the server averages the shared weights (``FedModel.shared_keys``) as the generic rule says, then
    ``server_update`` gives the new global weights and the method's server state from that average and each
    client's own result (pFedHN: its model, whose difference from the one it was sent the server
-   back-propagates into its hypernetwork).
+   back-propagates into its hypernetwork), asking clients again where it needs them (PeFLL: the
+   gradient of each client's descriptor goes back to it, and the client's gradient of the embedding
+   network comes back).
 
 The method's client state is ``ClientState.personal`` (a flat ``StateDict`` whose keys it chooses: a head,
 Ditto's personal model, pFedMe's theta~) and ``ClientState.local_model`` (its last upload); its server state
@@ -116,9 +120,10 @@ class Personalization:
     # --- server ---------------------------------------------------------------------------------------
 
     def messages(self, server_state: StateDict, ids: list[int], uploads: dict[int, StateDict | None],
-                 round_idx: int, seed: int) -> dict[int, StateDict]:
+                 round_idx: int, seed: int, ask: Ask) -> dict[int, StateDict]:
         """What each of the round's clients ``ids`` receives besides the global weights; ``uploads`` is every
-        client's last upload (None: it never trained)."""
+        client's last upload (None: it never trained); ``ask`` puts a question to clients first (PeFLL: each
+        sampled client's descriptor, from which the server makes the model it sends)."""
         return {}
 
     def init_server_state(self, ctx: ServerContext) -> StateDict:
@@ -127,10 +132,17 @@ class Personalization:
 
     def server_update(self, averaged: StateDict, results: dict[int, LocalResult],
                       uploads: dict[int, StateDict | None], server_state: StateDict, initial: StateDict,
-                      num_clients: int) -> tuple[StateDict, StateDict]:
+                      num_clients: int, ask: Ask) -> tuple[StateDict, StateDict]:
         """(new global weights, new server state) from the participants' averaged shared weights, their
-        ``results`` and every client's last upload (``uploads``, the round's included)."""
+        ``results`` and every client's last upload (``uploads``, the round's included); ``ask`` puts a
+        question to clients within the round (PeFLL: each client's part of the backward pass)."""
         return averaged, server_state
+
+    def answer(self, phase: str, model: FedModel, common: StateDict, question: StateDict, data: ClientData,
+               ctx: UpdateContext) -> StateDict:
+        """A client's answer to the server's question of ``phase`` within a round (``Ask``), from its data;
+        ``model`` is the host's, free to use. It keeps nothing: the answer is all that leaves."""
+        raise NotImplementedError(f"method {self.name!r} asks its clients no {phase!r} question")
 
     def generic_model(self, global_shared: StateDict, pms: Callable[[], Iterable[StateDict]]) -> StateDict:
         """The GM's weights (G-FL, P-FL (GM), ``final/``): the global weights, or (a method without a global

@@ -67,14 +67,26 @@ def generate(net: HyperNetwork, state: StateDict, v: torch.Tensor) -> dict[str, 
     return functional_call(net, {k[len(NET):]: t for k, t in state.items() if k.startswith(NET)}, (v,))
 
 
+def hyper_vjp(net: HyperNetwork, state: StateDict, v: torch.Tensor,
+              cotangent: StateDict) -> tuple[StateDict, torch.Tensor]:
+    """The vector-Jacobian products of w = H(v; phi) with ``cotangent`` (a tensor per weight of w):
+    ((dw/dphi)^T c for each of phi's tensors, by the server state's keys, and (dw/dv)^T c)."""
+    phi = {k: t.detach().requires_grad_() for k, t in state.items() if k.startswith(NET)}
+    v = v.detach().requires_grad_()
+    w = generate(net, phi, v)
+    *grads, grad_v = torch.autograd.grad(list(w.values()), [*phi.values(), v],
+                                         grad_outputs=[cotangent[k] for k in w])
+    return dict(zip(phi, grads)), grad_v
+
+
 def hyper_grads(net: HyperNetwork, state: StateDict, client: int, delta: StateDict) -> StateDict:
     """The vector-Jacobian products of w_m = H(v_m; phi) with Delta_m: (dw_m/dphi)^T Delta_m for each of phi's
     tensors and (dw_m/dV)^T Delta_m for the embedding table V (zero but for row m), by the server state's
     keys."""
-    trainable = {k: t.detach().requires_grad_() for k, t in state.items() if k == EMBEDDINGS or k.startswith(NET)}
-    w = generate(net, trainable, trainable[EMBEDDINGS][client])
-    grads = torch.autograd.grad(list(w.values()), list(trainable.values()), grad_outputs=[delta[k] for k in w])
-    return dict(zip(trainable, grads))
+    grads, grad_v = hyper_vjp(net, state, state[EMBEDDINGS][client], delta)
+    table = torch.zeros_like(state[EMBEDDINGS])
+    table[client] = grad_v
+    return {EMBEDDINGS: table, **grads}
 
 
 def clip_total_norm(grads: StateDict, max_norm: float) -> StateDict:
@@ -143,7 +155,7 @@ class PFedHN(Personalization):
         """Client ``client_id``'s model H(v_m; phi): its PM, and what it trains from."""
         return generate(self.net, server_state, server_state[EMBEDDINGS][client_id])
 
-    def messages(self, server_state, ids, uploads, round_idx, seed):
+    def messages(self, server_state, ids, uploads, round_idx, seed, ask):
         return {cid: self.model_of(server_state, cid) for cid in ids}
 
     def train(self, model, message, data, personal, local_model, rule_state, objectives, momentum, ctx):
@@ -152,7 +164,7 @@ class PFedHN(Personalization):
         loss, steps = sgd_epochs(model, optimizer(model.parameters(), ctx), client_batches(data, ctx))
         return result(model, num_samples=len(data), loss=loss, steps=steps, t0=t0), None, {}
 
-    def server_update(self, averaged, results, uploads, server_state, initial, num_clients):
+    def server_update(self, averaged, results, uploads, server_state, initial, num_clients, ask):
         """Each returned client's step in increasing id, its Delta_m taken from the model it was sent; the
         new global weights are the mean of every training client's PM."""
         deltas = {cid: client_delta(self.model_of(server_state, cid), results[cid].shared) for cid in sorted(results)}

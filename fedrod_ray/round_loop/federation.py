@@ -25,7 +25,7 @@ from ..federation_state.client_store import ClientStore, LocalModels
 from ..federation_state.dp_rounds import ClientLevelDP, check_shared
 from ..federation_state.setup import Setup
 from ..federation_state.state import Arrival, Snapshot
-from ..personalization import ServerContext, build_method
+from ..personalization import Ask, ServerContext, build_method
 from ..server_math.aggregate import OrderedAverager, StateDict
 from ..server_math.buffered import buffered_update, staleness_weight
 from ..server_math.server import clients_per_round, sample_clients, sample_count
@@ -235,7 +235,7 @@ class Federation:
         self.clients.update(new_states)
         averaged, self.method_state = self.method.server_update(
             {k: averaged[k] for k in self.shared_keys}, results, self._uploads(), self.method_state, self.initial,
-            self.setup.num_clients)
+            self.setup.num_clients, self._asker(r))
         self.global_shared = {k: averaged[k] for k in self.shared_keys}
         self.next_round = r + 1
         self.virtual_time += seconds
@@ -311,8 +311,24 @@ class Federation:
         from_local = self.rule.starts_from_local_model or self.method.starts_from_local_model
         jobs = [(cid, self.clients[cid].for_training(from_local)) for cid in ids]
         message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state),
-                             self.method.messages(self.method_state, ids, self._uploads(), r, self.cfg.seed), clip_norm)
+                             self.method.messages(self.method_state, ids, self._uploads(), r, self.cfg.seed,
+                                                  self._asker(r)), clip_norm)
         return jobs, message
+
+    def _asker(self, r: int) -> Ask:
+        """The method's ``Ask`` within round ``r``: its clients' answers, by the executor; a client that fails
+        to answer is logged and left out (the method goes on without it)."""
+
+        def ask(phase: str, common: StateDict, questions: dict[int, StateDict]) -> dict[int, StateDict]:
+            answers = {}
+            for cid, out in self.executor.ask(r, phase, common, questions).items():
+                if isinstance(out, ClientFailure):
+                    self.log(f"[round {r + 1}] client {cid} did not answer {phase}: {out.error}\n{out.traceback}")
+                else:
+                    answers[cid] = out
+            return answers
+
+        return ask
 
     def _uploads(self) -> LocalModels:
         """Every training client's last upload (None: it never trained), read when asked for."""

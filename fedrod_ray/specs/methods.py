@@ -55,6 +55,17 @@ class PFedHNParams:
     server_lr: PositiveFloat = 0.01  # the server's SGD step on phi and the embeddings
 
 
+@dataclass(config=CLOSED)
+class PeFLLParams:
+    # the descriptors v_m; None: the official code's 1 + M / 4 (M training clients)
+    embed_dim: PositiveInt | None = None
+    hidden: PositiveInt = 100  # the hypernetwork's width (pFedHN's)
+    server_lr: PositiveFloat = 2e-4  # the server's Adam step on phi and psi (the official code's)
+    reg_hyper: NonNegativeFloat = 1e-3  # lam_h: the regulariser (lam_h / 2) ||phi||^2 of the hypernetwork
+    reg_embed: NonNegativeFloat = 1e-3  # lam_v: (lam_v / 2) ||psi||^2 of the embedding network
+    reg_model: NonNegativeFloat = 0.0  # lam_theta: (lam_theta / 2) ||w_m||^2 of each generated model
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadSpec:
     """A method's ``Params`` (filled from ``train.head_params``) and constraints.
@@ -87,6 +98,7 @@ HEADS: dict[str, HeadSpec] = {
     "fedfomo": HeadSpec(FedFomoParams, global_model=False, reads_uploads=True),
     "mtl": HeadSpec(MTLParams, global_model=False, reads_uploads=True),
     "pfedhn": HeadSpec(PFedHNParams, global_model=False, reads_uploads=True, generates_model=True),
+    "pefll": HeadSpec(PeFLLParams, global_model=False, reads_uploads=True, generates_model=True),
 }
 
 
