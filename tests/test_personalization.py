@@ -281,7 +281,7 @@ def test_the_methods_params_are_recorded_with_their_defaults():
                                 "train.head_params={lam: 20}"])
     assert cfg.train.head_params == {"lam": 20.0, "personal_lr": 0.01, "inner_steps": 5}
     assert isinstance(cfg, ExperimentConfig) and sorted(METHODS) == sorted(
-        ("none", "linear", "hyper", *BASELINES, "pfedhn"))
+        ("none", "linear", "hyper", *BASELINES, "pfedhn", "pefll"))
 
 
 # --- end to end, in process ----------------------------------------------------------------------------------

@@ -116,6 +116,9 @@ VARIANTS = {
     "perfedavg": ("train.head=perfedavg", "train.balanced_loss=ce", "train.momentum=0", "train.weight_decay=0"),
     # A server that generates each client's model from its hypernetwork and steps it on each client's Delta.
     "pfedhn": ("train.head=pfedhn", "train.balanced_loss=ce"),
+    # ... and one that asks its clients questions within the round (their descriptors, their part of the
+    # backward pass), on the actors.
+    "pefll": ("train.head=pefll", "train.balanced_loss=ce"),
 }
 _baselines: dict[str, tuple] = {}
 
@@ -138,9 +141,10 @@ ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources
     [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ()),
      ("hyper_scaffold", ()), ("linear_compiled", ()), ("linear_keep", ()), ("fedfomo", ()),
      ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ()), ("hyper", ("runtime.client_cache=1",)),
-     ("pfedhn", ())],
+     ("pfedhn", ()), ("pefll", ())],
     ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold", "linear-compiled",
-         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1", "pfedhn"],
+         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1", "pfedhn",
+         "pefll"],
 )
 def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
                                                      variant, layout_overrides):
@@ -185,7 +189,7 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     assert_same_tensors(h_ref, fed.server_state, "the rule's server state")
     assert bool(h_ref) == (variant in ("fedavg_feddyn", "hyper_scaffold"))
     assert_same_tensors(m_ref, fed.method_state, "the method's server state")
-    assert bool(m_ref) == (variant in ("fedfomo", "pfedhn"))
+    assert bool(m_ref) == (variant in ("fedfomo", "pfedhn", "pefll"))
     assert_same_states(states_ref, states)
     assert len(records) == 3
     # As JSON: a reading the method has not is NaN in both, which == would call different.
@@ -207,11 +211,11 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     assert_same_states(states_ref, ckpt.clients)
 
 
-@pytest.mark.parametrize("variant", ["pfedhn"])
+@pytest.mark.parametrize("variant", ["pfedhn", "pefll"])
 def test_a_server_model_method_resumed_on_ray_trains_on_to_the_in_process_bits(ray_session, one_torch_thread,
                                                                               tmp_path_factory, variant):
-    """A method whose server holds a model of its own (pFedHN's hypernetwork, embeddings and their momentum):
-    checkpointed in process after two rounds and resumed on Ray actors, its last round is the uninterrupted
+    """A method whose server holds a model of its own (pFedHN's hypernetwork, embeddings and their momentum;
+    PeFLL's two networks, Adam's state and the descriptors, which it asks the actors for): checkpointed in process after two rounds and resumed on Ray actors, its last round is the uninterrupted
     in-process run's, bitwise: records, global weights, the method's server state, every client."""
     g_ref, _, records_ref, states_ref, m_ref = in_process_baseline(variant, tmp_path_factory.getbasetemp())
     storage = RunStorage(str(tmp_path_factory.mktemp("resume_on_ray")))
