@@ -4,6 +4,7 @@ evaluation, held-out clients before and after fine-tuning, and the config checks
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 
 import pytest
@@ -11,11 +12,13 @@ import torch
 
 from fedrod_ray.algorithms import build_rule
 from fedrod_ray.client_update.local import RoundInput, derived_seed, local_update
-from fedrod_ray.clients.client import FINETUNE_TAG, ClientState
+from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.federation_state.setup import make_host, prepare
 from fedrod_ray.models.metrics import personal_class_correct, pfl_accuracy
+from fedrod_ray.personalization.fedrod import OneHead
+from fedrod_ray.personalization.finetune import FINETUNE_TAG
 from fedrod_ray.round_loop.federation import Federation
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -115,6 +118,61 @@ def test_fine_tuning_starts_from_the_global_model_with_the_zero_shot_head(head):
     record = fed.step(0)
     assert record["pfl_new_after"] == record["pfl_new_before"]
     assert record["finetune_failed"] == 0 and "pfl_ft" not in record
+
+
+class ExecutorZeroShot(OneHead):
+    """FedAvg whose new clients' zero-shot model the executor makes (the default: the global weights)."""
+
+    zero_shot_is_reading = False
+
+
+class ZeroModelForNewClients(ExecutorZeroShot):
+    """Sends new clients an all-zero model, which they load as their zero-shot model and "adapt" to
+    (untouched): every prediction is class 0."""
+
+    def new_client_message(self, server_state, global_shared):
+        return {k: torch.zeros_like(v) for k, v in global_shared.items()}
+
+    def new_client_model(self, model, message, data, ctx):
+        model.load_partial(message.per_client[ctx.client_id])
+        return model
+
+    def adapt(self, model, message, data, personal, epochs, ctx):
+        return self.new_client_model(model, message, data, ctx)
+
+
+def with_method(fed: Federation, method) -> Federation:
+    """``fed`` evaluated with ``method`` on the server and its host."""
+    fed.evaluation.method = fed.executor.host.method = method
+    return fed
+
+
+def test_a_zero_shot_model_made_by_the_executor_is_the_global_reading_when_it_is_the_same_model():
+    args = ("train.head=none", "train.balanced_loss=ce", "eval.finetune_epochs=1", "train.lr=0.05")
+    reading = federation(*args)
+    executor = with_method(federation(*args), ExecutorZeroShot())
+    for r in range(2):
+        ours, theirs = executor.step(r), reading.step(r)
+        assert "pfl_new_before" in ours and ("pfl_new_after" in ours) == (r == 1)
+        untimed = [json.dumps({k: v for k, v in rec.items() if k not in ("seconds", "train_seconds")})
+                   for rec in (ours, theirs)]
+        assert untimed[0] == untimed[1]  # as JSON: NaN == NaN
+
+
+def test_new_clients_zero_shot_and_adaptation_read_the_methods_new_client_message():
+    fed = with_method(federation("train.head=none", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
+                      ZeroModelForNewClients())
+    fed.step(0)
+    record = fed.step(1)
+    # A model of zeros predicts class 0 everywhere: a new client's P-FL is its share of class 0 (every class
+    # has as many test examples).
+    m = fed.setup.num_clients
+    share = statistics.fmean(float(fed.setup.class_dists[c][0]) for c in fed.setup.all_client_ids[m:])
+    assert record["pfl_new_before"] == pytest.approx(share, rel=1e-12)
+    assert record["pfl_new_after"] == pytest.approx(share, rel=1e-12)
+    assert record["pm_eval_failed"] == 0 and record["finetune_failed"] == 0
+    # The GM and the training clients' PMs are untouched by the new clients' message.
+    assert record["pfl_gm_new"] != pytest.approx(share)
 
 
 def test_fine_tuning_at_the_last_evaluation_changes_nothing_that_is_kept():

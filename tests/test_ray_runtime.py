@@ -26,6 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fedrod_ray.client_update.local import RoundInput
 from fedrod_ray.clients import faults
 from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import config_from_dict
@@ -215,8 +216,9 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
 def test_a_server_model_method_resumed_on_ray_trains_on_to_the_in_process_bits(ray_session, one_torch_thread,
                                                                               tmp_path_factory, variant):
     """A method whose server holds a model of its own (pFedHN's hypernetwork, embeddings and their momentum;
-    PeFLL's two networks, Adam's state and the descriptors, which it asks the actors for): checkpointed in process after two rounds and resumed on Ray actors, its last round is the uninterrupted
-    in-process run's, bitwise: records, global weights, the method's server state, every client."""
+    PeFLL's two networks, Adam's state and the descriptors, which it asks the actors for): checkpointed in
+    process after two rounds and resumed on Ray actors, its last round is the uninterrupted in-process run's,
+    bitwise: records, global weights, the method's server state, every client."""
     g_ref, _, records_ref, states_ref, m_ref = in_process_baseline(variant, tmp_path_factory.getbasetemp())
     storage = RunStorage(str(tmp_path_factory.mktemp("resume_on_ray")))
     setup = prepare(tiny_config(*VARIANTS[variant]))
@@ -240,6 +242,25 @@ def test_a_server_model_method_resumed_on_ray_trains_on_to_the_in_process_bits(r
 def run_rounds_until(fed: Federation, rounds: int) -> None:
     for r in range(rounds):
         fed.step(r)
+
+
+def test_ray_executor_makes_new_clients_zero_shot_models_as_in_process(ray_session, one_torch_thread):
+    """The new-client hook's executor call (``zero_shot``): on the actors, each client's zero-shot model from
+    the message and its data (hyper: the global weights, H(a; nu) from its class counts) scores as here."""
+    setup = prepare(tiny_config("train.head=hyper", "data.new_clients=3"))
+    host = make_host(setup)
+    new = setup.all_client_ids[setup.num_clients:]
+    jobs = [(cid, ClientState()) for cid in new]
+    message = RoundInput({k: host.initial[k] for k in host.model.shared_keys()})
+    here = host.zero_shot(jobs, message, 0)
+    executor = ray_executor(ray_session, setup)
+    try:
+        there = executor.zero_shot(jobs, message, 0)
+    finally:
+        executor.close()
+    assert not here.failed and not there.failed and sorted(there.correct) == new
+    for cid in new:
+        assert torch.equal(here.correct[cid], there.correct[cid]) and torch.equal(here.total[cid], there.total[cid])
 
 
 def test_private_updates_leave_their_actor_clipped_and_train_as_in_process(ray_session, one_torch_thread):

@@ -81,5 +81,8 @@ class ClientActorImpl:
                  round_idx: int) -> EvalCounts:
         return self._host().finetune(jobs, message, epochs, round_idx)
 
+    def zero_shot(self, jobs: list[tuple[int, ClientState]], message: RoundInput, round_idx: int) -> EvalCounts:
+        return self._host().zero_shot(jobs, message, round_idx)
+
 
 ClientActor = ray.remote(ClientActorImpl)

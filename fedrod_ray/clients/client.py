@@ -26,17 +26,15 @@ from ..client_update.local import (
     RoundInput,
     class_distribution,
     derived_seed,
-    local_update,
 )
 from ..config import ExperimentConfig
-from ..models import FedModel, build_model
+from ..models import FedModel
 from ..models.metrics import TestSet, personal_class_correct, stratified_sample
-from ..objectives import OBJECTIVES, get_objective
+from ..objectives import OBJECTIVES
 from ..personalization import UpdateContext, build_method, method_model
 from ..server_math.aggregate import StateDict
 from ..server_math.privacy import clip_update
 
-FINETUNE_TAG = 2  # seeds fine-tuning's data order apart from every training round's
 ESTIMATE_TAG = 3  # seeds the estimate's test sample
 
 
@@ -184,7 +182,6 @@ class ClientHost:
                                             tuple(context.train_x.shape[1:])).to(self.device)
         # A client that never trained starts from these (the methods whose clients keep whole models).
         self.initial = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        self._finetune_model: FedModel | None = None
         self._estimate_test: TestSet | None = None
 
     def data(self, client_id: int) -> ClientData:
@@ -253,54 +250,34 @@ class ClientHost:
 
     def finetune(self, jobs: list[tuple[int, ClientState]], message: RoundInput, epochs: int,
                  round_idx: int) -> EvalCounts:
-        """Per-class test counts of each client's model after ``epochs`` epochs of fine-tuning on its own data,
-        starting from the global model ``message.weights`` (docs/method.md, "Baselines": FT, and "Evaluation": new clients).
-
-        One head (FedAvg and its kin): the whole model, with ERM (cross-entropy). Fed-RoD: its own local
-        objective, from the global theta and psi and the client's head: its phi_m (zeros for a client that
-        never trained) or, for hyper, the zero-shot head H(a_m; nu_bar), which is then tuned as a linear head.
-        Plain SGD (no generic rule's term) at round ``round_idx``'s learning rate; nothing is kept.
-        """
+        """Per-class test counts of each client's model after ``epochs`` epochs of its method's adaptation on
+        its own data (``Personalization.adapt``: by default fine-tuning, docs/method.md, "Baselines": FT, and
+        "Evaluation": new clients) from what it received, ``message`` (a new client: with its
+        ``new_client_message`` entry), at round ``round_idx``; nothing is kept."""
         out = EvalCounts()
-        ctx = self.context
-        model = self._finetuner()
-        t = self.cfg.train
-        objective = get_objective(t.balanced_loss)
-        loss = t.balanced_loss if objective is None else objective.fallback_loss
-        variant = self.model.variant
-        # Tuned as the one-head model (ERM) or as Fed-RoD's linear head, with plain SGD.
-        cfg = dataclasses.replace(t, head="none" if variant is None else "linear", head_params={},
-                                  local_epochs=epochs, momentum_buffers="reset",
-                                  generic_rule="fedavg", rule_params={},
-                                  balanced_loss="ce" if variant is None else loss)
-        plain = build_rule("fedavg")
-        own = model.state_dict()  # a tuned hyper model has no hypernetwork to load
-        start = {k: v for k, v in message.weights.items() if k in own}
-        if variant == "hyper":
-            self.model.load_partial(message.weights)
         for cid, state in jobs:
             try:
                 data = self.data(cid)
-                personal = state.personal if variant == "linear" else None
-                if variant == "hyper":
-                    with torch.no_grad():
-                        personal = {"personal_head.weight": self.model.personal_weight(data.class_dist.to(self.device))}
-                local_update(model, RoundInput(start), data, cfg, plain, round_idx=round_idx,
-                             seed=derived_seed(self.cfg.seed, FINETUNE_TAG), client_id=cid, mean=self.mean,
-                             std=self.std, augment=self.augment, personal=personal, device=self.device)
+                model = self.method.adapt(self.model, message, data, state.personal, epochs,
+                                          self.context_of(cid, round_idx))
                 out.correct[cid], out.total[cid] = personal_class_correct(
-                    model, ctx.test, data.class_dist, self.cfg.eval.batch_size, model.variant is not None, cid)
+                    model, self.context.test, data.class_dist, self.cfg.eval.batch_size, model.variant is not None,
+                    cid)
             except Exception as e:  # noqa: BLE001 - one client's failure must not stop the others'
                 out.failed[cid] = f"{type(e).__name__}: {e}"
         return out
 
-    def _finetuner(self) -> FedModel:
-        """The model fine-tuning trains: this host's, except that a generated (hyper) head is tuned as a
-        linear one."""
-        if self.model.variant != "hyper":
-            return self.model
-        if self._finetune_model is None:
-            m = self.model
-            self._finetune_model = build_model(m.arch, m.num_classes, tuple(self.context.train_x.shape[1:]), "linear",
-                                               seed=self.cfg.seed).to(self.device)
-        return self._finetune_model
+    def zero_shot(self, jobs: list[tuple[int, ClientState]], message: RoundInput, round_idx: int) -> EvalCounts:
+        """Per-class test counts of the zero-shot models of clients that never trained
+        (``Personalization.new_client_model``, from ``message`` and their data) after round ``round_idx``."""
+        out = EvalCounts()
+        for cid, _ in jobs:
+            try:
+                data = self.data(cid)
+                model = self.method.new_client_model(self.model, message, data, self.context_of(cid, round_idx))
+                out.correct[cid], out.total[cid] = personal_class_correct(
+                    model, self.context.test, data.class_dist, self.cfg.eval.batch_size, model.variant is not None,
+                    cid)
+            except Exception as e:  # noqa: BLE001 - one client's failure must not stop the others'
+                out.failed[cid] = f"{type(e).__name__}: {e}"
+        return out

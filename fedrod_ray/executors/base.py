@@ -27,6 +27,9 @@ class Executor(Protocol):
         estimate's sample)."""
 
     def finetune(self, jobs: list[Job], message: RoundInput, epochs: int, round_idx: int) -> EvalCounts:
-        """PM test counts after fine-tuning from the global model (``ClientHost.finetune``)."""
+        """PM test counts after the method's adaptation (fine-tuning) from ``message`` (``ClientHost.finetune``)."""
+
+    def zero_shot(self, jobs: list[Job], message: RoundInput, round_idx: int) -> EvalCounts:
+        """Test counts of the zero-shot models of clients that never trained (``ClientHost.zero_shot``)."""
 
     def close(self) -> None: ...

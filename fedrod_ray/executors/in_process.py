@@ -24,5 +24,8 @@ class InProcessExecutor:
     def finetune(self, jobs, message, epochs, round_idx):
         return self.host.finetune(jobs, message, epochs, round_idx)
 
+    def zero_shot(self, jobs, message, round_idx):
+        return self.host.zero_shot(jobs, message, round_idx)
+
     def close(self) -> None:
         pass

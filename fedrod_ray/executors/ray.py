@@ -263,6 +263,11 @@ class RayExecutor:
         return self._spread("finetune", jobs,
                             lambda actor, chunk: actor.finetune.remote(chunk, message_ref, epochs, round_idx))
 
+    def zero_shot(self, jobs: list[Job], message: RoundInput, round_idx: int) -> EvalCounts:
+        message_ref = ray.put(message)
+        return self._spread("zero_shot", jobs,
+                            lambda actor, chunk: actor.zero_shot.remote(chunk, message_ref, round_idx))
+
     def _spread(self, method: str, jobs: list[Job], submit: Callable) -> EvalCounts:
         """Per-client counts from calls that are safe to repeat, in chunks over the actors."""
         if self.layout.pooled:

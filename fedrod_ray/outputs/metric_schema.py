@@ -64,11 +64,12 @@ METRICS = (
            label="PM global", title="P-FL (PM, global)", accuracy=True),
     Metric("pfl_gm_new", EVALUATION, "the GM's P-FL on the held-out new clients (with `data.new_clients`)",
            label="new GM", title="P-FL (GM), new clients", accuracy=True),
-    Metric("pfl_new_before", EVALUATION, "the new clients' PM P-FL before any local training: the global "
-           "model (hyper: with the zero-shot head H(a; ν̄))",
+    Metric("pfl_new_before", EVALUATION, "the new clients' PM P-FL before any local training: the method's "
+           "zero-shot model (the global model; hyper: with the zero-shot head H(a; ν̄); the GM for a method "
+           "with no global reading)",
            label="new before", title="new clients, before", accuracy=True),
-    Metric("pfl_new_after", LAST_EVALUATION, "the same after fine-tuning each new client for "
-           "`eval.finetune_epochs` on its own data",
+    Metric("pfl_new_after", LAST_EVALUATION, "the same after each new client's adaptation (fine-tuning) "
+           "for `eval.finetune_epochs` on its own data",
            label="new after", title="new clients, after", accuracy=True),
     Metric("pfl_ft", LAST_EVALUATION, "P-FL of the global model fine-tuned on each training client's own data "
            "(the FT baseline, with `eval.finetune_train`)",

@@ -23,7 +23,14 @@ The method's client state is ``ClientState.personal`` (a flat ``StateDict`` whos
 Ditto's personal model, pFedMe's theta~) and ``ClientState.local_model`` (its last upload); its server state
 is a flat ``StateDict`` the checkpoint keeps under ``method/<name>/`` (which can be a whole server model:
 pFedHN's hypernetwork, embeddings and optimiser state), made from a ``ServerContext`` (the model's initial
-weights, the run's seed, the data's shape), and read by ``pm_job`` where the server makes the PMs. Every hook's default is Fed-RoD's.
+weights, the run's seed, the data's shape), and read by ``pm_job`` where the server makes the PMs. Every
+hook's default is Fed-RoD's.
+
+A client that never trained (a held-out new client) is personalized in two steps, both the method's:
+before any training of its own, its zero-shot model (``new_client_needs`` says what it must give for it;
+the server's ``new_client_message`` and the client's ``new_client_model`` make it, or, by default, it is
+the PM's global reading of a client with no personal state); after, ``adapt``: E epochs of its own
+adaptation from what it received (default: fine-tuning, ``finetune.fine_tune``).
 """
 
 from __future__ import annotations
@@ -40,6 +47,12 @@ from ..config import TrainConfig
 from ..models import FedModel
 from ..server_math.aggregate import StateDict
 from ..specs.rules import NoParams
+from .finetune import fine_tune
+
+# What a client that never trained must give for its zero-shot model (``Personalization.new_client_needs``,
+# ``final/meta.json``'s ``new_client``): nothing (the global weights with the initial personal part), its class
+# counts (Fed-RoD (hyper)'s H(a; nu)), its data (forward passes over its examples) or training steps on it.
+NEW_CLIENT_NEEDS = ("none", "class_counts", "data", "training")
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,12 @@ class Personalization:
     pm_from_global: ClassVar[bool] = False
     # A client's calls carry its last local model (``ClientState.for_training``).
     starts_from_local_model: ClassVar[bool] = False
+    # What a client that never trained gives for its zero-shot model (one of ``NEW_CLIENT_NEEDS``).
+    new_client_needs: ClassVar[str] = "none"
+    # The zero-shot model is the PM's global reading of a client with no personal state (``reading_heads``),
+    # which the evaluation scores in its one pass of the global model; False: the executor makes it
+    # (``new_client_model``, from ``new_client_message``) and scores it.
+    zero_shot_is_reading: ClassVar[bool] = True
 
     def __init__(self, params=None):
         self.params = params if params is not None else self.Params()
@@ -117,6 +136,26 @@ class Personalization:
         if state.personal is not None:
             model.load_partial(state.personal)
 
+    def new_client_model(self, model: FedModel, message: RoundInput, data: ClientData,
+                         ctx: UpdateContext) -> FedModel:
+        """The zero-shot model of client ``ctx.client_id``, which never trained, from what it received
+        (``message.weights`` and its ``message.per_client`` entry, ``new_client_message``) and, as
+        ``new_client_needs`` says, its ``data``: the model to score (``model``, loaded, by default: the
+        global weights with the initial personal part)."""
+        model.load_partial(message.weights)
+        model.load_partial({k: ctx.initial[k] for k in model.personal_keys()})
+        return model
+
+    def adapt(self, model: FedModel, message: RoundInput, data: ClientData, personal: StateDict | None,
+              epochs: int, ctx: UpdateContext) -> FedModel:
+        """The model to score after ``epochs`` epochs of the client's own adaptation on ``data``, from what it
+        received (``message``; a client that never trained: with its ``new_client_message`` entry) and its
+        ``personal`` state (None: it never trained): a new client's "after" and, with
+        ``eval.finetune_train``, a training client's fine-tuned P-FL. Default: ``fine_tune`` of the whole
+        one-head model from the global weights."""
+        fine_tune(model, message.weights, data, None, epochs, ctx)
+        return model
+
     # --- server ---------------------------------------------------------------------------------------
 
     def messages(self, server_state: StateDict, ids: list[int], uploads: dict[int, StateDict | None],
@@ -124,6 +163,11 @@ class Personalization:
         """What each of the round's clients ``ids`` receives besides the global weights; ``uploads`` is every
         client's last upload (None: it never trained); ``ask`` puts a question to clients first (PeFLL: each
         sampled client's descriptor, from which the server makes the model it sends)."""
+        return {}
+
+    def new_client_message(self, server_state: StateDict, global_shared: StateDict) -> StateDict:
+        """What a client that never trained receives besides the global weights, for its zero-shot model and
+        its adaptation (its ``RoundInput.per_client`` entry): nothing by default."""
         return {}
 
     def init_server_state(self, ctx: ServerContext) -> StateDict:

@@ -79,23 +79,29 @@ class Evaluation:
         self._pm_counts.clear()
         self._pm_estimates.clear()
 
-    def evaluate(self, executor: Executor, global_shared: StateDict, clients: ClientStore,
-                 round_idx: int, method_state: StateDict, final: bool = False) -> dict:
+    def evaluate(self, executor: Executor, global_shared: StateDict, clients: ClientStore, method_state: StateDict,
+                 round_idx: int, final: bool = False) -> dict:
         """The metrics of the GM ``global_shared`` and the PMs of ``clients`` after round ``round_idx``
-        (0-based), with the method's server state ``method_state``; ``final`` adds the fine-tuned P-FL of
-        ``eval.finetune_epochs``."""
+        (0-based), the method's server state being ``method_state``; ``final`` adds the adapted (fine-tuned)
+        P-FL of ``eval.finetune_epochs``."""
         test, weights = self.setup.test, self.setup.pfl_weights
         ids = self.client_ids
+        m = self.setup.num_clients
         pm, stale, fresh_clients = self._pm_jobs(clients, ids, global_shared, round_idx + 1, self._pm_counts,
                                                  method_state)
         ft_jobs = self._finetune_jobs(clients) if final else []
-        message = RoundInput(global_shared)
-        # The executor (on Ray, the client actors) evaluates the PMs that changed, and fine-tunes, while
-        # this thread scores the GM and every client's global-reading PM from one pass of the GM.
+        # New clients receive the method's new-client message; their zero-shot models are the executor's
+        # unless they are the global reading (``Personalization.zero_shot_is_reading``).
+        new = [cid for cid in ids if cid >= m]
+        message = RoundInput(global_shared,
+                             per_client=dict.fromkeys(new, self.method.new_client_message(method_state, global_shared)))
+        zs_jobs = [] if self.method.zero_shot_is_reading else [(cid, clients[cid]) for cid in new]
+        # The executor (on Ray, the client actors) evaluates the PMs that changed, the zero-shot models and
+        # fine-tunes, while this thread scores the GM and every client's global-reading PM from one pass of the GM.
         with ThreadPoolExecutor(1) as pool:
             pending = (pool.submit(self._executor_evaluation, executor, clients, stale, global_shared,
-                                   round_idx + 1, ft_jobs, message, round_idx, method_state)
-                       if stale or ft_jobs else None)
+                                   round_idx + 1, ft_jobs, zs_jobs, message, round_idx, method_state)
+                       if stale or ft_jobs or zs_jobs else None)
             generic = self.generic_model(global_shared, clients)
             self.model.load_partial(generic)
             z, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
@@ -103,19 +109,21 @@ class Evaluation:
             correct, total = class_correct(preds, test.y, test.num_classes)
             gm = _gm_counts(preds, test, ids, correct, total)
             pm_global = self._global_reading_pms(clients, ids, global_shared, generic, z, logits, gm, test)
-            # A client that never trained has no model of its own: its PM is the global reading.
-            pm.correct.update({cid: pm_global.correct[cid] for cid in fresh_clients})
-            pm.total.update({cid: pm_global.total[cid] for cid in fresh_clients})
-            evaluated, rounds, tuned = (pending.result() if pending is not None
-                                        else (EvalCounts(), {}, EvalCounts()))
+            # A client that never trained has no model of its own: its PM is its zero-shot model, the global
+            # reading unless the executor made it.
+            reading = [cid for cid in fresh_clients if cid not in dict(zs_jobs)]
+            pm.correct.update({cid: pm_global.correct[cid] for cid in reading})
+            pm.total.update({cid: pm_global.total[cid] for cid in reading})
+            evaluated, rounds, tuned, zero_shot = (pending.result() if pending is not None
+                                                   else (EvalCounts(), {}, EvalCounts(), EvalCounts()))
         pm.merge(evaluated)
+        pm.merge(zero_shot)
         self._remember(self._pm_counts, evaluated, rounds)
         pm.failed.update({cid: e for cid, e in pm_global.failed.items() if cid not in pm.failed})
         for cid, error in sorted(pm.failed.items()):
             self.log(f"client {cid}: personalized model not evaluated: {error}")
         for cid, error in sorted(tuned.failed.items()):
             self.log(f"client {cid}: not fine-tuned: {error}")
-        m = self.setup.num_clients
         has_reading = self.method.global_reading is not None
         pfl_gm = _pfl(gm, weights)
         pfl_pm = _pfl(pm, weights)
@@ -131,8 +139,9 @@ class Evaluation:
             out.update({f"{key}_ci": confidence_halfwidth(values, m) for key, values in train.items()})
         if len(ids) > len(train["pfl_gm"]):
             out["pfl_gm_new"] = _mean([v for c, v in pfl_gm.items() if c >= m])
-            # New clients never train, so both readings of their PM are the global model (hyper: with H(a; nu)).
-            out["pfl_new_before"] = _mean([v for c, v in pfl_global.items() if c >= m])
+            # New clients never train: their PM is their zero-shot model (the global reading: the global model,
+            # hyper with H(a; nu); the GM where a method has no such reading).
+            out["pfl_new_before"] = _mean([v for c, v in pfl_pm.items() if c >= m])
         if ft_jobs:
             pfl_ft = _pfl(tuned, weights)
             if self.cfg.eval.finetune_train:
@@ -200,12 +209,14 @@ class Evaluation:
         return out, rounds
 
     def _executor_evaluation(self, executor: Executor, clients: ClientStore, stale: list[int],
-                             global_shared: StateDict, rounds_done: int, ft_jobs: list[Job], message: RoundInput,
-                             round_idx: int, method_state: StateDict) -> tuple[EvalCounts, dict[int, int], EvalCounts]:
+                             global_shared: StateDict, rounds_done: int, ft_jobs: list[Job], zs_jobs: list[Job],
+                             message: RoundInput, round_idx: int, method_state: StateDict
+                             ) -> tuple[EvalCounts, dict[int, int], EvalCounts, EvalCounts]:
         evaluated, rounds = self._evaluate_pms(executor, clients, stale, global_shared, rounds_done, method_state)
+        zero_shot = executor.zero_shot(zs_jobs, message, round_idx) if zs_jobs else EvalCounts()
         tuned = (executor.finetune(ft_jobs, message, self.cfg.eval.finetune_epochs, round_idx)
                  if ft_jobs else EvalCounts())
-        return evaluated, rounds, tuned
+        return evaluated, rounds, tuned, zero_shot
 
     @staticmethod
     def _remember(cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]], evaluated: EvalCounts,

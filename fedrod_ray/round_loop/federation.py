@@ -351,5 +351,5 @@ class Federation:
 
     def evaluate(self, final: bool = False) -> dict:
         """The metrics of the current state (``evaluation``); ``final`` adds the fine-tuned P-FL."""
-        return self.evaluation.evaluate(self.executor, self.global_shared, self.clients, self.next_round - 1,
-                                        self.method_state, final)
+        return self.evaluation.evaluate(self.executor, self.global_shared, self.clients, self.method_state,
+                                        self.next_round - 1, final)
