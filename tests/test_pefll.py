@@ -18,6 +18,7 @@ from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.personalization import build_method, mean_state
+from fedrod_ray.personalization.finetune import fine_tune
 from fedrod_ray.personalization.pefll import (
     ADAM_STEP,
     BACKWARD,
@@ -210,6 +211,7 @@ def test_the_pm_is_the_hypernetworks_model_of_the_clients_descriptor_and_the_gm_
     ((*PEFLL, "train.head_params={reg_model: -1}"), "train.head_params.reg_model"),
     ((*PEFLL, "privacy.enabled=true", "privacy.noise_multiplier=1"), "train.head"),
     ((*PEFLL, "rounds.mode=fedbuff"), "train.head"),
+    ((*PEFLL, "eval.finetune_epochs=1", "eval.finetune_train=true"), "eval.finetune_train"),
 ])
 def test_a_pefll_setting_that_makes_no_sense_names_the_field(extra, field):
     with pytest.raises(ConfigError) as e:
@@ -245,3 +247,38 @@ def test_pefll_trains_and_resumes_bitwise_from_its_checkpoint(tmp_path):
     for cid, st in a.clients.items():
         assert st.rounds_trained == b.clients[cid].rounds_trained
         assert _same(st.tensors(), b.clients[cid].tensors()), cid
+
+
+# --- a client that never trained --------------------------------------------------------------------------------
+
+
+def test_a_new_clients_zero_shot_model_is_one_pass_of_e_and_one_of_h_and_after_it_is_fine_tuned():
+    """Zero-shot: the model the server would make from the descriptor the client gives (E over its seeded
+    batch, then H), made on the client from both networks; after: that model fine-tuned on its data."""
+    fed = make_federation(*PEFLL)
+    fed.step(0)
+    host, cid = fed.executor.host, fed.setup.num_clients  # a held-out client
+    method, state = fed.method, fed.method_state
+    assert method.new_client_needs == "data" and not method.zero_shot_is_reading
+    received = method.new_client_message(state, fed.global_shared)
+    assert set(received) == {k for k in state if k.startswith((NET, ENET))}
+    message = RoundInput(fed.global_shared, per_client={cid: received})
+    ctx = host.context_of(cid, 1)
+    zero_shot = {k: v.clone() for k, v in host.method.new_client_model(host.model, message, host.data(cid),
+                                                                      ctx).state_dict().items()}
+    v = host.answer(cid, DESCRIBE, psi(state), {}, 1)[DESCRIPTOR]
+    assert _same(zero_shot, method.model_from(state, v))
+    tuned = host.method.adapt(host.model, message, host.data(cid), None, 1, ctx)
+    assert "pefll adapts only" in str(pytest.raises(ValueError, host.method.adapt, host.model,
+                                                    RoundInput(fed.global_shared), host.data(1), None, 1,
+                                                    host.context_of(1, 1)).value)
+    reference = make_federation(*PEFLL).executor.host
+    fine_tune(reference.model, zero_shot, host.data(cid), None, 1, ctx)
+    assert _same(tuned.state_dict(), reference.model.state_dict())
+
+
+def test_pefll_scores_new_clients_before_and_after_in_the_evaluation():
+    fed = make_federation(*PEFLL, "eval.finetune_epochs=1")
+    record = [fed.step(r) for r in range(2)][-1]
+    assert math.isfinite(record["pfl_new_before"]) and math.isfinite(record["pfl_new_after"])
+    assert record["finetune_failed"] == 0 and record["pm_eval_failed"] == 0

@@ -14,6 +14,7 @@ from test_personalization import untimed
 from test_personalization_updates import CID, ROUND, close, plain_sgd
 
 from fedrod_ray.client_update.local import LocalResult, RoundInput
+from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.outputs.storage import RunStorage
@@ -21,6 +22,8 @@ from fedrod_ray.personalization import build_method, mean_state
 from fedrod_ray.personalization.pfedhn import (
     CLIP_NORM,
     EMBEDDINGS,
+    FIT_TAG,
+    MEAN_EMBEDDING,
     MOMENTUM,
     MOMENTUM_BUFFER,
     NET,
@@ -36,6 +39,7 @@ from fedrod_ray.personalization.pfedhn import (
     sgd_momentum_step,
 )
 from fedrod_ray.personalization.sgd import client_batches
+from fedrod_ray.round_loop.evaluation import _mean, _pfl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -221,7 +225,7 @@ def test_the_pm_is_the_hypernetworks_model_of_the_client_and_the_gm_the_mean_of_
     ((*PFEDHN, "model.arch=resnet20"), "model.arch"),
     ((*PFEDHN, "train.head_params={server_lr: 0}"), "train.head_params.server_lr"),
     ((*PFEDHN, "train.head_params={embed_dim: 0}"), "train.head_params.embed_dim"),
-    ((*PFEDHN, "eval.finetune_epochs=1", "eval.finetune_train=true"), "eval.finetune_epochs"),
+    ((*PFEDHN, "eval.finetune_epochs=1", "eval.finetune_train=true"), "eval.finetune_train"),
     ((*PFEDHN, "privacy.enabled=true", "privacy.noise_multiplier=1"), "train.head"),
 ])
 def test_a_pfedhn_setting_that_makes_no_sense_names_the_field(extra, field):
@@ -257,3 +261,64 @@ def test_pfedhn_trains_and_resumes_bitwise_from_its_checkpoint(tmp_path):
     for cid, st in a.clients.items():
         assert st.rounds_trained == b.clients[cid].rounds_trained
         assert _same(st.tensors(), b.clients[cid].tensors()), cid
+
+
+# --- a client that never trained --------------------------------------------------------------------------------
+
+
+def new_client_call(fed):
+    """A new client's id, what it receives (the method's new-client message) and its host's context."""
+    host, cid = fed.executor.host, fed.setup.num_clients  # the first held-out client
+    message = RoundInput(fed.global_shared,
+                         per_client={cid: fed.method.new_client_message(fed.method_state, fed.global_shared)})
+    return host, cid, message, host.context_of(cid, 1)
+
+
+def test_a_new_clients_zero_shot_model_is_h_at_the_mean_embedding_and_it_needs_nothing():
+    fed = make_federation(*PFEDHN)
+    fed.step(0)
+    host, cid, message, ctx = new_client_call(fed)
+    assert fed.method.new_client_needs == "none" and not fed.method.zero_shot_is_reading
+    received = message.per_client[cid]
+    assert set(received) == {k for k in fed.method_state if k.startswith(NET)} | {MEAN_EMBEDDING}
+    model = host.method.new_client_model(host.model, message, host.data(cid), ctx)
+    expected = generate(fed.method.net, fed.method_state, fed.method_state[EMBEDDINGS].mean(0))
+    assert _same({k: v for k, v in model.state_dict().items()}, expected)
+
+
+def test_a_new_client_adapts_by_learning_its_embedding_with_phi_frozen():
+    """adapt: E epochs of SGD (the round's learning rate, the config's momentum and weight decay) on v alone,
+    from the mean embedding, on the cross-entropy of H(v; phi); written out here with torch.optim.SGD."""
+    fed = make_federation(*PFEDHN)
+    fed.step(0)
+    host, cid, message, ctx = new_client_call(fed)
+    data = host.data(cid)
+    model = host.method.adapt(host.model, message, data, None, 2, ctx)
+    net, state = fed.method.net, fed.method_state
+    v = state[EMBEDDINGS].mean(0).clone().requires_grad_()
+    cfg = host.cfg.train
+    opt = torch.optim.SGD([v], lr=cfg.lr * cfg.lr_decay, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    for epoch in client_batches(data, ctx, FIT_TAG, epochs=2):
+        for xb, yb in epoch:
+            loss = torch.nn.functional.cross_entropy(
+                torch.func.functional_call(host.model, generate(net, state, v), (xb,)), yb)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert close(model.state_dict(), generate(net, state, v.detach()))
+    assert not close(model.state_dict(), generate(net, state, state[EMBEDDINGS].mean(0)))  # it moved
+
+
+def test_pfedhn_scores_new_clients_before_and_after_in_the_evaluation():
+    fed = make_federation(*PFEDHN, "eval.finetune_epochs=1", "train.lr=0.1")
+    record = [fed.step(r) for r in range(2)][-1]
+    assert record["pfl_new_before"] != record["pfl_gm_new"]  # at this learning rate they differ
+    assert math.isfinite(record["pfl_new_before"]) and math.isfinite(record["pfl_new_after"])
+    assert record["finetune_failed"] == 0 and record["pm_eval_failed"] == 0
+    # "Before" is the P-FL of the zero-shot models the hook makes (H at the mean embedding), not the GM's.
+    host, m = fed.executor.host, fed.setup.num_clients
+    new = fed.setup.all_client_ids[m:]
+    message = RoundInput(fed.global_shared, per_client=dict.fromkeys(
+        new, fed.method.new_client_message(fed.method_state, fed.global_shared)))
+    counts = host.zero_shot([(cid, ClientState()) for cid in new], message, 1)
+    assert record["pfl_new_before"] == _mean(list(_pfl(counts, fed.setup.pfl_weights).values()))

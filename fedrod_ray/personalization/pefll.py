@@ -16,7 +16,9 @@ descriptor instead of a learned embedding). A round, with the two-way exchange o
 
 Then every training client is asked for its descriptor under the new psi: the PM of client m is
 H(v_m; phi), and the global weights the server keeps are the GM, the mean of the PMs (no global model). A
-client that never trained needs none: one pass of E over its data and one of H give its model.
+client that never trained needs none: one pass of E over its data and one of H give its model (it
+receives both networks and makes it itself: the same model as the exchange, v_m up and H(v_m) down); its
+adaptation fine-tunes that model.
 """
 
 from __future__ import annotations
@@ -34,7 +36,17 @@ from ..client_update.local import derived_seed
 from ..server_math.aggregate import StateDict
 from ..specs.methods import PeFLLParams
 from .base import Personalization, mean_state
-from .pfedhn import CLIP_NORM, NET, HyperNetwork, clip_total_norm, embed_dim, generate, hyper_vjp
+from .finetune import fine_tune
+from .pfedhn import (
+    CLIP_NORM,
+    NET,
+    HyperNetwork,
+    clip_total_norm,
+    embed_dim,
+    generate,
+    hyper_vjp,
+    hypernetwork_for,
+)
 from .registry import register
 from .sgd import client_batches, optimizer, result, sgd_epochs, start
 
@@ -131,6 +143,8 @@ class PeFLL(Personalization):
     Params = PeFLLParams
     global_reading = None
     pm_from_global = True
+    new_client_needs = "data"
+    zero_shot_is_reading = False
 
     def __init__(self, params=None):
         super().__init__(params)
@@ -157,15 +171,21 @@ class PeFLL(Personalization):
             self._enet = EmbeddingNetwork(data.x.shape[1], len(data.counts), d)
         return self._enet
 
+    def describe(self, psi_: StateDict, data, ctx) -> torch.Tensor:
+        """The client's descriptor under ``psi_``: the mean of E over its seeded batch of the round."""
+        enet = self.embedding_network(psi_, data).to(ctx.device)
+        xb, yb = next(client_batches(data, ctx, DESCRIBE_TAG, epochs=1))[0]
+        with torch.no_grad():
+            return descriptor(enet, {k: t.to(ctx.device) for k, t in psi_.items()}, xb, yb)
+
     def answer(self, phase, model, common, question, data, ctx):
         """``describe``: the client's descriptor under psi (``common``); ``backward``: psi's gradient through
         that same descriptor from the gradient the server sent for it."""
+        if phase == DESCRIBE:
+            return {DESCRIPTOR: self.describe(common, data, ctx).cpu()}
         enet = self.embedding_network(common, data).to(ctx.device)
         xb, yb = next(client_batches(data, ctx, DESCRIBE_TAG, epochs=1))[0]
         psi_ = {k: t.to(ctx.device) for k, t in common.items()}
-        if phase == DESCRIBE:
-            with torch.no_grad():
-                return {DESCRIPTOR: descriptor(enet, psi_, xb, yb).cpu()}
         if phase == BACKWARD:
             psi_ = {k: t.detach().requires_grad_() for k, t in psi_.items()}
             grads = torch.autograd.grad(descriptor(enet, psi_, xb, yb), list(psi_.values()),
@@ -233,3 +253,29 @@ class PeFLL(Personalization):
     def pm_job(self, state, global_shared, rounds_done, server_state, client_id):
         return dataclasses.replace(state, personal=None, rounds_trained=rounds_done,
                                    local_model=self.model_from(server_state, server_state[DESCRIPTORS][client_id]))
+
+    # --- a client that never trained ---------------------------------------------------------------------
+
+    def new_client_message(self, server_state, global_shared):
+        """Both networks, phi and psi."""
+        return {k: t for k, t in server_state.items() if k.startswith((NET, ENET))}
+
+    @torch.no_grad()
+    def zero_shot(self, model, received: StateDict, data, ctx) -> StateDict:
+        """H(v; phi), v the client's descriptor: one pass of E over a batch of its data, one of H."""
+        if self._net is None:
+            self._net = hypernetwork_for(received, model)
+        phi = {k: t.to(ctx.device) for k, t in received.items() if k.startswith(NET)}
+        return generate(self._net.to(ctx.device), phi, self.describe(psi(received), data, ctx))
+
+    def new_client_model(self, model, message, data, ctx):
+        model.load_partial(self.zero_shot(model, message.per_client[ctx.client_id], data, ctx))
+        return model
+
+    def adapt(self, model, message, data, personal, epochs, ctx):
+        """The zero-shot model fine-tuned (``finetune.fine_tune``) on the client's own data."""
+        received = message.per_client.get(ctx.client_id)
+        if received is None:
+            raise ValueError("pefll adapts only a client that never trained (its PM is H(v_m; phi))")
+        fine_tune(model, self.zero_shot(model, received, data, ctx), data, None, epochs, ctx)
+        return model

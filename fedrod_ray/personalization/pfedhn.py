@@ -8,6 +8,11 @@ phi and the embeddings along the vector-Jacobian products (dw_m/dphi)^T Delta_m 
 (at the current phi, the gradients' total norm clipped to 50) with SGD at ``server_lr`` (momentum 0.9,
 weight decay 1e-3, the official code's). PM = H(v_m; phi); there is no global model: the global weights
 the server keeps are the GM, the mean over the training clients of their PMs.
+
+A client that never trained receives phi and the mean of the training clients' embeddings: its zero-shot
+model is H at that mean; its adaptation learns its own embedding v_new from there, phi frozen, by E epochs
+of SGD on the cross-entropy of H(v_new; phi) on its training data (the fine-tuning rows' epochs and
+learning rate).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import math
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
@@ -25,15 +31,17 @@ from ..server_math.aggregate import StateDict
 from ..specs.methods import PFedHNParams
 from .base import Personalization, mean_state
 from .registry import register
-from .sgd import client_batches, optimizer, result, sgd_epochs, start
+from .sgd import check_finite, client_batches, optimizer, result, sgd_epochs, start
 
 INIT_TAG = 15  # seeds the hypernetwork's and the embeddings' initial values
+FIT_TAG = 18  # a new client's batch order while it learns its embedding
 HIDDEN_LAYERS = 3  # the official code's n_hidden: the MLP is Linear, then 3 x (ReLU, Linear)
 MOMENTUM = 0.9  # the official code's server SGD
 WEIGHT_DECAY = 1e-3
 CLIP_NORM = 50.0  # the official code clips the server gradients' total norm
 
 EMBEDDINGS = "embeddings"  # server state: (M, embed_dim), row m is v_m
+MEAN_EMBEDDING = "mean_embedding"  # a new client's message: where its embedding starts
 NET = "hnet/"  # server state: the hypernetwork's parameters by name
 MOMENTUM_BUFFER = "momentum/"  # server state: SGD's momentum buffer of each of the above, by its key
 
@@ -55,6 +63,13 @@ class HyperNetwork(nn.Module):
     def forward(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
         features = self.mlp(v)
         return {k: head(features).view(shape) for k, head, shape in zip(self.keys, self.heads, self.shapes)}
+
+
+def hypernetwork_for(phi: StateDict, model: nn.Module) -> HyperNetwork:
+    """The structure of the hypernetwork whose parameters are ``phi`` (server-state keys), generating
+    ``model``'s weights: what a client that receives phi computes with."""
+    first = phi[NET + "mlp.0.weight"]
+    return HyperNetwork(first.shape[1], first.shape[0], {k: v.shape for k, v in model.state_dict().items()})
 
 
 def embed_dim(params: PFedHNParams, num_clients: int) -> int:
@@ -134,6 +149,8 @@ class PFedHN(Personalization):
     Params = PFedHNParams
     global_reading = None
     pm_from_global = True
+    new_client_needs = "none"
+    zero_shot_is_reading = False
 
     def __init__(self, params=None):
         super().__init__(params)
@@ -177,6 +194,55 @@ class PFedHN(Personalization):
     def pm_job(self, state, global_shared, rounds_done, server_state, client_id):
         return dataclasses.replace(state, personal=None, local_model=self.model_of(server_state, client_id),
                                    rounds_trained=rounds_done)
+
+    # --- a client that never trained ---------------------------------------------------------------------
+
+    def new_client_message(self, server_state, global_shared):
+        """phi and the mean of the training clients' embeddings."""
+        return {**{k: t for k, t in server_state.items() if k.startswith(NET)},
+                MEAN_EMBEDDING: server_state[EMBEDDINGS].mean(0)}
+
+    def client_net(self, received: StateDict, model) -> HyperNetwork:
+        if self._net is None:
+            self._net = hypernetwork_for(received, model)
+        return self._net
+
+    def new_client_model(self, model, message, data, ctx):
+        """H at the mean of the training clients' embeddings."""
+        received = message.per_client[ctx.client_id]
+        with torch.no_grad():
+            model.load_partial(generate(self.client_net(received, model), received, received[MEAN_EMBEDDING]))
+        return model
+
+    def adapt(self, model, message, data, personal, epochs, ctx):
+        """H(v_new; phi) after E epochs of SGD on v_new alone, from the mean embedding."""
+        received = message.per_client.get(ctx.client_id)
+        if received is None:
+            raise ValueError("pfedhn adapts only a client that never trained (its PM is H(v_m; phi))")
+        net = self.client_net(received, model).to(ctx.device)
+        phi = {k: t.to(ctx.device) for k, t in received.items() if k.startswith(NET)}
+        v = fit_embedding(net, phi, model, received[MEAN_EMBEDDING].to(ctx.device),
+                          client_batches(data, ctx, FIT_TAG, epochs=epochs), ctx)
+        with torch.no_grad():
+            model.load_partial(generate(net, phi, v))
+        return model
+
+
+def fit_embedding(net: HyperNetwork, phi: StateDict, model, v0: torch.Tensor, batches, ctx) -> torch.Tensor:
+    """An embedding learned from ``v0`` by SGD (the round's learning rate, the config's momentum and weight
+    decay) on the cross-entropy of the model H(v; phi) generates, phi fixed: the new client's own v."""
+    v = v0.detach().clone().requires_grad_()
+    opt = optimizer([v], ctx)
+    loss_sum = torch.zeros(())
+    for epoch, batch_list in enumerate(batches):
+        for xb, yb in batch_list:
+            loss = F.cross_entropy(functional_call(model, generate(net, phi, v), (xb,)), yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss_sum = loss_sum + loss.detach().cpu()
+        check_finite(loss_sum, epoch)
+    return v.detach()
 
 
 def client_delta(sent: StateDict, trained: StateDict) -> StateDict:
