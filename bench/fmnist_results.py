@@ -58,13 +58,16 @@ JOBS = {
 }
 
 # deploy/reproduce_fmnist.sh's rows run alone, a table each: a personalized-FL row (`<row>_a0.3`, `<row>_a0.1`;
-# its PFL_ROWS) and the privacy table's pair at one epsilon (`privacy_eps<e>`). The page shows such a job only
+# its PFL_ROWS), a new-clients row (`pfedhn_new`, `pefll_new`) and the privacy table's pair at one epsilon
+# (`privacy_eps<e>`). The page shows such a job only
 # once published, and its rows in the table they belong to where they got further than the same rows there.
-ALONE = ("mtl", "lg_fedavg", "fedper", "perfedavg", "pfedme", "ditto", "fedfomo", "fedrep", "local")
+ALONE = ("mtl", "lg_fedavg", "fedper", "perfedavg", "pfedme", "ditto", "fedfomo", "fedrep", "local", "pfedhn",
+         "pefll")
 ALONE_JOBS = {f"{row}_a{alpha}": f"Main table, Dir({alpha}): one personalized-FL row alone"
               for alpha in ("0.3", "0.1") for row in ALONE}
 ALONE_JOBS |= {f"privacy_eps{eps}": "Client-level DP: the privacy table's two methods at one ε alone"
                for eps in ("inf", *DP_EPSILONS)}
+ALONE_JOBS |= {f"{row}_new": "New clients: one row alone" for row in ("pfedhn", "pefll")}
 JOBS.update(ALONE_JOBS)
 
 # The jobs whose curves.png the page shows under their table (G-FL and P-FL (PM) by evaluated round).
@@ -78,6 +81,7 @@ ROWS_FROM = {f"main_a{alpha}": (f"pfl_a{alpha}", f"pfl_tuned_a{alpha}", f"pfl_pl
                                   *(job for job in ALONE_JOBS if job.endswith(alpha)))
              for alpha in ("0.3", "0.1")}
 ROWS_FROM["privacy"] = tuple(job for job in ALONE_JOBS if job.startswith("privacy_"))
+ROWS_FROM["new_clients"] = tuple(job for job in ALONE_JOBS if job.endswith("_new"))
 # The jobs of several of a main table's rows, which the rows run alone can stand in for.
 GROUPS = {job for sources in ROWS_FROM.values() for job in sources if job not in ALONE_JOBS}
 

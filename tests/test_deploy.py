@@ -344,7 +344,10 @@ def test_configs_referenced_by_deploy_files_exist_and_load():
 FMNIST_JOBS = ("main_a0.3", "new_clients", "main_a0.1", "init_a0.3", "seeds_a0.3", "normalize_a0.3", "momentum_a0.3",
                "meta_bsm_a0.3", "meta_bsm_a0.1", "pfl_a0.3", "pfl_a0.1", "pfl_tuned_a0.3", "pfl_tuned_a0.1",
                "pfl_plain_a0.3", "pfl_plain_a0.1", "seeds_a0.1", "seed3_a0.1", "ditto_a0.3", "local_a0.1", "privacy",
-               "privacy_epsinf", "sweep_lambda")
+               "privacy_epsinf", "sweep_lambda", "pfedhn_a0.3", "pfedhn_a0.1", "pefll_a0.3", "pefll_a0.1",
+               "pfedhn_new", "pefll_new", "pfedhn_sweep", "pefll_sweep")
+SWEEPS = {"sweep_lambda": "tune/pfl_lambda.yaml", "pfedhn_sweep": "tune/pfl_pfedhn.yaml",
+          "pefll_sweep": "tune/pfl_pefll.yaml"}
 
 
 def test_the_fmnist_queue_runs_valid_reproductions_and_logs_their_exit_status(tmp_path, shared_data_dir):
@@ -371,7 +374,9 @@ def test_the_fmnist_queue_runs_valid_reproductions_and_logs_their_exit_status(tm
 
     parser = build_parser()
     reproductions = [json.loads(line) for line in calls.read_text().splitlines() if line.startswith('["reproduce"')]
-    assert len(reproductions) == len(FMNIST_JOBS) - 1  # all but the sweep
+    assert len(reproductions) == len(FMNIST_JOBS) - len(SWEEPS)
+    tunes = [json.loads(line) for line in calls.read_text().splitlines() if line.startswith('["tune"')]
+    assert sorted(argv[argv.index("--config") + 1] for argv in tunes) == sorted(SWEEPS.values())
     for argv in reproductions:
         args = parser.parse_args(argv)
         spec = build_spec(args.table, REPO / args.config, parse_seeds(args.seeds), args.rounds,

@@ -5,10 +5,13 @@ its PM and GM, its config, and the whole method trained, checkpointed and resume
 
 from __future__ import annotations
 
+import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from fedrod_ray_tune.space import load_sweep
 from test_federation import _same, make_federation
 from test_personalization import untimed
 from test_personalization_updates import CID, ROUND, close, plain_sgd
@@ -322,3 +325,19 @@ def test_pfedhn_scores_new_clients_before_and_after_in_the_evaluation():
         new, fed.method.new_client_message(fed.method_state, fed.global_shared)))
     counts = host.zero_shot([(cid, ClientState()) for cid in new], message, 1)
     assert record["pfl_new_before"] == _mean(list(_pfl(counts, fed.setup.pfl_weights).values()))
+
+
+@pytest.mark.parametrize("sweep, head, lrs", [("pfl_pfedhn", "pfedhn", [0.003, 0.01, 0.03]),
+                                              ("pfl_pefll", "pefll", [0.0001, 0.0002, 0.0005])])
+def test_the_selection_sweeps_of_pfedhn_and_pefll_search_lr_and_embedding_size_on_another_seed(sweep, head, lrs):
+    """tune/pfl_pfedhn.yaml, tune/pfl_pefll.yaml: every grid point a valid trial of the method on FMNIST
+    Dir(0.3) at a seed that is not the tables' (0), around the official code's values."""
+    spec = load_sweep(Path(__file__).resolve().parents[1] / "tune" / f"{sweep}.yaml")
+    grids = {k: v["grid"] for k, v in spec.search.items()}
+    seen = set()
+    for values in itertools.product(*grids.values()):
+        cfg = spec.trial_config(dict(zip(grids, values)))
+        assert cfg.seed != 0 and cfg.data.alpha == 0.3 and cfg.data.dataset == "fmnist"
+        assert cfg.train.head == head and cfg.train.balanced_loss == "ce"
+        seen.add((cfg.train.head_params["server_lr"], cfg.train.head_params["embed_dim"]))
+    assert seen == set(itertools.product(lrs, [13, 26, 52]))

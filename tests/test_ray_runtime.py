@@ -115,11 +115,12 @@ VARIANTS = {
     "fedfomo": ("train.head=fedfomo", "train.balanced_loss=ce"),
     "ditto_small": ("train.head=ditto", "train.balanced_loss=ce", "data.num_clients=3", "train.client_fraction=1.0"),
     "perfedavg": ("train.head=perfedavg", "train.balanced_loss=ce", "train.momentum=0", "train.weight_decay=0"),
-    # A server that generates each client's model from its hypernetwork and steps it on each client's Delta.
-    "pfedhn": ("train.head=pfedhn", "train.balanced_loss=ce"),
+    # A server that generates each client's model from its hypernetwork and steps it on each client's Delta;
+    # its new client's zero-shot model and adaptation (an embedding fitted with phi frozen) on the actors.
+    "pfedhn": ("train.head=pfedhn", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
     # ... and one that asks its clients questions within the round (their descriptors, their part of the
     # backward pass), on the actors.
-    "pefll": ("train.head=pefll", "train.balanced_loss=ce"),
+    "pefll": ("train.head=pefll", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
 }
 _baselines: dict[str, tuple] = {}
 
@@ -198,7 +199,7 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     for rec in records:
         assert {"gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before"} <= set(rec)
         assert rec["clients_failed"] == 0
-    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn"))
+    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn", "pfedhn", "pefll"))
     assert ("pfl_ft" in records[-1]) == (variant == "fedavg_feddyn")
     assert any(st.momentum for st in states.values()) == (variant == "linear_keep")
     if variant == "linear_keep":  # and some client continued its buffers on an actor

@@ -31,7 +31,9 @@ GENERIC_ROWS = ["FedAvg", "FedProx", "SCAFFOLD", "FedDyn", "local-only", "Fed-Ro
                 "Fed-RoD (hyper) + FedDyn", "Fed-RoD (Meta-BSM)"]
 # The paper's personalized-FL block, in its order.
 PFL_ROWS = ["MTL", "LG-FedAvg", "FedPer", "Per-FedAvg", "pFedMe", "Ditto", "FedFOMO", "FedRep"]
-MAIN_ROWS = GENERIC_ROWS + PFL_ROWS
+# The methods built for new clients (FEDROD.md, "Methods that personalize new clients").
+NEWCOMER_ROWS = ["pFedHN", "PeFLL"]
+MAIN_ROWS = GENERIC_ROWS + PFL_ROWS + NEWCOMER_ROWS
 
 
 # --- the tables: every row a valid config -----------------------------------------------------------
@@ -42,7 +44,7 @@ def test_the_tables_have_the_papers_rows():
     assert list(TABLES["ablation"]) == ["FedAvg", "FedAvg (BRM)", "FedAvg (BRM, FT)", "Fed-RoD (linear)",
                                         "Fed-RoD (hyper)"]
     assert list(TABLES["losses"]) == ["CE", "IR", "LDAM", "CDT", "BSM"]
-    assert list(TABLES["new-clients"]) == ["FedAvg", "FedDyn", "Fed-RoD (linear)", "Fed-RoD (hyper)"]
+    assert list(TABLES["new-clients"]) == ["FedAvg", "FedDyn", "Fed-RoD (linear)", "Fed-RoD (hyper)", *NEWCOMER_ROWS]
     assert list(TABLES["imbalanced"]) == [f"{r}, IM {im}" for im in (10, 100) for r in GENERIC_ROWS]
     assert list(TABLES["privacy"]) == [f"{m}, ε = {e}" for e in ("∞", 8, 4, 1) for m in ("FedAvg", "Fed-RoD (hyper)")]
 
@@ -89,6 +91,9 @@ def test_the_rows_say_what_the_contract_says():
         plain = head in ("pfedme", "perfedavg")
         assert (row.get("train.momentum"), row.get("train.weight_decay")) == ((0, 0) if plain else (None, None))
     assert main["local-only"]["train.generic_rule"] == "local" and main["local-only"]["train.head"] == "none"
+    for label, head in (("pFedHN", "pfedhn"), ("PeFLL", "pefll")):
+        assert (main[label]["train.head"], main[label]["train.balanced_loss"]) == (head, "ce")
+        assert TABLES["new-clients"][label] == {**main[label], "eval.finetune_epochs": FINETUNE_EPOCHS}
     assert main["Fed-RoD (hyper) + FedDyn"]["train.generic_rule"] == "feddyn"
     assert (main["Fed-RoD (Meta-BSM)"]["train.head"], main["Fed-RoD (Meta-BSM)"]["train.balanced_loss"]) == (
         "linear", "meta_bsm")

@@ -33,6 +33,13 @@ PFL = {
 }
 
 
+# The methods built for new clients (FEDROD.md, "Methods that personalize new clients"), in the main table and
+# the new-clients table, with their defaults until their sweeps (tune/pfl_pfedhn.yaml, tune/pfl_pefll.yaml) choose.
+NEWCOMERS = {
+    "pFedHN": _method("pfedhn", "ce"),
+    "PeFLL": _method("pefll", "ce"),
+}
+
 FEDAVG = _method("none", "ce")
 FEDAVG_BRM = _method("none", "bsm")
 LINEAR = _method("linear", "bsm")
@@ -50,6 +57,7 @@ MAIN = {
     "Fed-RoD (hyper) + FedDyn": _method("hyper", "bsm", "feddyn"),
     "Fed-RoD (Meta-BSM)": _method("linear", "meta_bsm"),
     **PFL,
+    **NEWCOMERS,
 }
 # Client-level DP's privacy-utility table (docs/privacy.md; base configs/fmnist_dp.yaml): each method without DP
 # (epsilon = inf) and at target epsilons at delta = 1e-5, sigma derived from each over the run's rounds, Poisson
@@ -84,11 +92,13 @@ TABLES: dict[str, dict[str, dict[str, Any]]] = {
         "FedDyn": {**_method("none", "ce", "feddyn"), **FINETUNE},
         "Fed-RoD (linear)": {**LINEAR, **FINETUNE},
         "Fed-RoD (hyper)": {**HYPER, **FINETUNE},
+        **{label: {**overrides, **FINETUNE} for label, overrides in NEWCOMERS.items()},
     },
     # By epsilon, the two methods side by side: trials run in this order, so an unfinished table has pairs.
     "privacy": {f"{label}, ε = {eps}": overrides if eps == "∞" else {**overrides, **_private(eps)}
                 for eps in ("∞", *DP_EPSILONS) for label, overrides in (("FedAvg", FEDAVG), ("Fed-RoD (hyper)", HYPER))},
     # The main rows with long-tailed global training data.
     "imbalanced": {f"{label}, IM {ratio}": {**overrides, "data.imbalance_ratio": ratio}
-                   for ratio in IMBALANCE_RATIOS for label, overrides in MAIN.items() if label not in PFL},
+                   for ratio in IMBALANCE_RATIOS for label, overrides in MAIN.items()
+                   if label not in PFL and label not in NEWCOMERS},
 }
