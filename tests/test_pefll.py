@@ -176,6 +176,23 @@ def test_a_client_that_cannot_describe_itself_gets_no_model_and_its_update_says_
     assert "descriptor did not reach the server" in out.error
 
 
+def test_a_client_that_does_not_answer_keeps_its_last_descriptor_and_the_others_step_without_it():
+    fed = make_federation(*PEFLL)
+    fed.step(0)
+    host, method, state = fed.executor.host, fed.method, fed.method_state
+    answered = host_ask(host, 1, [])
+
+    def ask_without_2(phase, common, questions):
+        return answered(phase, common, {c: q for c, q in questions.items() if c != 2})
+
+    state_1 = server_step(state, {k: torch.zeros_like(v) for k, v in state.items() if k.startswith((NET, ENET))},
+                          method.params)  # a new psi: every answer changes
+    gm, new = method.refresh(state_1, 6, ask_without_2)
+    assert torch.equal(new[DESCRIPTORS][2], state[DESCRIPTORS][2])
+    assert all(not torch.equal(new[DESCRIPTORS][m], state[DESCRIPTORS][m]) for m in (0, 1, 3, 4, 5))
+    assert _same(gm, mean_state(method.model_from(new, new[DESCRIPTORS][m]) for m in range(6)))
+
+
 # --- the client, the PM, the GM, the config ---------------------------------------------------------------------
 
 
