@@ -52,7 +52,8 @@ class PFedHNParams:
     # the clients' embeddings v_m; None: the paper's code's 1 + M / 4 (M training clients)
     embed_dim: PositiveInt | None = None
     hidden: PositiveInt = 100  # the hypernetwork's width (its MLP: 4 linear layers, ReLU between)
-    server_lr: PositiveFloat = 0.01  # the server's SGD step on phi and the embeddings
+    # the server's SGD step on phi and the embeddings (the official 1e-2 diverges here: docs/method.md)
+    server_lr: PositiveFloat = 0.001
 
 
 @dataclass(config=CLOSED)
