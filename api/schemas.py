@@ -218,7 +218,8 @@ class ModelInfo(BaseModel):
         "version_id": EXAMPLE_VERSION, "dataset": "mnist", "class_names": [str(i) for i in range(10)],
         "num_classes": 10,
         "input": {"shape": [1, 28, 28], "mean": [0.1307], "std": [0.3081], "png_mode": "L"},
-        "head": "hyper", "method": "hyper", "generic_model": "global", "arch": "mnist_cnn", "hyper_hidden": 16,
+        "head": "hyper", "method": "hyper", "generic_model": "global", "new_client": "class_counts",
+        "arch": "mnist_cnn", "hyper_hidden": 16,
         "rule": "fedavg", "balanced_loss": "bsm",
         "round": 5, "metrics": {"gfl_gm": 0.9763, "pfl_pm": 0.9769}, "client_ids": [], "trained_client_ids": [],
         "limits": {"max_batch": 256, "max_body_bytes": 16777216, "body_timeout_s": 30.0,
@@ -237,6 +238,10 @@ class ModelInfo(BaseModel):
     generic_model: Literal["global", "mean of personalized models"] = Field(
         description="what the generic predictions come from: the method's global model, or (a method without "
                     "one: FedPer, FedRep, LG-FedAvg, FedFOMO, MTL) the mean of the clients' personalized models")
+    new_client: Literal["none", "class_counts", "data", "training"] = Field(
+        description="what a client that never trained gives for the method's zero-shot model: none "
+                            "(the generic model), class_counts (POST /v1/heads), or its data / training steps, "
+                            "which this service does not take")
     arch: str
     hyper_hidden: int | None = Field(description="hypernetwork width (hyper head only)")
     rule: str

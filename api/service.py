@@ -93,9 +93,15 @@ def _check_finite(served: ServedModel, where: str) -> None:
 
 
 def _need_head(loaded: Loaded, want: str, field: str) -> None:
-    have = loaded.served.meta.head
+    meta = loaded.served.meta
+    have = meta.head
     if have == want:
         return
+    if want == "hyper" and meta.new_client in ("data", "training"):
+        what = {"data": "forward passes over its own examples", "training": "training steps on its own examples"}
+        raise Conflict(field, f"method '{meta.method}' personalizes a new client from its data "
+                              f"({what[meta.new_client]}), not from a class distribution: this service takes no "
+                              f"client data; the client runs that step itself (GET /v1/model: new_client)")
     hint = {"hyper": "it has no hypernetwork to make a head from a class distribution",
             "linear": "it stores no per-client heads"}[want]
     raise Conflict(field, f"needs a model trained with head '{want}', but this one has head '{have}': {hint}")

@@ -58,16 +58,19 @@ JOBS = {
 }
 
 # deploy/reproduce_fmnist.sh's rows run alone, a table each: a personalized-FL row (`<row>_a0.3`, `<row>_a0.1`;
-# its PFL_ROWS), a new-clients row (`pfedhn_new`, `pefll_new`) and the privacy table's pair at one epsilon
+# its PFL_ROWS), a new-clients row (`<method>_new_clients`) and the privacy table's pair at one epsilon
 # (`privacy_eps<e>`). The page shows such a job only
 # once published, and its rows in the table they belong to where they got further than the same rows there.
-ALONE = ("mtl", "lg_fedavg", "fedper", "perfedavg", "pfedme", "ditto", "fedfomo", "fedrep", "local", "pfedhn",
-         "pefll")
+ALONE = ("mtl", "lg_fedavg", "fedper", "perfedavg", "pfedme", "ditto", "fedfomo", "fedrep", "local", "fedbabu",
+         "pfedhn", "pefll")
 ALONE_JOBS = {f"{row}_a{alpha}": f"Main table, Dir({alpha}): one personalized-FL row alone"
               for alpha in ("0.3", "0.1") for row in ALONE}
 ALONE_JOBS |= {f"privacy_eps{eps}": "Client-level DP: the privacy table's two methods at one ε alone"
                for eps in ("inf", *DP_EPSILONS)}
-ALONE_JOBS |= {f"{row}_new": "New clients: one row alone" for row in ("pfedhn", "pefll")}
+# The new-clients table's rows of the methods built for new clients (`<method>_new_clients`), a job each.
+NEW_CLIENT_JOBS = {"fedbabu_new_clients": "New clients: FedBABU alone",
+                   "pfedhn_new_clients": "New clients: pFedHN alone", "pefll_new_clients": "New clients: PeFLL alone"}
+ALONE_JOBS |= NEW_CLIENT_JOBS
 JOBS.update(ALONE_JOBS)
 
 # The jobs whose curves.png the page shows under their table (G-FL and P-FL (PM) by evaluated round).
@@ -81,7 +84,7 @@ ROWS_FROM = {f"main_a{alpha}": (f"pfl_a{alpha}", f"pfl_tuned_a{alpha}", f"pfl_pl
                                   *(job for job in ALONE_JOBS if job.endswith(alpha)))
              for alpha in ("0.3", "0.1")}
 ROWS_FROM["privacy"] = tuple(job for job in ALONE_JOBS if job.startswith("privacy_"))
-ROWS_FROM["new_clients"] = tuple(job for job in ALONE_JOBS if job.endswith("_new"))
+ROWS_FROM["new_clients"] = tuple(NEW_CLIENT_JOBS)
 # The jobs of several of a main table's rows, which the rows run alone can stand in for.
 GROUPS = {job for sources in ROWS_FROM.values() for job in sources if job not in ALONE_JOBS}
 

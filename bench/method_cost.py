@@ -10,7 +10,9 @@ over the turns of its CPU time over FedAvg's in the same turn (the process's CPU
 processes' load disturbs far less than wall time), beside its optimiser steps per update.
 
 A row's whole run also depends on what it does besides updates (evaluating its PMs, its server step):
-per update is what differs most between the personalized-FL baselines. The methods whose server holds a
+per update is what differs most between the personalized-FL baselines. Two such costs are measured. A row
+whose PM is made at each evaluation (Per-FedAvg's step, FedBABU's fine-tuning) costs that much again per
+client evaluated, timed as one making of the same client's PM (``pm``). The methods whose server holds a
 model of its own (``--round-rows``, default pFedHN and PeFLL) do much of their work there: the server's
 hypernetwork generates every client's model and back-propagates every update, and PeFLL asks its clients for
 descriptors and for their part of the backward pass. For those, whole rounds are timed too, each the next
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 from _common import machine_note, md_table, median
 from fedrod_ray_tune.repro_spec import build_spec
-from fedrod_ray_tune.tables import MAIN, NEWCOMERS
+from fedrod_ray_tune.tables import MAIN
 
 from fedrod_ray.client_update.local import RoundInput
 from fedrod_ray.clients.client import ClientFailure, ClientState
@@ -68,6 +70,10 @@ class Row:
         self.message = RoundInput(fed.global_shared, fed.rule.broadcast(fed.server_state),
                                   fed.method.messages(fed.method_state, [self.client], uploads, round_idx, cfg.seed,
                                                       fed._asker(round_idx)))
+        # The state a PM made at evaluation starts from (None: the row's PM is its clients' own model).
+        self.pm_state = (fed.method.pm_job(ClientState(), fed.global_shared, round_idx + 1, fed.method_state,
+                                           self.client)
+                         if fed.method.pm_from_global else None)
 
     def update(self) -> tuple[float, float, int]:
         """(CPU seconds, wall seconds, optimiser steps) of one update."""
@@ -77,6 +83,13 @@ class Row:
         if isinstance(out, ClientFailure):
             raise SystemExit(f"{self.label}: the update failed: {out.traceback}")
         return cpu, wall, out[0].steps
+
+    def pm(self) -> float:
+        """CPU seconds of making the client's PM at evaluation, after its last round ``round_idx``."""
+        host, cpu = self.host, time.process_time()
+        host.method.load_pm(host.model, self.pm_state, lambda: host.data(self.client),
+                            host.context_of(self.client, self.round_idx))
+        return time.process_time() - cpu
 
     def round(self) -> tuple[float, float]:
         """(CPU seconds, wall seconds) of the federation's next round: its clients' updates and the server's
@@ -95,7 +108,7 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=0.3)
     p.add_argument("--round", type=int, default=3, help="the round the update is in (its learning rate)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--round-rows", nargs="*", default=list(NEWCOMERS),
+    p.add_argument("--round-rows", nargs="*", default=["pFedHN", "PeFLL"],
                    help="rows whose whole rounds are timed too, against FedAvg's (default: pFedHN, PeFLL)")
     p.add_argument("--round-repeats", type=int, default=2, help="turns of whole rounds (after one warm-up round)")
     args = p.parse_args()
@@ -104,26 +117,30 @@ def main() -> None:
     rows = {label: Row(label, args.alpha, args.round) for label in labels}
     for row in rows.values():
         row.update()  # warm-up: first-call costs out of the turns
-    cpu, wall, steps = ({label: [] for label in labels} for _ in range(3))
+    cpu, wall, steps, pm = ({label: [] for label in labels} for _ in range(4))
     for turn in range(args.repeats):
         for label, row in rows.items():
             c, w, s = row.update()
             cpu[label].append(c)
             wall[label].append(w)
             steps[label] = s
+            if row.pm_state is not None:
+                pm[label].append(row.pm())
         print(f"turn {turn + 1}/{args.repeats}: " + ", ".join(f"{k} {cpu[k][-1]:.2f}s" for k in labels), flush=True)
 
-    def ratio(label: str, times: dict) -> float:
-        return median([t / b for t, b in zip(times[label], times[BASELINE])])
+    def ratio(label: str, times: dict, base: dict | None = None) -> float:
+        """The median over the turns of ``label``'s time over FedAvg's update's (``base``: ``times``)."""
+        return median([t / b for t, b in zip(times[label], (base or times)[BASELINE])])
 
     base = rows[BASELINE]
     print(machine_note())
     print(f"FMNIST (configs/fmnist_paper.yaml), Dir({args.alpha}), client {base.client} "
           f"({len(base.host.data(base.client))} examples), round {args.round}, 1 torch thread, "
           f"{args.repeats} turns; {BASELINE}'s update {median(cpu[BASELINE]):.2f} s CPU\n")
-    print(md_table("row|CPU s / update|× FedAvg (CPU)|× FedAvg (wall)|optimiser steps",
+    print(md_table("row|CPU s / update|× FedAvg (CPU)|× FedAvg (wall)|optimiser steps|PM at evaluation, × FedAvg's "
+                   "update (CPU)",
                    [[label, f"{median(cpu[label]):.2f}", f"{ratio(label, cpu):.2f}", f"{ratio(label, wall):.2f}",
-                     steps[label]] for label in labels]))
+                     steps[label], f"{ratio(label, pm, cpu):.2f}" if pm[label] else "—"] for label in labels]))
     if args.round_rows:
         round_labels = [BASELINE, *(r for r in args.round_rows if r != BASELINE)]
         for label in round_labels:

@@ -22,9 +22,9 @@ from fedrod_ray_api.app import create_app
 from fedrod_ray_api.schemas import EXAMPLE_PNG
 from fedrod_ray_api.settings import Settings
 from PIL import Image
-from served import CLIENT_IDS, MEAN, SHAPE, STD, make_final
+from served import CLIENT_IDS, MEAN, SHAPE, STD, edit_meta, make_final
 
-from fedrod_ray.models.export import ExportError, load_final, save_final
+from fedrod_ray.models.export import ExportError, _version_id, load_final, save_final
 from fedrod_ray.outputs.storage import RunStorage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,14 +110,14 @@ def test_health_and_model(hyper, linear, runs, tmp_path):
         "version_id": version, "dataset": "mnist", "class_names": [str(i) for i in range(10)],
         "num_classes": 10,
         "input": {"shape": SHAPE, "mean": MEAN, "std": STD, "png_mode": "L"}, "head": "hyper",
-        "method": "hyper", "generic_model": "global",
+        "method": "hyper", "generic_model": "global", "new_client": "class_counts",
         "arch": "mnist_cnn", "hyper_hidden": 16, "rule": "fedavg", "balanced_loss": "bsm", "round": 5,
         "metrics": {"gfl_gm": 0.5, "pfl_pm": 0.75}, "client_ids": [], "trained_client_ids": [], "privacy": None,
         "limits": {"max_batch": 4, "max_body_bytes": 2**16, "body_timeout_s": 30.0, "head_cache_size": 2},
     }
     info = linear.get("/v1/model").json()
     assert info["head"] == "linear" and info["client_ids"] == info["trained_client_ids"] == list(CLIENT_IDS)
-    assert info["hyper_hidden"] is None
+    assert info["hyper_hidden"] is None and info["new_client"] == "none"
     assert info["version_id"] == load_final(str(runs / "linear")).version_id
 
 
@@ -214,6 +214,37 @@ def test_heads_need_a_hypernetwork(which, request):
     assert r.json()["field"] == "class_counts" and f"head '{head}'" in r.json()["detail"]
     assert "hypernetwork" in r.json()["detail"]
     assert client.get("/v1/heads/" + "0" * 32).status_code == 409
+
+
+@pytest.mark.parametrize("needs", ["data", "training"])
+def test_a_method_that_personalizes_new_clients_from_their_data_says_so_instead_of_a_head(needs, runs, tmp_path):
+    """A final/ whose method makes a new client's model from the client's own examples (PeFLL: forward passes;
+    or training steps): the service cannot make it from a class distribution, and says what it needs."""
+    shutil.copytree(runs / "none", tmp_path / "run")
+    edit_meta(tmp_path / "run", method="pefll", new_client=needs)
+    with TestClient(create_app(str(tmp_path / "run"))) as client:
+        assert client.get("/v1/model").json()["new_client"] == needs
+        for path, body in (("/v1/heads", {"class_counts": [1] * 10}),
+                           ("/v1/heads", {"class_distribution": [0.1] * 10})):
+            r = client.post(path, json=body)
+            assert r.status_code == 409, r.text
+            assert r.json()["field"] == next(iter(body))
+            assert "method 'pefll'" in r.json()["detail"] and "from its data" in r.json()["detail"]
+            assert "no client data" in r.json()["detail"]
+
+
+def test_a_final_without_new_client_reads_the_heads_and_a_bad_one_is_refused(runs, tmp_path):
+    for head, expected in (("hyper", "class_counts"), ("linear", "none"), ("none", "none")):
+        shutil.copytree(runs / head, tmp_path / head)
+        path = tmp_path / head / "final" / "meta.json"
+        doc = json.loads(path.read_text())
+        del doc["new_client"]  # a final/ written before the field
+        doc["version_id"] = _version_id(doc)
+        path.write_text(json.dumps(doc))
+        assert load_final(str(tmp_path / head)).meta.new_client == expected
+    edit_meta(tmp_path / "none", new_client="everything")
+    with pytest.raises(ExportError, match="new_client must be one of"):
+        load_final(str(tmp_path / "none"))
 
 
 # --- predict --------------------------------------------------------------------------------------------

@@ -344,10 +344,11 @@ def test_configs_referenced_by_deploy_files_exist_and_load():
 FMNIST_JOBS = ("main_a0.3", "new_clients", "main_a0.1", "init_a0.3", "seeds_a0.3", "normalize_a0.3", "momentum_a0.3",
                "meta_bsm_a0.3", "meta_bsm_a0.1", "pfl_a0.3", "pfl_a0.1", "pfl_tuned_a0.3", "pfl_tuned_a0.1",
                "pfl_plain_a0.3", "pfl_plain_a0.1", "seeds_a0.1", "seed3_a0.1", "ditto_a0.3", "local_a0.1", "privacy",
-               "privacy_epsinf", "sweep_lambda", "pfedhn_a0.3", "pfedhn_a0.1", "pefll_a0.3", "pefll_a0.1",
-               "pfedhn_new", "pefll_new", "pfedhn_sweep", "pefll_sweep")
-SWEEPS = {"sweep_lambda": "tune/pfl_lambda.yaml", "pfedhn_sweep": "tune/pfl_pfedhn.yaml",
-          "pefll_sweep": "tune/pfl_pefll.yaml"}
+               "privacy_epsinf", "sweep_lambda", "fedbabu_sweep", "fedbabu_a0.3", "fedbabu_a0.1",
+               "fedbabu_new_clients", "pfedhn_sweep", "pefll_sweep", "pfedhn_a0.3", "pfedhn_a0.1", "pefll_a0.3",
+               "pefll_a0.1", "pfedhn_new_clients", "pefll_new_clients")
+SWEEPS = {"sweep_lambda": "tune/pfl_lambda.yaml", "fedbabu_sweep": "tune/pfl_fedbabu.yaml",
+          "pfedhn_sweep": "tune/pfl_pfedhn.yaml", "pefll_sweep": "tune/pfl_pefll.yaml"}
 
 
 def test_the_fmnist_queue_runs_valid_reproductions_and_logs_their_exit_status(tmp_path, shared_data_dir):
@@ -375,15 +376,34 @@ def test_the_fmnist_queue_runs_valid_reproductions_and_logs_their_exit_status(tm
     parser = build_parser()
     reproductions = [json.loads(line) for line in calls.read_text().splitlines() if line.startswith('["reproduce"')]
     assert len(reproductions) == len(FMNIST_JOBS) - len(SWEEPS)
-    tunes = [json.loads(line) for line in calls.read_text().splitlines() if line.startswith('["tune"')]
-    assert sorted(argv[argv.index("--config") + 1] for argv in tunes) == sorted(SWEEPS.values())
-    for argv in reproductions:
+    specs = {}
+    for job, argv in zip([j for j in FMNIST_JOBS if j not in SWEEPS], reproductions):
         args = parser.parse_args(argv)
         spec = build_spec(args.table, REPO / args.config, parse_seeds(args.seeds), args.rounds,
                           {**parse_sets(args.set), "data.data_dir": str(shared_data_dir)}, None, args.row,
                           args.finetune_epochs)
+        specs[job] = spec
         if spec.seeds != [0]:
             assert check_splits(spec), argv
+    # A sweep's job runs its sweep file.
+    sweeps = [json.loads(line) for line in calls.read_text().splitlines() if line.startswith('["tune"')]
+    assert [argv[argv.index("--config") + 1] for argv in sweeps] == list(SWEEPS.values())
+    # The new-clients table's own rows, and FedBABU's alone on the same split; FedBABU's main rows at both alphas.
+    assert list(specs["new_clients"].rows) == ["FedAvg", "FedDyn", "Fed-RoD (linear)", "Fed-RoD (hyper)"]
+    assert list(specs["fedbabu_new_clients"].rows) == ["FedBABU"]
+    assert specs["fedbabu_new_clients"].fixed == specs["new_clients"].fixed
+    assert specs["fedbabu_new_clients"].row_config("FedBABU", 0).data.new_clients == 50
+    for alpha in ("0.3", "0.1"):
+        cfg = specs[f"fedbabu_a{alpha}"].row_config("FedBABU", 0)
+        assert (cfg.train.head, cfg.data.alpha, cfg.seed) == ("fedbabu", float(alpha), 0)
+    # pFedHN's and PeFLL's likewise.
+    for job, row, head in (("pfedhn", "pFedHN", "pfedhn"), ("pefll", "PeFLL", "pefll")):
+        assert list(specs[f"{job}_new_clients"].rows) == [row]
+        assert specs[f"{job}_new_clients"].fixed == specs["new_clients"].fixed
+        assert specs[f"{job}_new_clients"].row_config(row, 0).eval.finetune_epochs > 0
+        for alpha in ("0.3", "0.1"):
+            cfg = specs[f"{job}_a{alpha}"].row_config(row, 0)
+            assert (cfg.train.head, cfg.data.alpha, cfg.seed) == (head, float(alpha), 0)
 
 
 # ---------------------------------------------------------------------------------------------------

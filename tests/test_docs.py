@@ -267,6 +267,19 @@ def test_a_row_run_alone_replaces_its_grouped_row_where_it_got_further(tmp_path,
     assert publisher.progress("| FedPer | 50.00 |") == ("FedPer", float("inf"))
 
 
+def test_a_new_client_method_run_alone_is_appended_to_the_new_clients_table(tmp_path, monkeypatch):
+    """FedBABU's new-clients row (fedbabu_new_clients) shows in the new-clients table, marked with its job."""
+    publisher = _publisher(tmp_path, monkeypatch)
+    head = "Table new-clients: ...\n\n| method | new before | new after |\n|---|---:|---:|\n"
+    (tmp_path / "fedbabu_new_clients").mkdir()
+    (tmp_path / "fedbabu_new_clients" / "COMMIT").write_text("babu123\n")
+    (tmp_path / "fedbabu_new_clients" / "table.md").write_text(head + "| FedBABU | 80.00 | 90.00 |\n")
+    table = head + "| FedAvg | 86.11 | 88.00 |"
+    assert publisher.with_rows_from(table, "new_clients").splitlines()[4:] == [
+        "| FedAvg | 86.11 | 88.00 |", "| ¶1 FedBABU | 80.00 | 90.00 |", "",
+        "Rows run as jobs of their own (each job's table is below): ¶1 `fedbabu_new_clients` (commit `babu123`)."]
+
+
 def test_a_pair_run_alone_takes_its_place_in_the_privacy_table(tmp_path, monkeypatch):
     """The privacy table's pair at one epsilon run alone (privacy_eps8) replaces that pair's rows in place where
     it got further; rows it did not get further than stay as the table has them, unmarked."""

@@ -41,7 +41,7 @@ from fedrod_ray.personalization.sgd import frozen, prox_grad_
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-BASELINES = ("fedper", "fedrep", "lg_fedavg", "ditto", "pfedme", "perfedavg", "fedfomo", "mtl")
+BASELINES = ("fedper", "fedrep", "lg_fedavg", "ditto", "pfedme", "perfedavg", "fedfomo", "mtl", "fedbabu")
 PLAIN = ("train.momentum=0", "train.weight_decay=0")  # pFedMe's and Per-FedAvg's steps are their own formulas
 
 
@@ -197,6 +197,17 @@ def test_mtl_server_step_is_the_plain_mean_of_all_clients_models():
     assert torch.equal(weights["w"], torch.tensor([2.0]))
 
 
+def test_fedbabu_server_step_averages_the_body_and_keeps_the_head_at_its_initial_weights():
+    """theta_bar = the clients' average; h = h_init whatever the average (e.g. a privacy noise) made of it."""
+    method = build_method("fedbabu")
+    averaged = {"body.0.weight": torch.tensor([2.0, 3.0]), "generic_head.weight": torch.tensor([[5.0]])}
+    initial = {"body.0.weight": torch.tensor([0.0, 0.0]), "generic_head.weight": torch.tensor([[1.0]])}
+    new, state = method.server_update(averaged, {}, {}, {}, initial, 2, None)
+    assert state == {}
+    assert torch.equal(new["body.0.weight"], torch.tensor([2.0, 3.0]))
+    assert torch.equal(new["generic_head.weight"], torch.tensor([[1.0]]))
+
+
 def test_mean_state_is_the_unweighted_mean():
     out = mean_state([{"a": torch.tensor([1.0, 2.0])}, {"a": torch.tensor([3.0, 6.0])}])
     assert torch.equal(out["a"], torch.tensor([2.0, 4.0]))
@@ -268,6 +279,8 @@ def test_the_gm_of_a_method_without_a_global_model_is_the_mean_of_the_pms():
     (("train.head=ditto", "train.balanced_loss=ce", "train.head_params={mu: 1}"), "train.head_params.mu"),
     (("train.head=ditto", "train.balanced_loss=ce", "train.head_params={lam: -1}"), "train.head_params.lam"),
     (("train.head_params={lam: 1}",), "train.head_params.lam"),  # linear takes none
+    (("train.head=fedbabu", "train.balanced_loss=ce", "train.head_params={finetune_epochs: 0}"),
+     "train.head_params.finetune_epochs"),
     (("train.head=fedavg",), "train.head"),
 ])
 def test_a_combination_that_makes_no_sense_names_the_field(extra, field):
@@ -329,7 +342,7 @@ def test_each_methods_client_keeps_what_the_spec_says():
     assert set(trained["lg_fedavg"].personal) == {"body.0.weight", "body.0.bias", "body.3.weight", "body.3.bias"}
     assert set(trained["ditto"].personal) == full  # v_m
     assert set(trained["pfedme"].personal) == full  # theta~
-    for name in ("perfedavg", "fedfomo", "mtl"):
+    for name in ("perfedavg", "fedfomo", "mtl", "fedbabu"):
         assert trained[name].personal is None and set(trained[name].local_model) == full, name
 
 
@@ -378,22 +391,37 @@ def test_final_serves_the_generic_model(name, tmp_path):
     assert set(state) == set(gm) and all(torch.equal(state[k], gm[k]) for k in gm)
 
 
-@pytest.mark.parametrize("sweep", ["pfl_lambda", "pfl_perfedavg", "pfl_pfedme"])
+@pytest.mark.parametrize("sweep", ["pfl_lambda", "pfl_perfedavg", "pfl_pfedme", "pfl_fedbabu"])
 def test_the_selection_sweeps_search_the_papers_lists_on_another_seed(sweep):
     """tune/pfl_*.yaml: every point of each grid is a valid trial of its method on Dir(0.3), at a seed that is
     not the tables' (0)."""
     spec = load_sweep(Path(__file__).resolve().parents[1] / "tune" / f"{sweep}.yaml")
     grids = {k: v["grid"] for k, v in spec.search.items()}
     lists = {("ditto", "lam"): [0.01, 0.1, 1.0], ("mtl", "lam"): [0.01, 0.1, 1.0],
-             ("perfedavg", "beta"): [0.01, 0.001, 0.0001], ("pfedme", "lam"): [15.0, 20.0, 30.0]}
+             ("perfedavg", "beta"): [0.01, 0.001, 0.0001], ("pfedme", "lam"): [15.0, 20.0, 30.0],
+             ("fedbabu", "finetune_epochs"): [1, 2, 5, 10]}
     seen = set()
     for values in itertools.product(*grids.values()):
         cfg = spec.trial_config(dict(zip(grids, values)))
         assert cfg.seed != 0 and cfg.data.alpha == 0.3 and cfg.data.dataset == "fmnist"
-        (param, value), = [(k, v) for k, v in cfg.train.head_params.items() if k in ("lam", "beta")]
+        (param, value), = [(k, v) for k, v in cfg.train.head_params.items()
+                           if k in ("lam", "beta", "finetune_epochs")]
         seen.add((cfg.train.head, param, value))
     assert seen == {(head, param, v) for (head, param), vs in lists.items() for v in vs
                     if any(head == h for h, _, _ in seen)}
+
+
+def test_final_says_what_a_new_client_gives_for_its_methods_zero_shot_model(tmp_path):
+    """meta.json's new_client is the method's ``new_client_needs``: Fed-RoD (hyper) its class counts, FedBABU
+    and the other methods nothing (their GM)."""
+    for name, args, needs in (("hyper", ("train.head=hyper",), "class_counts"),
+                              ("fedbabu", overrides("fedbabu"), "none"), ("fedper", overrides("fedper"), "none")):
+        fed = make_federation(*args)
+        fed.step(0)
+        write_final(RunStorage(str(tmp_path / name)), fed.setup, fed.snapshot(), {})
+        assert METHODS[name].new_client_needs == needs
+        assert json.loads((tmp_path / name / "final" / "meta.json").read_text())["new_client"] == needs
+        assert load_final(str(tmp_path / name)).meta.new_client == needs
 
 
 def test_final_and_the_service_say_what_the_generic_model_is(tmp_path):

@@ -20,7 +20,9 @@ from fedrod_ray.clients.client import ClientState
 from fedrod_ray.data.transforms import normalize
 from fedrod_ray.personalization import ServerContext
 from fedrod_ray.personalization.ditto import PERSONAL_TAG
+from fedrod_ray.personalization.fedbabu import head_keys
 from fedrod_ray.personalization.fedfomo import AFFINITY, CHOICE_TAG, IDS, choose, train_val_split
+from fedrod_ray.personalization.finetune import FINETUNE_TAG
 from fedrod_ray.personalization.perfedavg import PM_TAG
 from fedrod_ray.personalization.sgd import client_batches
 
@@ -189,6 +191,27 @@ def test_perfedavg_steps_on_pairs_of_batches_and_its_pm_is_one_step_from_the_glo
     xb, yb = next(client_batches(data, ctx, PM_TAG, epochs=1))[0]
     gradient_step(params, F.cross_entropy(model(xb), yb), alpha)
     assert close(pm_model.state_dict(), model.state_dict(), [k for k, _ in model.named_parameters()])
+
+
+def test_fedbabu_trains_the_body_under_the_frozen_initial_head_and_its_pm_fine_tunes_all_of_the_gm():
+    epochs = 2
+    host = host_of("fedbabu", f"train.head_params={{finetune_epochs: {epochs}}}")
+    head = head_keys(host.initial)  # the one-head model's classifier h
+    assert head == ["generic_head.weight"]
+    w_bar = {**moved(host.initial, 1), **{k: host.initial[k] for k in head}}  # {theta_bar, h_init}
+    res, state = host.train(CID, ClientState(), RoundInput(w_bar), ROUND)
+    ctx, data = host.context_of(CID, ROUND), host.data(CID)
+    body = {k for k, _ in host.model.named_parameters()} - set(head)
+    expected = plain_sgd(host, w_bar, client_batches(data, ctx), train=body)
+    assert close(res.shared, expected) and state.personal is None
+    assert all(torch.equal(res.shared[k], host.initial[k]) for k in head)  # h never moved
+    assert any(not torch.equal(res.shared[k], w_bar[k]) for k in body)
+    # PM: the GM fine-tuned, body and head, for finetune_epochs epochs on the client's own training data.
+    pm_model = copy.deepcopy(host.model)
+    host.method.load_pm(pm_model, ClientState(local_model=w_bar, rounds_trained=ROUND + 1), lambda: data, ctx)
+    tuned = plain_sgd(host, w_bar, client_batches(data, ctx, FINETUNE_TAG, epochs=epochs))
+    assert close(pm_model.state_dict(), tuned)
+    assert all(not torch.equal(pm_model.state_dict()[k], host.initial[k]) for k in head)  # now h moved
 
 
 def test_fedfomo_weighs_the_received_models_on_its_validation_split_then_trains_on_the_rest():

@@ -115,6 +115,10 @@ VARIANTS = {
     "fedfomo": ("train.head=fedfomo", "train.balanced_loss=ce"),
     "ditto_small": ("train.head=ditto", "train.balanced_loss=ce", "data.num_clients=3", "train.client_fraction=1.0"),
     "perfedavg": ("train.head=perfedavg", "train.balanced_loss=ce", "train.momentum=0", "train.weight_decay=0"),
+    # FedBABU: the body trained under a frozen head, the PM fine-tuned from the GM on the actors, and the new
+    # client's fine-tuning.
+    "fedbabu": ("train.head=fedbabu", "train.balanced_loss=ce", "train.head_params={finetune_epochs: 1}",
+                "eval.finetune_epochs=1"),
     # A server that generates each client's model from its hypernetwork and steps it on each client's Delta;
     # its new client's zero-shot model and adaptation (an embedding fitted with phi frozen) on the actors.
     "pfedhn": ("train.head=pfedhn", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
@@ -143,10 +147,10 @@ ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources
     [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ()),
      ("hyper_scaffold", ()), ("linear_compiled", ()), ("linear_keep", ()), ("fedfomo", ()),
      ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ()), ("hyper", ("runtime.client_cache=1",)),
-     ("pfedhn", ()), ("pefll", ())],
+     ("fedbabu", ()), ("pfedhn", ()), ("pefll", ())],
     ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold", "linear-compiled",
-         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1", "pfedhn",
-         "pefll"],
+         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1", "fedbabu",
+         "pfedhn", "pefll"],
 )
 def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
                                                      variant, layout_overrides):
@@ -199,7 +203,7 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     for rec in records:
         assert {"gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before"} <= set(rec)
         assert rec["clients_failed"] == 0
-    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn", "pfedhn", "pefll"))
+    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn", "fedbabu", "pfedhn", "pefll"))
     assert ("pfl_ft" in records[-1]) == (variant == "fedavg_feddyn")
     assert any(st.momentum for st in states.values()) == (variant == "linear_keep")
     if variant == "linear_keep":  # and some client continued its buffers on an actor

@@ -32,7 +32,7 @@ GENERIC_ROWS = ["FedAvg", "FedProx", "SCAFFOLD", "FedDyn", "local-only", "Fed-Ro
 # The paper's personalized-FL block, in its order.
 PFL_ROWS = ["MTL", "LG-FedAvg", "FedPer", "Per-FedAvg", "pFedMe", "Ditto", "FedFOMO", "FedRep"]
 # The methods built for new clients (FEDROD.md, "Methods that personalize new clients").
-NEWCOMER_ROWS = ["pFedHN", "PeFLL"]
+NEWCOMER_ROWS = ["FedBABU", "pFedHN", "PeFLL"]
 MAIN_ROWS = GENERIC_ROWS + PFL_ROWS + NEWCOMER_ROWS
 
 
@@ -90,6 +90,11 @@ def test_the_rows_say_what_the_contract_says():
         assert (row["train.head"], row["train.balanced_loss"], row["train.generic_rule"]) == (head, "ce", "fedavg")
         plain = head in ("pfedme", "perfedavg")
         assert (row.get("train.momentum"), row.get("train.weight_decay")) == ((0, 0) if plain else (None, None))
+    # FedBABU: cross-entropy, its fine-tuning epochs as its sweep chose, and in the new-clients table the same
+    # method fine-tuned for the protocol's epochs.
+    assert main["FedBABU"] == {"train.head": "fedbabu", "train.balanced_loss": "ce", "train.generic_rule": "fedavg",
+                               "train.rule_params": {}, "train.head_params": {"finetune_epochs": 5}}
+    assert TABLES["new-clients"]["FedBABU"] == {**main["FedBABU"], "eval.finetune_epochs": FINETUNE_EPOCHS}
     assert main["local-only"]["train.generic_rule"] == "local" and main["local-only"]["train.head"] == "none"
     for label, head in (("pFedHN", "pfedhn"), ("PeFLL", "pefll")):
         assert (main[label]["train.head"], main[label]["train.balanced_loss"]) == (head, "ce")

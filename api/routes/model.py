@@ -22,7 +22,7 @@ def _model_info(loaded: Loaded, settings: Settings) -> ModelInfo:
         version_id=loaded.served.version_id, dataset=meta.dataset, class_names=meta.class_names,
         num_classes=meta.num_classes,
         input=InputSpec(shape=meta.image_shape, mean=meta.mean, std=meta.std, png_mode=images.png_mode(meta)),
-        head=meta.head, method=meta.method, generic_model=meta.generic_model, arch=meta.arch, hyper_hidden=meta.hyper_hidden if meta.head == "hyper" else None,
+        head=meta.head, method=meta.method, generic_model=meta.generic_model, new_client=meta.new_client, arch=meta.arch, hyper_hidden=meta.hyper_hidden if meta.head == "hyper" else None,
         rule=meta.rule, balanced_loss=meta.balanced_loss, round=meta.round,
         # JSON has no NaN: a metric that could not be computed is null.
         metrics={k: v if math.isfinite(v) else None for k, v in meta.metrics.items()},

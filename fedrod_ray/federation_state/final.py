@@ -13,7 +13,7 @@ from ..models.export import GENERIC_MODELS, ModelMeta, save_final
 from ..objectives import model_parts
 from ..outputs.metric_schema import EVALUATED
 from ..outputs.storage import RunStorage
-from ..personalization import build_method, generic_weights
+from ..personalization import METHODS, build_method, generic_weights
 from ..server_math.aggregate import StateDict
 from ..specs.methods import HEADS
 from .dp_rounds import ClientLevelDP
@@ -30,6 +30,7 @@ def model_meta(setup: Setup, rounds_done: int, metrics: dict[str, float], varian
         head=variant or "none", hyper_hidden=cfg.hyper_hidden, rule=cfg.train.generic_rule,
         balanced_loss=cfg.train.balanced_loss, round=rounds_done, metrics=metrics, method=cfg.train.head,
         generic_model=GENERIC_MODELS[0] if has_global else GENERIC_MODELS[1],
+        new_client=METHODS[cfg.train.head].new_client_needs,
         privacy=ClientLevelDP(cfg, setup.num_clients).guarantee(rounds_done) if cfg.privacy.enabled else None,
     )
 

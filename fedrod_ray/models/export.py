@@ -36,6 +36,7 @@ from safetensors.torch import save as _st_save
 from fedrod_ray.config.values import is_import_path, plugin_names
 from fedrod_ray.models import FedModel, build_model
 from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.specs.methods import NEW_CLIENT_NEEDS
 from fedrod_ray.specs.models import ARCHS, MODEL_PLUGINS
 
 __all__ = ["FORMAT_VERSION", "ExportError", "ModelMeta", "Privacy", "ServedModel", "check_arch", "load_final",
@@ -49,6 +50,12 @@ PERSONAL_FILE = "personal.safetensors"
 META_FILE = "meta.json"
 VARIANTS = ("none", "linear", "hyper")  # the served model's personalized part (FedModel.variant, or none)
 GENERIC_MODELS = ("global", "mean of personalized models")
+
+
+def head_new_client(head: str) -> str:
+    """What a new client gives for the zero-shot model of a final/ written before ``ModelMeta.new_client``:
+    its class counts for the hyper head, else nothing."""
+    return "class_counts" if head == "hyper" else "none"
 
 
 class ExportError(ValueError):
@@ -97,9 +104,13 @@ class ModelMeta:
     # the clients' personalized models.
     method: str = ""  # "": the head's
     generic_model: str = "global"
+    # What a new client must give for the method's zero-shot model (``NEW_CLIENT_NEEDS``): "class_counts" is
+    # what this service serves (hyper: POST /v1/heads); "data" and "training" it cannot ("": the head's).
+    new_client: str = ""
 
     def __post_init__(self):
         self.method = self.method or self.head
+        self.new_client = self.new_client or head_new_client(self.head)
 
     @property
     def num_classes(self) -> int:
@@ -172,9 +183,11 @@ def _meta_from_doc(doc: dict, where: str) -> ModelMeta:
     need("round", lambda v: _is_int(v) and v >= 0, "a non-negative integer")
     need("metrics", lambda v: isinstance(v, dict) and all(map(_is_num, v.values())), "an object of numbers")
     # Written before these fields existed: the head's method, its global model, no client-level DP.
-    doc = {"method": doc["head"], "generic_model": "global", "privacy": None, **doc}
+    doc = {"method": doc["head"], "generic_model": "global", "privacy": None,
+           "new_client": head_new_client(doc["head"]), **doc}
     need("method", lambda v: isinstance(v, str) and v, "a non-empty string")
     need("generic_model", lambda v: v in GENERIC_MODELS, f"one of {GENERIC_MODELS}")
+    need("new_client", lambda v: v in NEW_CLIENT_NEEDS, f"one of {NEW_CLIENT_NEEDS}")
     values = {f.name: doc[f.name] for f in fields(ModelMeta)}
     values.update(mean=[float(x) for x in values["mean"]], std=[float(x) for x in values["std"]],
                   metrics={k: float(v) for k, v in values["metrics"].items()},

@@ -51,7 +51,20 @@ def generic_weights(method: Personalization, personal_keys: list[str], global_sh
 
 
 # Importing the method modules registers them.
-from . import ditto, fedfomo, fedper, fedrep, fedrod, lg_fedavg, mtl, pefll, perfedavg, pfedhn, pfedme  # noqa: F401
+from . import (  # noqa: F401
+    ditto,
+    fedbabu,
+    fedfomo,
+    fedper,
+    fedrep,
+    fedrod,
+    lg_fedavg,
+    mtl,
+    pefll,
+    perfedavg,
+    pfedhn,
+    pfedme,
+)
 
 check_registry(METHODS, tuple(HEADS), "train.head")
 

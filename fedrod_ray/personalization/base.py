@@ -49,11 +49,6 @@ from ..server_math.aggregate import StateDict
 from ..specs.rules import NoParams
 from .finetune import fine_tune
 
-# What a client that never trained must give for its zero-shot model (``Personalization.new_client_needs``,
-# ``final/meta.json``'s ``new_client``): nothing (the global weights with the initial personal part), its class
-# counts (Fed-RoD (hyper)'s H(a; nu)), its data (forward passes over its examples) or training steps on it.
-NEW_CLIENT_NEEDS = ("none", "class_counts", "data", "training")
-
 
 @dataclass(frozen=True)
 class ServerContext:
@@ -104,7 +99,7 @@ class Personalization:
     pm_from_global: ClassVar[bool] = False
     # A client's calls carry its last local model (``ClientState.for_training``).
     starts_from_local_model: ClassVar[bool] = False
-    # What a client that never trained gives for its zero-shot model (one of ``NEW_CLIENT_NEEDS``).
+    # What a client that never trained gives for its zero-shot model (one of ``specs.methods.NEW_CLIENT_NEEDS``).
     new_client_needs: ClassVar[str] = "none"
     # The zero-shot model is the PM's global reading of a client with no personal state (``reading_heads``),
     # which the evaluation scores in its one pass of the global model; False: the executor makes it

@@ -111,7 +111,8 @@ class Evaluation:
             pm_global = self._global_reading_pms(clients, ids, global_shared, generic, z, logits, gm, test)
             # A client that never trained has no model of its own: its PM is its zero-shot model, the global
             # reading unless the executor made it.
-            reading = [cid for cid in fresh_clients if cid not in dict(zs_jobs)]
+            made = {cid for cid, _ in zs_jobs}
+            reading = [cid for cid in fresh_clients if cid not in made]
             pm.correct.update({cid: pm_global.correct[cid] for cid in reading})
             pm.total.update({cid: pm_global.total[cid] for cid in reading})
             evaluated, rounds, tuned, zero_shot = (pending.result() if pending is not None
@@ -119,7 +120,7 @@ class Evaluation:
         pm.merge(evaluated)
         pm.merge(zero_shot)
         self._remember(self._pm_counts, evaluated, rounds)
-        pm.failed.update({cid: e for cid, e in pm_global.failed.items() if cid not in pm.failed})
+        pm.failed.update({cid: e for cid, e in pm_global.failed.items() if cid not in pm.failed and cid not in made})
         for cid, error in sorted(pm.failed.items()):
             self.log(f"client {cid}: personalized model not evaluated: {error}")
         for cid, error in sorted(tuned.failed.items()):

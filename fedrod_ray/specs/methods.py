@@ -67,6 +67,17 @@ class PeFLLParams:
     reg_model: NonNegativeFloat = 0.0  # lam_theta: (lam_theta / 2) ||w_m||^2 of each generated model
 
 
+@dataclass(config=CLOSED)
+class FedBABUParams:
+    finetune_epochs: PositiveInt = 5  # tau_f: epochs of fine-tuning the GM on a client's own data (its PM)
+
+
+# What a client that never trained must give for its zero-shot model (``Personalization.new_client_needs``;
+# ``final/meta.json``'s ``new_client``): nothing (the global weights with the initial personal part), its class
+# counts (Fed-RoD (hyper)'s H(a; nu)), its data (forward passes over its examples) or training steps on it.
+NEW_CLIENT_NEEDS = ("none", "class_counts", "data", "training")
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadSpec:
     """A method's ``Params`` (filled from ``train.head_params``) and constraints.
@@ -98,6 +109,7 @@ HEADS: dict[str, HeadSpec] = {
     "pfedme": HeadSpec(PFedMeParams, plain_steps=True), "perfedavg": HeadSpec(PerFedAvgParams, plain_steps=True),
     "fedfomo": HeadSpec(FedFomoParams, global_model=False, reads_uploads=True),
     "mtl": HeadSpec(MTLParams, global_model=False, reads_uploads=True),
+    "fedbabu": HeadSpec(FedBABUParams),
     "pfedhn": HeadSpec(PFedHNParams, global_model=False, reads_uploads=True, generates_model=True),
     "pefll": HeadSpec(PeFLLParams, global_model=False, reads_uploads=True, generates_model=True),
 }
