@@ -299,3 +299,9 @@ def test_pefll_scores_new_clients_before_and_after_in_the_evaluation():
     record = [fed.step(r) for r in range(2)][-1]
     assert math.isfinite(record["pfl_new_before"]) and math.isfinite(record["pfl_new_after"])
     assert record["finetune_failed"] == 0 and record["pm_eval_failed"] == 0
+
+
+def test_a_question_pefll_does_not_ask_is_an_error_naming_the_phase():
+    host = make_federation(*PEFLL).executor.host
+    out = host.answer(1, "gossip", {}, {}, 0)
+    assert "NotImplementedError" in out.error and "'gossip'" in out.error

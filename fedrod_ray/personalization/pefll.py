@@ -183,15 +183,14 @@ class PeFLL(Personalization):
         that same descriptor from the gradient the server sent for it."""
         if phase == DESCRIBE:
             return {DESCRIPTOR: self.describe(common, data, ctx).cpu()}
+        if phase != BACKWARD:
+            return super().answer(phase, model, common, question, data, ctx)
         enet = self.embedding_network(common, data).to(ctx.device)
         xb, yb = next(client_batches(data, ctx, DESCRIBE_TAG, epochs=1))[0]
-        psi_ = {k: t.to(ctx.device) for k, t in common.items()}
-        if phase == BACKWARD:
-            psi_ = {k: t.detach().requires_grad_() for k, t in psi_.items()}
-            grads = torch.autograd.grad(descriptor(enet, psi_, xb, yb), list(psi_.values()),
-                                        grad_outputs=question[GRAD].to(ctx.device))
-            return {k: g.cpu() for k, g in zip(psi_, grads)}
-        return super().answer(phase, model, common, question, data, ctx)
+        psi_ = {k: t.to(ctx.device).detach().requires_grad_() for k, t in common.items()}
+        grads = torch.autograd.grad(descriptor(enet, psi_, xb, yb), list(psi_.values()),
+                                    grad_outputs=question[GRAD].to(ctx.device))
+        return {k: g.cpu() for k, g in zip(psi_, grads)}
 
     def train(self, model, message, data, personal, local_model, rule_state, objectives, momentum, ctx):
         t0 = time.perf_counter()
