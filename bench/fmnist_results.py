@@ -58,15 +58,18 @@ JOBS = {
 }
 
 # deploy/reproduce_fmnist.sh's rows run alone, a table each: a personalized-FL row (`<row>_a0.3`, `<row>_a0.1`;
-# its PFL_ROWS) and the privacy table's pair at one epsilon (`privacy_eps<e>`). The page shows such a job only
+# its PFL_ROWS), a new-clients row (`<method>_new_clients`) and the privacy table's pair at one epsilon
+# (`privacy_eps<e>`). The page shows such a job only
 # once published, and its rows in the table they belong to where they got further than the same rows there.
-ALONE = ("mtl", "lg_fedavg", "fedper", "perfedavg", "pfedme", "ditto", "fedfomo", "fedrep", "local", "fedbabu")
+ALONE = ("mtl", "lg_fedavg", "fedper", "perfedavg", "pfedme", "ditto", "fedfomo", "fedrep", "local", "fedbabu",
+         "pfedhn", "pefll")
 ALONE_JOBS = {f"{row}_a{alpha}": f"Main table, Dir({alpha}): one personalized-FL row alone"
               for alpha in ("0.3", "0.1") for row in ALONE}
 ALONE_JOBS |= {f"privacy_eps{eps}": "Client-level DP: the privacy table's two methods at one ε alone"
                for eps in ("inf", *DP_EPSILONS)}
 # The new-clients table's rows of the methods built for new clients (`<method>_new_clients`), a job each.
-NEW_CLIENT_JOBS = {"fedbabu_new_clients": "New clients: FedBABU alone"}
+NEW_CLIENT_JOBS = {"fedbabu_new_clients": "New clients: FedBABU alone",
+                   "pfedhn_new_clients": "New clients: pFedHN alone", "pefll_new_clients": "New clients: PeFLL alone"}
 ALONE_JOBS |= NEW_CLIENT_JOBS
 JOBS.update(ALONE_JOBS)
 

@@ -32,7 +32,7 @@ GENERIC_ROWS = ["FedAvg", "FedProx", "SCAFFOLD", "FedDyn", "local-only", "Fed-Ro
 # The paper's personalized-FL block, in its order.
 PFL_ROWS = ["MTL", "LG-FedAvg", "FedPer", "Per-FedAvg", "pFedMe", "Ditto", "FedFOMO", "FedRep"]
 # The methods built for new clients (FEDROD.md, "Methods that personalize new clients").
-NEWCOMER_ROWS = ["FedBABU"]
+NEWCOMER_ROWS = ["FedBABU", "pFedHN", "PeFLL"]
 MAIN_ROWS = GENERIC_ROWS + PFL_ROWS + NEWCOMER_ROWS
 
 
@@ -96,6 +96,9 @@ def test_the_rows_say_what_the_contract_says():
                                "train.rule_params": {}, "train.head_params": {"finetune_epochs": 5}}
     assert TABLES["new-clients"]["FedBABU"] == {**main["FedBABU"], "eval.finetune_epochs": FINETUNE_EPOCHS}
     assert main["local-only"]["train.generic_rule"] == "local" and main["local-only"]["train.head"] == "none"
+    for label, head in (("pFedHN", "pfedhn"), ("PeFLL", "pefll")):
+        assert (main[label]["train.head"], main[label]["train.balanced_loss"]) == (head, "ce")
+        assert TABLES["new-clients"][label] == {**main[label], "eval.finetune_epochs": FINETUNE_EPOCHS}
     assert main["Fed-RoD (hyper) + FedDyn"]["train.generic_rule"] == "feddyn"
     assert (main["Fed-RoD (Meta-BSM)"]["train.head"], main["Fed-RoD (Meta-BSM)"]["train.balanced_loss"]) == (
         "linear", "meta_bsm")

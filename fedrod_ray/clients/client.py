@@ -220,6 +220,16 @@ class ClientHost:
             return ClientFailure.from_exception(client_id, e)
         return state.trained(outcome)
 
+    def answer(self, client_id: int, phase: str, common: StateDict, question: StateDict,
+               round_idx: int) -> StateDict | ClientFailure:
+        """The client's answer to the server's question within round ``round_idx`` (``Personalization.answer``);
+        an error comes back as a ClientFailure. It reads no client state and keeps nothing."""
+        try:
+            return self.method.answer(phase, self.model, common, question, self.data(client_id),
+                                      self.context_of(client_id, round_idx))
+        except Exception as e:  # noqa: BLE001 - as train: reported, never fatal to the round
+            return ClientFailure.from_exception(client_id, e)
+
     def context_of(self, client_id: int, round_idx: int) -> UpdateContext:
         """What an update (or a PM's making) of ``client_id`` in round ``round_idx`` reads besides its state."""
         return UpdateContext(self.cfg.train, self.rule, round_idx, self.cfg.seed, client_id, self.mean, self.std,

@@ -199,8 +199,15 @@ def _check_head(cfg: ExperimentConfig) -> None:
                 # Not "remove it": the default (momentum 0.9, weight decay 1e-5) is not 0 either.
                 raise ConfigError(f"{key}: has no effect with {why}, whose updates are its own plain gradient "
                                   f"steps; set {key}=0")
-    if not spec.global_model and cfg.eval.finetune_epochs:
+    if not spec.global_model and not spec.generates_model and cfg.eval.finetune_epochs:
         raise ConfigError(f"eval.finetune_epochs: {why} has no global model to fine-tune from; set it to 0")
+    if spec.generates_model and cfg.eval.finetune_train:
+        raise ConfigError(f"eval.finetune_train: {why} adapts only new clients (a training client's PM is made by "
+                          "the server's hypernetwork); remove it")
+    if spec.generates_model and cfg.model.arch in BUFFERED_ARCHS:
+        raise ConfigError(f"model.arch: {why} generates every weight of each client's model on the server, and "
+                          f"model.arch={cfg.model.arch} has batch-norm statistics, which no hypernetwork generates; "
+                          "use a model without buffers")
 
 
 def _check_privacy(cfg: ExperimentConfig) -> None:

@@ -25,7 +25,7 @@ from ..federation_state.client_store import ClientStore, LocalModels
 from ..federation_state.dp_rounds import ClientLevelDP, check_shared
 from ..federation_state.setup import Setup
 from ..federation_state.state import Arrival, Snapshot
-from ..personalization import build_method
+from ..personalization import Ask, ServerContext, build_method
 from ..server_math.aggregate import OrderedAverager, StateDict
 from ..server_math.buffered import buffered_update, staleness_weight
 from ..server_math.server import clients_per_round, sample_clients, sample_count
@@ -72,7 +72,7 @@ class Federation:
         self.generic_keys = set(self.model.generic_keys())
         self.global_shared: StateDict = {k: state[k].detach().clone() for k in self.shared_keys}
         self.server_state: StateDict = self.rule.init_server_state(self._generic(self.global_shared))
-        self.method_state: StateDict = self.method.init_server_state(setup.num_clients)
+        self.method_state: StateDict = self.method.init_server_state(self._server_context())
         # Every client's committed state, the runtime.client_cache most recently used in memory, the rest on
         # disk. A state is only ever replaced, never written into, so a snapshot stays valid while training
         # goes on.
@@ -123,6 +123,11 @@ class Federation:
         return durations(speeds, examples, self.cfg.train.local_epochs,
                          communication_seconds(model_bytes, rc.bandwidth))
 
+    def _server_context(self) -> ServerContext:
+        ds = self.setup.dataset
+        return ServerContext(self.setup.num_clients, self.initial, self.cfg.seed, tuple(ds.image_shape),
+                             ds.num_classes)
+
     def _generic(self, state: StateDict) -> StateDict:
         return {k: v for k, v in state.items() if k in self.generic_keys}
 
@@ -145,7 +150,7 @@ class Federation:
                              f"{sorted(set(snap.global_shared) ^ set(self.shared_keys))}")
         self.global_shared = dict(snap.global_shared)
         self.server_state = dict(snap.server_state)
-        self.method_state = dict(snap.method_state) or self.method.init_server_state(self.setup.num_clients)
+        self.method_state = dict(snap.method_state) or self.method.init_server_state(self._server_context())
         if self.dp is not None:
             self.privacy_state = dict(snap.privacy_state) or self.dp.init_state()
         self.clients.restore(snap.clients)
@@ -167,7 +172,7 @@ class Federation:
         t0 = time.perf_counter()
         record = self._buffered_round(r, t0) if self.buffered is not None else self._round(r, t0)
         cfg = self.cfg
-        sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients, r + 1)
+        sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients, r + 1, self.method_state)
                   if cfg.eval.estimate_size else None)
         last = r + 1 == self.rounds
         # Exact: every eval_every rounds and after the last; with the estimate, after round 1 too, which
@@ -256,7 +261,7 @@ class Federation:
         self.clients.update(new_states)
         averaged, self.method_state = self.method.server_update(
             {k: averaged[k] for k in self.shared_keys}, results, self._uploads(), self.method_state, self.initial,
-            self.setup.num_clients)
+            self.setup.num_clients, self._asker(r))
         self.global_shared = {k: averaged[k] for k in self.shared_keys}
         self.next_round = r + 1
         self.virtual_time += seconds
@@ -335,8 +340,24 @@ class Federation:
         from_local = self.rule.starts_from_local_model or self.method.starts_from_local_model
         jobs = [(cid, self.clients[cid].for_training(from_local)) for cid in ids]
         message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state),
-                             self.method.messages(self.method_state, ids, self._uploads(), r, self.cfg.seed), clip_norm)
+                             self.method.messages(self.method_state, ids, self._uploads(), r, self.cfg.seed,
+                                                  self._asker(r)), clip_norm)
         return jobs, message
+
+    def _asker(self, r: int) -> Ask:
+        """The method's ``Ask`` within round ``r``: its clients' answers, by the executor; a client that fails
+        to answer is logged and left out (the method goes on without it)."""
+
+        def ask(phase: str, common: StateDict, questions: dict[int, StateDict]) -> dict[int, StateDict]:
+            answers = {}
+            for cid, out in self.executor.ask(r, phase, common, questions).items():
+                if isinstance(out, ClientFailure):
+                    self.log(f"[round {r + 1}] client {cid} did not answer {phase}: {out.error}\n{out.traceback}")
+                else:
+                    answers[cid] = out
+            return answers
+
+        return ask
 
     def _uploads(self) -> LocalModels:
         """Every training client's last upload (None: it never trained), read when asked for."""
