@@ -105,10 +105,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        found = [_validation_message(e) for e in exc.errors()]
-        detail = "; ".join(m for _, m in found[:MAX_LISTED])
-        if len(found) > MAX_LISTED:
-            detail += f" (and {len(found) - MAX_LISTED} more errors)"
+        errors = exc.errors()
+        found = [_validation_message(e) for e in errors[:MAX_LISTED]]
+        detail = "; ".join(m for _, m in found)
+        if len(errors) > MAX_LISTED:
+            detail += f" (and {len(errors) - MAX_LISTED} more errors)"
         return error_response(422, found[0][0] if found else None, detail)
 
     @app.exception_handler(StarletteHTTPException)
