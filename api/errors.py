@@ -22,7 +22,8 @@ DESCRIPTIONS = {
     404: "unknown head_id or client_id",
     409: "the served model cannot do this (e.g. no hypernetwork), or a reload target is not servable",
     408: "the request body did not arrive in time",
-    413: "request body over the size limit, or more JSON values than a request can need",
+    413: "request body over the size limit, or more JSON values than a request can need, or a body on a "
+         "method that takes none",
     415: "not a JSON body (Content-Type), or a compressed one (Content-Encoding)",
     422: "invalid input; the message names the field",
     503: "the request bodies in flight are at this server's memory budget: retry after Retry-After seconds",
