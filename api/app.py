@@ -60,7 +60,8 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
     """
     if isinstance(settings, str):
         settings = Settings(model_dir=settings)
-    service = ModelService(settings.model_dir, settings.head_cache_size, settings.allow_factories)
+    service = ModelService(settings.model_dir, settings.head_cache_size, settings.allow_factories,
+                           settings.reload_timeout_s)
     # /docs and /redoc with Swagger UI's and ReDoc's scripts served from the fastapi-offline package rather
     # than a CDN: a federation's server often runs without internet. Swagger UI's validator is off: served
     # under any name but localhost, it would have the browser fetch a badge from validator.swagger.io.
