@@ -1,6 +1,6 @@
 """Request and response bodies, with the examples the OpenAPI schema shows.
 
-Numbers are strict (``"3"`` and ``true`` are not numbers) and finite; request models forbid unknown
+Numbers are strict (``"3"`` and ``true`` are not numbers, ``2.5`` is not an integer, ``2.0`` is 2) and finite; request models forbid unknown
 fields, so a misspelt field is an error that names it rather than a silently ignored one. What depends on
 the served model (how many classes, the image shape) is checked by the service, not here.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
 HEAD_ID_PATTERN = r"^[0-9a-f]{32}$"
@@ -19,8 +19,22 @@ MAX_COUNT = 2**53
 # 5,000-digit top_k out of the error message.
 MAX_TOP_K = 2**20
 
+
+
+def _integral(value):
+    """9.0 as 9: the OpenAPI document's ``"type": "integer"`` is JSON Schema's, which a number with a zero
+    fraction satisfies, and a request the schema allows is one the server takes (body_schema.py)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _integer(minimum: int, maximum: int):
+    """A strict integer ("3" and true are not) in [minimum, maximum]; the bounds are inside the conversion, so
+    that the JSON Schema states them."""
+    return Annotated[int, Strict(), Field(ge=minimum, le=maximum), BeforeValidator(_integral)]
+
+
 Weight = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
-Count = Annotated[int, Strict(), Field(ge=0, le=MAX_COUNT)]
+Count = _integer(0, MAX_COUNT)
 Pixel = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 # Every list stops at its first invalid item: a body of 200,000 invalid items costs one error, not 200,000
 # (collecting and reporting them held the server for seconds: issue 49).
@@ -129,13 +143,12 @@ class PredictRequest(_Distribution):
                            "(pixel / 255 - mean) / std per channel (mean, std from GET /v1/model)")
     images_png: Annotated[list[str], Field(min_length=1, fail_fast=True)] | None = Field(
         None, description="images as base64 PNGs, H x W pixels, 8-bit grayscale (1 channel) or RGB (3)")
-    top_k: Annotated[int, Strict()] | None = Field(None, ge=1, le=MAX_TOP_K, description="how many top classes to list per image (default 3, "
-                                                      "or the number of classes if fewer)")
+    top_k: _integer(1, MAX_TOP_K) | None = Field(None, description="how many top classes to list per image "
+                                                                   "(default 3, or the number of classes if fewer)")
     head_id: str | None = Field(None, pattern=HEAD_ID_PATTERN,
                                 description="personalize with a head made by POST /v1/heads")
-    client_id: Annotated[int, Strict()] | None = Field(
-        None, ge=0, le=MAX_COUNT,
-        description="personalize with a training client's own head (linear head only)")
+    client_id: _integer(0, MAX_COUNT) | None = Field(
+        None, description="personalize with a training client's own head (linear head only)")
 
     @model_validator(mode="after")
     def _one_source(self):

@@ -64,6 +64,14 @@ def test_many_invalid_items_answer_422_naming_the_first(run_dir):
     assert "more errors" not in r.json()["detail"], r.json()["detail"][:300]
 
 
+def test_head_probes_are_answered(run_dir):
+    """A load balancer's HEAD /healthz (it was a 405) and /readyz: 200, no body."""
+    with TestClient(create_app(str(run_dir))) as client:
+        for path in ("/healthz", "/readyz"):
+            r = client.head(path)
+            assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+
+
 # --- reload -----------------------------------------------------------------------------------------------
 
 TOKEN = "availability-token"
