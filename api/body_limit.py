@@ -38,9 +38,9 @@ class BodyLimit:
     Closing a connection whose request body is still arriving resets it (Linux answers a close with unread
     data by an RST), and HAProxy, reset while it forwards the answer, may send the client the answer's
     headers without its body. So there the 503 of a body with a Content-Length (and the refusal of a body on
-    a GET) keeps the connection: the server (uvicorn) reads the rest, at most ``max_bytes``, and throws it away as it comes. The other
-    refusals still close it, as nothing bounds what would follow (a chunked body, one over the limit) or
-    the client is too slow to wait for.
+    a GET) keeps the connection: the server (uvicorn) reads the rest, at most ``max_bytes``, and throws it
+    away as it comes. The other refusals still close it, as nothing bounds what would follow (a chunked
+    body, one over the limit) or the client is too slow to wait for.
     """
 
     def __init__(self, app, max_bytes: int, timeout_s: float, budget_bytes: int, proxied: bool = False):
@@ -110,8 +110,8 @@ class BodyLimit:
 
     async def _over_budget(self, size: int, declared: bytes, scope, receive, send, close: bool):
         of = f" of the {int(declared)} declared" if declared.isdigit() else ""
-        detail = (f"body: {size} bytes{of} would take the request bodies held at once over this server's limit of "
-                  f"{self.budget_bytes} bytes ({self.held_bytes} held); retry in {RETRY_AFTER_S} s")
+        detail = (f"body: {size} bytes{of} would take the request bodies held at once over this server's "
+                  f"limit of {self.budget_bytes} bytes ({self.held_bytes} held); retry in {RETRY_AFTER_S} s")
         headers = {"Retry-After": str(RETRY_AFTER_S), **(CLOSE if close else {})}
         await error_response(503, "body", detail, headers)(scope, receive, send)
 

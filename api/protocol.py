@@ -87,14 +87,16 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
             self._parsed_bytes += n
             if self._parsed_bytes > MAX_HEADER_BYTES:
                 self._headers_over = True
-                raise httptools.HttpParserCallbackError("headers over the limit")  # ends up in send_400_response
+                # httptools raises it from feed_data, and uvicorn answers with send_400_response.
+                raise httptools.HttpParserCallbackError("headers over the limit")
 
         def send_400_response(self, msg: str) -> None:
-            """uvicorn's answer to what httptools cannot parse, in the API's error shape (it was plain text)."""
+            """uvicorn's answer to what httptools cannot parse, in the API's error shape (not plain text)."""
             if self._headers_over:
                 self._refuse(_too_large())
             else:
-                self._refuse(_raw(400, "request", f"request: not a valid HTTP/1.1 request ({msg.rstrip('.')})"))
+                detail = f"request: not a valid HTTP/1.1 request ({msg.rstrip('.')})"
+                self._refuse(_raw(400, "request", detail))
 
         def on_headers_complete(self) -> None:
             self._stop_header_timer()

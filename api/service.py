@@ -216,8 +216,8 @@ class ModelService:
         """(previous, now); raises Conflict naming the problem if the final/ cannot be served."""
         loop = asyncio.get_running_loop()
         if self._reloading is not None and not self._reloading.done():
-            raise Conflict("model_dir", f"a reload is running (for {loop.time() - self._reload_started:.0f} s): "
-                                        f"retry once it has ended")
+            running = loop.time() - self._reload_started
+            raise Conflict("model_dir", f"a reload is running (for {running:.0f} s): retry once it has ended")
         target = model_dir or self.model_dir
         previous = self.current
         still = f"still serving version {previous.served.version_id}"
@@ -246,7 +246,7 @@ def _load_into(loop: asyncio.AbstractEventLoop, future: asyncio.Future, *args) -
     """``load(*args)``, its result or exception set on ``future`` (of ``loop``)."""
     try:
         result, error = load(*args), None
-    except BaseException as e:  # noqa: BLE001 - load turns what it can into ExportError; the rest is passed on
+    except BaseException as e:  # noqa: BLE001 - load makes what it can an ExportError; the rest is passed on
         result, error = None, e
 
     def settle():

@@ -1,6 +1,7 @@
 """Availability under hostile load (issue 49): each attack, for a few seconds, against ``fedrod-ray serve``
-(uvicorn) and Ray Serve (one replica behind HAProxy, Ray's high-throughput mode), while a legitimate client
-polls GET /healthz and a one-image POST /v1/predict, one after the other on a keep-alive connection.
+(uvicorn) and Ray Serve (one replica with deploy/serve_config.yaml's options, behind HAProxy), while a
+legitimate client polls GET /healthz and a one-image POST /v1/predict, one after the other on a keep-alive
+connection.
 
     python bench/availability.py [--seconds 5] [--servers uvicorn serve] [--attacks ...]
 
@@ -40,7 +41,7 @@ from fedrod_ray_api.schemas import EXAMPLE_PNG
 from fedrod_ray_api.serve import LOCAL_RAY_ENV, haproxy_env, http_options
 from fedrod_ray_api.settings import Connections
 from ray import serve
-from serve_latency import SERVE_PORT, build_run, start_serve, start_server
+from serve_latency import SERVE_PORT, build_run, fixed_options, start_serve, start_server
 
 MIB = 2**20
 LIMIT, BUDGET = 16 * MIB, 256 * MIB  # the default body limit and budget
@@ -118,7 +119,8 @@ def probe(address, seconds: float) -> tuple[list[float], list[float], int]:
     conn = http.client.HTTPConnection(*address, timeout=TIMEOUT)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        for method, path, body, into in (("GET", "/healthz", None, healthz), ("POST", "/v1/predict", PREDICT, predict)):
+        for method, path, body, into in (("GET", "/healthz", None, healthz),
+                                         ("POST", "/v1/predict", PREDICT, predict)):
             t0 = time.perf_counter()
             try:
                 conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
@@ -171,7 +173,8 @@ def measure(address, pids: Callable[[], list[int]], name: str, seconds: float) -
     def ms(xs: list[float], q: int) -> str:
         if not xs:
             return "-"
-        return f"{1000 * (statistics.quantiles(xs, n=100, method='inclusive')[q - 1] if len(xs) > 1 else xs[0]):.1f}"
+        value = statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
+        return f"{1000 * value:.1f}"
 
     return [name, f"{ms(idle_h, 50)} / {ms(idle_h, 99)}", f"{ms(hot_h, 50)} / {ms(hot_h, 99)}",
             f"{ms(idle_p, 50)} / {ms(idle_p, 99)}", f"{ms(hot_p, 50)} / {ms(hot_p, 99)}", failed,
@@ -219,7 +222,7 @@ def main() -> None:
                         proc.wait(30)
             else:
                 with serve_running():
-                    host, port, pids = start_serve(run_dir, {})
+                    host, port, pids = start_serve(run_dir, fixed_options(1))
                     for name in args.attacks:
                         rows.append(measure((host, port), pids, name, args.seconds))
             print(f"\n{server} (uvicorn: the process; Ray Serve: the replica and HAProxy)\n")

@@ -33,7 +33,8 @@ INVALID = 200_000
 MANY_INVALID = {
     "images": b'{"images": [[[[' + b",".join([b'"a"'] * INVALID) + b"]]]]}",
     "images_png": b'{"images_png": [' + b",".join([b"1"] * INVALID) + b"]}",
-    "class_distribution": b'{"images_png": ["x"], "class_distribution": [' + b",".join([b'"a"'] * INVALID) + b"]}",
+    "class_distribution": (b'{"images_png": ["x"], "class_distribution": ['
+                           + b",".join([b'"a"'] * INVALID) + b"]}"),
     "class_counts": b'{"class_counts": [' + b",".join([b"-1"] * INVALID) + b"]}",
 }
 

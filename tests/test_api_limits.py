@@ -170,8 +170,8 @@ def test_an_idle_keep_alive_connection_is_closed(server):
 
 
 PAD = b"X-Pad: %s\r\n"
-# Headers over the 16 KiB limit, as they may arrive: unfinished, in one write with their end (each was answered
-# 200 by uvicorn: issue 49), or a part under the limit and then the rest.
+# Headers over the 16 KiB limit, as they may arrive: unfinished, in one write with their end (each was
+# answered 200 by uvicorn: issue 49), or a part under the limit and then the rest.
 OVERSIZED = {
     "unfinished": [PAD % (b"a" * 20_000)],
     "17KB-whole": [PAD % (b"a" * 17_000) + b"\r\n"],
