@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import ConfigError, check_resume, config_from_dict, config_schema, load_config
+from .config.overrides import defaults_taken
 from .config.sections import LOGGERS
 from .specs.datasets import DATASETS
 
@@ -161,6 +162,8 @@ def _train(args, storage, cfg) -> int:
     from .federation_state.setup import check_model_arch
 
     check_model_arch(cfg)
+    for line in defaults_taken(cfg, _overrides(args)):
+        print(line, flush=True)
     # config.yaml records where the data and the run really were, so a resume finds them again.
     cfg.run_dir = storage.uri
     if cfg.data.path is not None:

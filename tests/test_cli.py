@@ -215,6 +215,29 @@ def test_config_yaml_records_the_data_directory_used(tmp_path, shared_data_dir, 
     assert "done: 2 rounds" in out
 
 
+def test_train_says_what_auto_and_null_chose(tmp_path):
+    """The console names what the config left to the run: the torch threads (runtime.torch_threads: auto),
+    the network (model.arch: auto) and what each --set key=null left (data.alpha's default, 0.1)."""
+    rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(tmp_path / "r"), "--set", "train.rounds=1",
+                             "--set", "data.alpha=null"])
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert "--set data.alpha=null: data.alpha takes its default, 0.1" in lines
+    assert "model.arch: auto -> mnist_cnn (for 1 x 28 x 28 images)" in lines
+    (threads,) = [ln for ln in lines if ln.startswith("torch threads: ")]
+    assert re.fullmatch(rf"torch threads: {torch.get_num_threads()} \(auto: \d+ cores, load average [\d.]+\)", threads)
+
+
+def test_auto_threads_take_the_cores_the_load_leaves_free():
+    from fedrod_ray.drivers.threads import choose_threads, free_cores
+
+    assert [free_cores(2, load) for load in (0.0, 0.3, 0.6, 1.7, 7.0)] == [2, 2, 1, 1, 1]
+    assert [free_cores(16, load) for load in (0.2, 3.2, 15.9, 40.0)] == [16, 13, 1, 1]
+    assert choose_threads(3) == (3, "runtime.torch_threads")
+    assert choose_threads(0) == (None, "runtime.torch_threads: 0, torch's default")
+    assert choose_threads(None)[1].startswith("auto: ")
+
+
 def test_checkpoint_every_and_eval_every(tmp_path):
     """checkpoint_every=2, eval_every=2 over 5 rounds: evaluations after rounds 2, 4 and the last;
     checkpoints after 2, 4 and 5, of which the newest two are kept."""

@@ -22,7 +22,7 @@ from ..federation_state.state import Snapshot
 from ..lifecycle.coordinator import Coordinator
 from ..outputs.storage import RunStorage
 from ..round_loop.federation import RoundFailedError
-from .console import format_record
+from .console import format_model, format_record
 
 PROGRESS_POLL_S = 1.0
 
@@ -79,6 +79,8 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
     # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message. Its arrays go
     # into the object store, and the coordinator is handed their references: this driver keeps no copy.
     setup = prepare(cfg)
+    if (line := format_model(cfg.model.arch, setup.dataset.image_shape)) is not None:
+        log(line)
     started = connect(cfg)
     coordinator = None
     try:
