@@ -18,6 +18,7 @@ from . import __version__
 from .config import ConfigError, check_resume, config_from_dict, config_schema, load_config
 from .config.overrides import defaults_taken
 from .config.sections import LOGGERS
+from .drivers.threads import passive_if_busy
 from .specs.datasets import DATASETS
 
 COMMANDS = "fedrod_ray.commands"  # entry-point group: callables that add a subcommand to the parser
@@ -246,6 +247,7 @@ def cmd_schema(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    passive_if_busy()  # before anything imports torch
     args = build_parser().parse_args(argv)
     try:
         handler = getattr(args, "handler", None) or {"train": cmd_train, "partition": cmd_partition,

@@ -225,7 +225,9 @@ def test_train_says_what_auto_and_null_chose(tmp_path):
     assert "--set data.alpha=null: data.alpha takes its default, 0.1" in lines
     assert "model.arch: auto -> mnist_cnn (for 1 x 28 x 28 images)" in lines
     (threads,) = [ln for ln in lines if ln.startswith("torch threads: ")]
-    assert re.fullmatch(rf"torch threads: {torch.get_num_threads()} \(auto: \d+ cores, load average [\d.]+\)", threads)
+    # torch was loaded before main() here: no wait policy to set, so a busy machine gets the free cores.
+    assert re.fullmatch(rf"torch threads: {torch.get_num_threads()} \(auto: \d+ cores, load average [\d.]+: "
+                        r"(a thread per core|the cores it leaves free)\)", threads)
 
 
 def test_auto_threads_take_the_cores_the_load_leaves_free():
@@ -235,7 +237,25 @@ def test_auto_threads_take_the_cores_the_load_leaves_free():
     assert [free_cores(16, load) for load in (0.2, 3.2, 15.9, 40.0)] == [16, 13, 1, 1]
     assert choose_threads(3) == (3, "runtime.torch_threads")
     assert choose_threads(0) == (None, "runtime.torch_threads: 0, torch's default")
-    assert choose_threads(None)[1].startswith("auto: ")
+
+
+@pytest.mark.parametrize(("load", "preset", "policy", "threads", "why"), [
+    (0.1, None, None, "cores", "a thread per core"),
+    (50.0, None, "PASSIVE", "cores", "a thread per core, sleeping when it waits (OMP_WAIT_POLICY=PASSIVE)"),
+    (50.0, "ACTIVE", "ACTIVE", 1, "the cores it leaves free"),  # the user's policy stays
+])
+def test_auto_threads_sleep_when_waiting_on_a_busy_machine(load, preset, policy, threads, why):
+    """What the command line does first: on a busy machine (a faked load average), OpenMP's passive wait
+    policy before torch loads, and then a thread per core; idle, torch's default. In a fresh interpreter."""
+    code = (f"import os, sys\nos.getloadavg = lambda: ({load}, 0.0, 0.0)\n"
+            "from fedrod_ray.drivers import threads\nthreads.passive_if_busy()\nimport torch\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), threads.usable_cores(), *threads.choose_threads(None), sep='|')")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": preset} if preset else {})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         timeout=120).stdout.strip()
+    got_policy, cores, got_threads, got_why = out.split("|")
+    assert got_policy == str(policy) and got_threads == (cores if threads == "cores" else str(threads))
+    assert got_why == f"auto: {cores} cores, load average {load:.2f}: {why}"
 
 
 def test_checkpoint_every_and_eval_every(tmp_path):
