@@ -324,7 +324,7 @@ def test_train_shows_progress_inside_rounds(tmp_path):
     rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(tmp_path / "P"), "--set", "train.rounds=1",
                              "--set", "runtime.progress_seconds=0", "--set", "runtime.torch_threads=1"])
     assert rc == 0, err
-    lines = out.splitlines()
+    lines = [ln for ln in out.splitlines() if ln.startswith("[round")]
     assert [ln.split(" done")[0] for ln in lines[:4]] == [f"[round   1/1] clients {k}/4" for k in range(1, 5)]
     assert lines[4].startswith("[round   1/1]") and "G-FL" in lines[4]
 
@@ -414,13 +414,21 @@ def sigint_ignored(ignored: bool):
             signal.signal(signal.SIGINT, previous)
 
 
-def first_line(proc: subprocess.Popen, timeout: float) -> str:
-    """The child's first line of stdout, or a failure after ``timeout`` seconds (never a hang)."""
+def first_round_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The child's first round line on stdout (after the lines saying what the run chose), or a failure after
+    ``timeout`` seconds (never a hang)."""
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+
+    def read() -> None:
+        for line in proc.stdout:
+            if line.startswith("[round"):
+                lines.append(line)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     reader.join(timeout)
-    assert lines, f"no line on stdout within {timeout} s"
+    assert lines, f"no round line on stdout within {timeout} s"
     return lines[0]
 
 
@@ -439,7 +447,7 @@ def test_a_stop_signal_stops_with_one_line_naming_resume(tmp_path, sig, parent_i
     with sigint_ignored(parent_ignores_sigint):
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        first = first_line(proc, timeout=120)
+        first = first_round_line(proc, timeout=120)
         assert first.startswith("[round   1/500]"), first
         deadline = time.monotonic() + 60
         while not (run_dir / "checkpoints" / "latest").is_file() and time.monotonic() < deadline:
