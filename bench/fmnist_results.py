@@ -10,6 +10,7 @@ finished, or as many and fewer rounds trained in all).
 
     python bench/fmnist_results.py /path/to/out                  # every job found in OUT
     python bench/fmnist_results.py --page-only                   # the page's tables from what is committed
+    python bench/fmnist_results.py --page-only --replot          # and the page's curves from rounds.csv
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import re
 import shutil
 from pathlib import Path
 
-from fedrod_ray_tune.report import COLUMNS, mean_std
+import yaml
+from fedrod_ray_tune.report import COLUMNS, mean_std, plot_curves
+from fedrod_ray_tune.report import CURVES as CURVE_KEYS
+from fedrod_ray_tune.repro_spec import ReproSpec
 from fedrod_ray_tune.reproduce import status
 from fedrod_ray_tune.tables import DP_EPSILONS
 
@@ -276,13 +280,32 @@ def write_page() -> None:
     PAGE.write_text(text[:start] + "\n" + page_block() + "\n" + text[end:])
 
 
+def replot(job: str) -> None:
+    """Redraw a committed job's curves.png from its rounds.csv (the evaluated rounds of every trial) as
+    ``fedrod-ray reproduce`` draws it."""
+    doc = yaml.safe_load((DEST / job / "reproduce.yaml").read_text())
+    spec = ReproSpec(base=doc["base"], search={}, table=doc["table"], rows=doc["rows"], seeds=doc["seeds"])
+    curves: dict[tuple[str, int], dict[str, list[float]]] = {}
+    with open(DEST / job / "rounds.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            if r["gfl_gm"]:
+                curve = curves.setdefault((r["row"], int(r["seed"])), {k: [] for k in ("round", *CURVE_KEYS)})
+                for k in curve:
+                    curve[k].append(float(r[k]) if r[k] else float("nan"))
+    plot_curves(spec, curves, DEST / job / "curves.png")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, nargs="?", help="deploy/reproduce_fmnist.sh's OUT")
     p.add_argument("--page-only", action="store_true", help="only rewrite docs/results.md's tables")
     p.add_argument("--force", action="store_true",
                    help="replace a committed job even where it got further than OUT's (more trials finished, or more rounds)")
+    p.add_argument("--replot", action="store_true", help="redraw the curves the page shows from their rounds.csv")
     args = p.parse_args()
+    if args.replot:
+        for job in CURVES:
+            replot(job)
     if not args.page_only:
         if args.out is None:
             p.error("OUT is needed unless --page-only")

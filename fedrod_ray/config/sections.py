@@ -136,7 +136,9 @@ class RuntimeConfig:
     # auto: ray where Ray is (inside a Ray job, with RAY_ADDRESS set, or with an address), else local
     mode: Annotated[StrictStr, OneOf(MODES)] = "auto"  # local: in-process
     address: StrictStr | None = None  # ray only: None starts a private local Ray, "auto" joins a running cluster
-    torch_threads: NonNegativeInt = 0  # 0: all cores of this process (in-process) / the actor's CPUs (Ray)
+    # In-process: None (auto) chosen for the load average when the run starts (fedrod_ray.drivers.threads), 0
+    # torch's default (a thread per core); Ray: an actor's CPUs unless set
+    torch_threads: NonNegativeInt | None = None
     device: StrictStr = "cpu"  # in-process only; Ray actors use a GPU when their resources hold one
     # in-process only: 0 trains a round's clients one after another; k > 0 trains up to k of them at once in
     # one batched computation (fedrod_ray.client_update.batched; for a GPU: on CPU it is slower)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from ..models import resolve_arch
 from ..outputs.metric_schema import ESTIMATES, label, percent, values_line
 
 SUMMARY_METRICS = ("gfl_gm", "pfl_gm", "pfl_pm")
@@ -41,6 +42,13 @@ def format_record(rec: dict, rounds: int) -> str:
     if "coordinator_restart" in rec:
         line += f"  |  trained again (coordinator restart {rec['coordinator_restart']})"
     return line
+
+
+def format_model(arch: str, image_shape: tuple[int, int, int]) -> str | None:
+    """The line naming the network ``model.arch: auto`` chose for the data's images; None for any other."""
+    if arch != "auto":
+        return None
+    return f"model.arch: auto -> {resolve_arch(arch, image_shape)} (for {' x '.join(map(str, image_shape))} images)"
 
 
 def format_summary(records: list[dict], seconds: float, run_dir: str) -> str:

@@ -27,7 +27,7 @@ from ..lifecycle.run import RunLostError
 from ..outputs.results import read_records
 from ..outputs.storage import RunStorage
 from ..round_loop.federation import RoundFailedError
-from .console import format_record
+from .console import format_model, format_record
 
 PROGRESS_POLL_S = 1.0
 
@@ -87,6 +87,8 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
     # into the object store, and the coordinator is handed their references: this driver keeps no copy.
     # At sites, the server's test set only: the sites report their clients to the coordinator.
     setup = prepare_server(cfg) if cfg.sites else prepare(cfg)
+    if (line := format_model(cfg.model.arch, setup.dataset.image_shape)) is not None:
+        log(line)
     started = connect(cfg)
     coordinator = None
     try:
