@@ -127,6 +127,9 @@ def test_an_update_that_is_not_finite_is_a_diverged_client_not_an_upload():
         assert pickle.loads(pickle.dumps(raised.value)).diverged
         failure = ClientFailure.from_exception(4, raised.value)
         assert failure.diverged and failure.error.startswith("LocalTrainingError: the update's norm is")
+        with pytest.raises(LocalTrainingError) as raised:  # without DP (no clip norm): the same failure
+            clipped((result, {}, {}), RoundInput(anchor, {}, {}, None))
+        assert raised.value.diverged
     assert not ClientFailure.from_exception(4, LocalTrainingError("the client has no training examples")).diverged
 
 

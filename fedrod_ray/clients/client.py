@@ -103,9 +103,12 @@ def clipped(outcome: Outcome, message: RoundInput) -> Outcome:
     shared weights become w_bar + clip(w_m - w_bar), before anything is sent, so that on Ray the unclipped
     update never leaves the client's actor; the client keeps that clipped model as its local model too
     (``ClientState.trained``). Its personal state is not clipped: it never leaves the client. An update that
-    is not finite raises LocalTrainingError (diverged): the client failed, and nothing of it is summed."""
+    is not finite raises LocalTrainingError (diverged), with or without DP: the client failed, and nothing of
+    it is summed."""
     result, personal, rule_state = outcome
     if message.clip_norm is None:
+        if not all(torch.isfinite(v).all() for v in result.shared.values() if v.is_floating_point()):
+            raise LocalTrainingError("the update of the shared weights is not finite", diverged=True)
         return outcome
     try:
         shared, was_clipped = clip_update(result.shared, message.weights, message.clip_norm)
