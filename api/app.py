@@ -62,7 +62,8 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
     """
     if isinstance(settings, str):
         settings = Settings(model_dir=settings)
-    service = ModelService(settings.model_dir, settings.head_cache_size, settings.allow_factories)
+    service = ModelService(settings.model_dir, settings.head_cache_size, settings.allow_factories,
+                           settings.reload_timeout_s)
     tokens = client_tokens.load(settings.client_tokens, service.current.served.meta.head)
     # /docs and /redoc with Swagger UI's and ReDoc's scripts served from the fastapi-offline package rather
     # than a CDN: a federation's server often runs without internet. Swagger UI's validator is off: served

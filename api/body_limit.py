@@ -13,6 +13,9 @@ from .errors import error_response
 CLOSE = {"Connection": "close"}
 # Seconds a client refused for the budget is told to wait: a body in flight takes about that long.
 RETRY_AFTER_S = 1
+# The methods whose requests may carry a body (this API's routes take one on POST only); the others' bodies
+# are refused before they are read, so that a GET cannot hold memory either.
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 class BodyLimit:
@@ -25,17 +28,19 @@ class BodyLimit:
     the idle time between requests).
 
     ``budget_bytes`` bounds the bodies of all requests in flight together, so that memory does not grow
-    with the number of clients: a request takes its declared Content-Length from the budget before a byte
-    is read (a chunked one, what arrives), keeps it until its answer is sent, and is answered 503 with
-    Retry-After, at once, when the budget cannot cover it.
+    with the number of clients: a request takes the bytes of its body from the budget as they arrive (not
+    its declared Content-Length, which costs a client nothing to declare), keeps them until its answer is
+    sent, and is answered 503 with Retry-After as soon as the budget cannot cover what arrived. A request
+    on a method that takes no body (GET, HEAD, ...) is refused if it has one. So one connection holds at most
+    ``max_bytes`` of body, and only what its client sent.
 
     ``proxied``: a proxy, not this server, holds the client's connection (a Ray Serve replica: HAProxy's).
     Closing a connection whose request body is still arriving resets it (Linux answers a close with unread
     data by an RST), and HAProxy, reset while it forwards the answer, may send the client the answer's
-    headers without its body. So there the 503 of a body with a Content-Length keeps the connection: the
-    server (uvicorn) reads the rest, at most ``max_bytes``, and throws it away as it comes. The other
-    refusals still close it, as nothing bounds what would follow (a chunked body, one over the limit) or
-    the client is too slow to wait for.
+    headers without its body. So there the 503 of a body with a Content-Length (and the refusal of a body on
+    a GET) keeps the connection: the server (uvicorn) reads the rest, at most ``max_bytes``, and throws it
+    away as it comes. The other refusals still close it, as nothing bounds what would follow (a chunked
+    body, one over the limit) or the client is too slow to wait for.
     """
 
     def __init__(self, app, max_bytes: int, timeout_s: float, budget_bytes: int, proxied: bool = False):
@@ -49,15 +54,17 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
+        # What follows a refusal is at most max_bytes when the length is declared: see ``proxied``.
+        keep = self.proxied and declared.isdigit() and int(declared) <= self.max_bytes
         if declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(f"{int(declared)} bytes", scope, receive, send)
+        if scope["method"] not in BODY_METHODS and (declared.strip(b"0") or b"transfer-encoding" in headers):
+            detail = f"body: a {scope['method']} request takes none; send it without one"
+            return await error_response(413, "body", detail, None if keep else CLOSE)(scope, receive, send)
         held = 0
         try:
-            if declared.isdigit():
-                if not self._take(int(declared)):  # what follows is at most max_bytes: see ``proxied``
-                    return await self._over_budget(int(declared), scope, receive, send, close=not self.proxied)
-                held = int(declared)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.timeout_s
             chunks, size = [], 0
@@ -72,10 +79,11 @@ class BodyLimit:
                 size += len(chunk)
                 if size > self.max_bytes:
                     return await self._too_large(f"more than {self.max_bytes} bytes", scope, receive, send)
-                if size > held:  # chunked, or more than declared (uvicorn refuses that as a bad request)
-                    if not self._take(size - held):
-                        return await self._over_budget(size, scope, receive, send)
-                    held = size
+                # What has arrived, not what is declared: a length declared by a client that sends nothing
+                # holds nothing (16 such connections denied every POST for 30 s: issue 49).
+                if not self._take(size - held):
+                    return await self._over_budget(size, declared, scope, receive, send, close=not keep)
+                held = size
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     break
@@ -100,9 +108,10 @@ class BodyLimit:
         detail = f"body: {size} bytes{of} arrived in {self.timeout_s:g} s, this server's limit for a body"
         await error_response(408, "body", detail, CLOSE)(scope, receive, send)
 
-    async def _over_budget(self, size: int, scope, receive, send, close: bool = True):
-        detail = (f"body: {size} bytes would take the request bodies held at once over this server's limit of "
-                  f"{self.budget_bytes} bytes ({self.held_bytes} held); retry in {RETRY_AFTER_S} s")
+    async def _over_budget(self, size: int, declared: bytes, scope, receive, send, close: bool):
+        of = f" of the {int(declared)} declared" if declared.isdigit() else ""
+        detail = (f"body: {size} bytes{of} would take the request bodies held at once over this server's "
+                  f"limit of {self.budget_bytes} bytes ({self.held_bytes} held); retry in {RETRY_AFTER_S} s")
         headers = {"Retry-After": str(RETRY_AFTER_S), **(CLOSE if close else {})}
         await error_response(503, "body", detail, headers)(scope, receive, send)
 

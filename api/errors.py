@@ -22,7 +22,8 @@ DESCRIPTIONS = {
     404: "unknown head_id or client_id",
     409: "the served model cannot do this (e.g. no hypernetwork), or a reload target is not servable",
     408: "the request body did not arrive in time",
-    413: "request body over the size limit, or more JSON values than a request can need",
+    413: "request body over the size limit, or more JSON values than a request can need, or a body on a "
+         "method that takes none",
     415: "not a JSON body (Content-Type), or a compressed one (Content-Encoding)",
     422: "invalid input; the message names the field",
     503: "the request bodies in flight are at this server's memory budget: retry after Retry-After seconds",
@@ -105,10 +106,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        found = [_validation_message(e) for e in exc.errors()]
-        detail = "; ".join(m for _, m in found[:MAX_LISTED])
-        if len(found) > MAX_LISTED:
-            detail += f" (and {len(found) - MAX_LISTED} more errors)"
+        errors = exc.errors()
+        found = [_validation_message(e) for e in errors[:MAX_LISTED]]
+        detail = "; ".join(m for _, m in found)
+        if len(errors) > MAX_LISTED:
+            detail += f" (and {len(errors) - MAX_LISTED} more errors)"
         return error_response(422, found[0][0] if found else None, detail)
 
     @app.exception_handler(StarletteHTTPException)

@@ -40,12 +40,24 @@ LOCAL_RAY_ENV = {**HIGH_THROUGHPUT_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_P
 
 def haproxy_env(connections: Connections) -> dict[str, str]:
     """HAProxy's settings for what uvicorn's protocol bounds (api/protocol.py), read by Ray's processes when
-    they start. HAProxy reads a request's headers before any replica sees them, and gives up on a client
-    idle for its client timeout (408): the header timeout, though per wait rather than for the whole headers
-    (HAProxy's buffer, tune.bufsize 16 KiB, bounds their size). Its maxconn holds further connections in the
-    kernel's queue instead of answering 503."""
-    return {"RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(math.ceil(connections.header_timeout_s)),
+    they start. HAProxy reads a request's headers before any replica sees them: its http-request timeout
+    bounds the time for all of them (408), its client timeout each wait, its buffer (tune.bufsize 16 KiB)
+    their size. Its maxconn holds further connections in the kernel's queue instead of answering 503.
+
+    Ray 2.60 has no setting for HAProxy's ``timeout http-request``, without which a client trickling a
+    header byte every few seconds holds its connection for hours (1,100 of them made /healthz time out:
+    issue 49). Its config template writes RAY_SERVE_HAPROXY_RETRY_ON's value, as is, on a line of the
+    ``defaults`` section, so the timeout goes on a line after Ray's default retry-on (conn-failure)."""
+    seconds = math.ceil(connections.header_timeout_s)
+    return {"RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(seconds),
+            "RAY_SERVE_HAPROXY_RETRY_ON": f"conn-failure\n    timeout http-request {seconds}s",
             "RAY_SERVE_HAPROXY_MAXCONN": str(connections.max_connections)}
+
+
+def http_options(host: str, port: int, connections: Connections) -> dict:
+    """``serve.start``'s HTTP options: HAProxy closes a connection idle between requests after the header
+    timeout too (HTTPOptions.keep_alive_timeout_s, Ray's default 90 s, is its http-keep-alive timeout)."""
+    return {"host": host, "port": port, "keep_alive_timeout_s": math.ceil(connections.header_timeout_s)}
 
 
 # A replica's own variables (its runtime_env; deploy/serve_config.yaml sets the same). The high-throughput
@@ -133,7 +145,7 @@ def run(settings: Settings, host: str, port: int, connections: Connections, expl
             names = ", ".join(explicit)
             raise ConfigError(f"{names}: no effect on the running Ray cluster: its HAProxy reads "
                               f"{', '.join(haproxy_env(connections))} when `ray start` starts it; set them there")
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options=http_options(host, port, connections))
         serve.run(app(settings.model_dump()), name=APP_NAME, route_prefix="/")
         print(f"fedrod-ray: serving {settings.model_dir} on Ray Serve at http://{host}:{port} "
               f"(Ctrl-C stops)", flush=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import threading
 from collections.abc import Collection, Sequence
@@ -196,29 +198,67 @@ def batched_probabilities(requests: Sequence[tuple[Loaded, torch.Tensor, torch.T
 
 
 class ModelService:
-    """Holds the current ``Loaded`` and swaps it on reload; a failed reload leaves it as it was."""
+    """Holds the current ``Loaded`` and swaps it on reload; a failed reload leaves it as it was.
 
-    def __init__(self, model_dir: str, head_cache_size: int, allowed_factories: Collection[str] = ()):
+    A reload loads on a thread of its own, not the request pool, one at a time, and is answered within
+    ``reload_timeout_s``: a final/ that hangs the loader (a remote store that stops answering, an allowed
+    factory that never returns) costs that one thread, never a worker that requests need. While a reload is
+    running, even one whose answer has timed out, another is refused rather than queued."""
+
+    def __init__(self, model_dir: str, head_cache_size: int, allowed_factories: Collection[str] = (),
+                 reload_timeout_s: float = 60.0):
         self.model_dir = model_dir
         self.head_cache_size = head_cache_size
         self.allowed_factories = allowed_factories
+        self.reload_timeout_s = reload_timeout_s
         self.current = load(model_dir, head_cache_size, allowed_factories)
-        self._reload_lock = threading.Lock()
+        self._reloading: asyncio.Future | None = None  # on the event loop only: no lock
+        self._reload_started = 0.0
 
-    def reload(self, model_dir: str | None) -> tuple[Loaded, Loaded]:
+    async def reload(self, model_dir: str | None) -> tuple[Loaded, Loaded]:
         """(previous, now); raises Conflict naming the problem if the final/ cannot be served."""
-        with self._reload_lock:
-            target = model_dir or self.model_dir
-            previous = self.current
-            try:
-                loaded = load(target, self.head_cache_size, self.allowed_factories)
-            except ExportError as e:
-                still = f"still serving version {previous.served.version_id}"
-                raise Conflict("model_dir", f"{e}; {still}") from None
-            except (ValueError, OSError) as e:  # e.g. a URI scheme pyarrow does not know
-                raise ApiError("model_dir", f"cannot open {target!r}: {e}") from None
-            # The same version keeps its cache of heads.
-            if loaded.served.version_id != previous.served.version_id:
-                self.current = loaded
-            self.model_dir = target
-            return previous, self.current
+        loop = asyncio.get_running_loop()
+        if self._reloading is not None and not self._reloading.done():
+            running = loop.time() - self._reload_started
+            raise Conflict("model_dir", f"a reload is running (for {running:.0f} s): retry once it has ended")
+        target = model_dir or self.model_dir
+        previous = self.current
+        still = f"still serving version {previous.served.version_id}"
+        self._reloading, self._reload_started = loop.create_future(), loop.time()
+        # A daemon thread: one that never returns must not hold up the process's exit either.
+        threading.Thread(target=_load_into, args=(loop, self._reloading, target, self.head_cache_size,
+                                                  self.allowed_factories),
+                         name="fedrod-reload", daemon=True).start()
+        try:
+            loaded = await asyncio.wait_for(asyncio.shield(self._reloading), self.reload_timeout_s)
+        except asyncio.TimeoutError:
+            raise Conflict("model_dir", f"loading {target!r} did not end within {self.reload_timeout_s:g} s; "
+                                        f"{still} (another reload is refused until it ends)") from None
+        except ExportError as e:
+            raise Conflict("model_dir", f"{e}; {still}") from None
+        except (ValueError, OSError) as e:  # e.g. a URI scheme pyarrow does not know
+            raise ApiError("model_dir", f"cannot open {target!r}: {e}") from None
+        # The same version keeps its cache of heads.
+        if loaded.served.version_id != previous.served.version_id:
+            self.current = loaded
+        self.model_dir = target
+        return previous, self.current
+
+
+def _load_into(loop: asyncio.AbstractEventLoop, future: asyncio.Future, *args) -> None:
+    """``load(*args)``, its result or exception set on ``future`` (of ``loop``)."""
+    try:
+        result, error = load(*args), None
+    except BaseException as e:  # noqa: BLE001 - load makes what it can an ExportError; the rest is passed on
+        result, error = None, e
+
+    def settle():
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    with contextlib.suppress(RuntimeError):  # the loop has closed (the server stopped): no one waits
+        loop.call_soon_threadsafe(settle)

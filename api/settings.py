@@ -35,6 +35,8 @@ class Settings(BaseModel):
                                                                   "all requests together (503 above)")
     body_timeout_s: float = Field(30.0, gt=0, le=3600, description="seconds a request body may take to "
                                                                   "arrive after its headers (408 after)")
+    reload_timeout_s: float = Field(60.0, gt=0, le=3600, description="seconds POST /v1/admin/reload waits "
+                                                                     "for a model to load (409 after)")
     head_cache_size: int = Field(1024, ge=1, description="zero-shot heads kept for GET /v1/heads/{head_id}")
     client_tokens: str | None = Field(None, min_length=1, description="JSON file mapping training client ids "
                                       "to the sha256 digests of their tokens: serves each client its own "

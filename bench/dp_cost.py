@@ -4,9 +4,9 @@ without them, as a ratio, and where the difference goes.
 The setting is the privacy-utility table's (configs/fmnist_dp.yaml, docs/privacy.md) at a size a laptop
 times: MNIST-shaped data over ``--clients`` clients, Dir(0.3), ``--fraction`` of them per round, 5 local
 epochs of batch 40, in this process. Both federations train the same clients each round (the fixed-size
-draw, ``privacy.sampling: fixed``, which draws what the non-private run does), and their rounds alternate,
-so that the machine's load falls on both alike. Timed per round, medians over ``--rounds`` rounds after
-one untimed warm-up round each:
+draw, ``privacy.sampling: fixed``, seeded by ``privacy.noise_seed``, which draws what the non-private run
+does), and their rounds alternate, so that the machine's load falls on both alike. Timed per round, medians
+over ``--rounds`` rounds after one untimed warm-up round each:
 
 - clip: ``privacy.clip_update`` on every client's upload (in its actor, on Ray), summed over the round;
 - noise: the server's noised mean (``privacy.noised_mean``: the noise draw and the division);
@@ -75,7 +75,7 @@ class Timers:
 
 def federation(data: dict, head: str, args, private: bool) -> Federation:
     privacy = ({"enabled": True, "noise_multiplier": args.noise_multiplier, "clip_norm": args.clip_norm,
-                "sampling": "fixed"} if private else {})
+                "sampling": "fixed", "noise_seed": args.seed} if private else {})
     rounds = args.rounds + 2  # never the last: no evaluation
     cfg = make_config({**data, "num_clients": args.clients, "alpha": 0.3}, seed=args.seed,
                       train={**HEADS[head], "rounds": rounds, "client_fraction": args.fraction},

@@ -10,6 +10,7 @@ finished, or as many and fewer rounds trained in all).
 
     python bench/fmnist_results.py /path/to/out                  # every job found in OUT
     python bench/fmnist_results.py --page-only                   # the page's tables from what is committed
+    python bench/fmnist_results.py --page-only --replot          # and the page's curves from rounds.csv
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import re
 import shutil
 from pathlib import Path
 
-from fedrod_ray_tune.report import COLUMNS, mean_std
+import yaml
+from fedrod_ray_tune.report import COLUMNS, mean_std, plot_curves
+from fedrod_ray_tune.report import CURVES as CURVE_KEYS
+from fedrod_ray_tune.repro_spec import ReproSpec
 from fedrod_ray_tune.reproduce import status
 from fedrod_ray_tune.tables import DP_EPSILONS
 
@@ -58,15 +62,18 @@ JOBS = {
 }
 
 # deploy/reproduce_fmnist.sh's rows run alone, a table each: a personalized-FL row (`<row>_a0.3`, `<row>_a0.1`;
-# its PFL_ROWS) and the privacy table's pair at one epsilon (`privacy_eps<e>`). The page shows such a job only
+# its PFL_ROWS), a new-clients row (`<method>_new_clients`) and the privacy table's pair at one epsilon
+# (`privacy_eps<e>`). The page shows such a job only
 # once published, and its rows in the table they belong to where they got further than the same rows there.
-ALONE = ("mtl", "lg_fedavg", "fedper", "perfedavg", "pfedme", "ditto", "fedfomo", "fedrep", "local", "fedbabu")
+ALONE = ("mtl", "lg_fedavg", "fedper", "perfedavg", "pfedme", "ditto", "fedfomo", "fedrep", "local", "fedbabu",
+         "pfedhn", "pefll")
 ALONE_JOBS = {f"{row}_a{alpha}": f"Main table, Dir({alpha}): one personalized-FL row alone"
               for alpha in ("0.3", "0.1") for row in ALONE}
 ALONE_JOBS |= {f"privacy_eps{eps}": "Client-level DP: the privacy table's two methods at one ε alone"
                for eps in ("inf", *DP_EPSILONS)}
 # The new-clients table's rows of the methods built for new clients (`<method>_new_clients`), a job each.
-NEW_CLIENT_JOBS = {"fedbabu_new_clients": "New clients: FedBABU alone"}
+NEW_CLIENT_JOBS = {"fedbabu_new_clients": "New clients: FedBABU alone",
+                   "pfedhn_new_clients": "New clients: pFedHN alone", "pefll_new_clients": "New clients: PeFLL alone"}
 ALONE_JOBS |= NEW_CLIENT_JOBS
 JOBS.update(ALONE_JOBS)
 
@@ -273,13 +280,32 @@ def write_page() -> None:
     PAGE.write_text(text[:start] + "\n" + page_block() + "\n" + text[end:])
 
 
+def replot(job: str) -> None:
+    """Redraw a committed job's curves.png from its rounds.csv (the evaluated rounds of every trial) as
+    ``fedrod-ray reproduce`` draws it."""
+    doc = yaml.safe_load((DEST / job / "reproduce.yaml").read_text())
+    spec = ReproSpec(base=doc["base"], search={}, table=doc["table"], rows=doc["rows"], seeds=doc["seeds"])
+    curves: dict[tuple[str, int], dict[str, list[float]]] = {}
+    with open(DEST / job / "rounds.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            if r["gfl_gm"]:
+                curve = curves.setdefault((r["row"], int(r["seed"])), {k: [] for k in ("round", *CURVE_KEYS)})
+                for k in curve:
+                    curve[k].append(float(r[k]) if r[k] else float("nan"))
+    plot_curves(spec, curves, DEST / job / "curves.png")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, nargs="?", help="deploy/reproduce_fmnist.sh's OUT")
     p.add_argument("--page-only", action="store_true", help="only rewrite docs/results.md's tables")
     p.add_argument("--force", action="store_true",
                    help="replace a committed job even where it got further than OUT's (more trials finished, or more rounds)")
+    p.add_argument("--replot", action="store_true", help="redraw the curves the page shows from their rounds.csv")
     args = p.parse_args()
+    if args.replot:
+        for job in CURVES:
+            replot(job)
     if not args.page_only:
         if args.out is None:
             p.error("OUT is needed unless --page-only")

@@ -179,6 +179,16 @@ def serve_options() -> tuple[dict, dict]:
     return {k: v for k, v in deployment.items() if k != "name"}, app.get("runtime_env", {})
 
 
+def fixed_options(replicas: int) -> dict:
+    """serve_options() for ``replicas`` replicas, without autoscaling, the runtime_env in the actor options."""
+    options, runtime_env = serve_options()
+    options = {k: v for k, v in options.items() if k != "autoscaling_config"}
+    actor = dict(options.get("ray_actor_options", {}))
+    if runtime_env:
+        actor["runtime_env"] = runtime_env
+    return {**options, "num_replicas": replicas, "ray_actor_options": actor}
+
+
 SERVE_PORT = free_port()
 # Ray Serve's two ingress paths, each on a Ray started for it (the controller, proxy and replicas read these
 # variables when they start): HAProxy straight to the replicas (Ray's high-throughput mode, what
@@ -357,12 +367,7 @@ def main() -> None:
             stack.callback(proc.wait, timeout=30)
             stack.callback(proc.terminate)
             uvicorn = {"uvicorn": (host, port, lambda: [proc.pid])}
-        options, runtime_env = serve_options()
-        options = {k: v for k, v in options.items() if k != "autoscaling_config"}
-        actor = dict(options.get("ray_actor_options", {}))
-        if runtime_env:
-            actor["runtime_env"] = runtime_env
-        options = {**options, "num_replicas": args.replicas, "ray_actor_options": actor}
+        options = fixed_options(args.replicas)
         modes = [m for m in SERVE_MODES if m in args.servers]
         if not modes and uvicorn:
             bench(uvicorn, args, rows, ratios)

@@ -20,7 +20,10 @@
 # (privacy_epsinf, privacy_eps8, privacy_eps4, privacy_eps1). The methods built for new clients, each row a
 # job of its own: FedBABU's sweep of its fine-tuning epochs (fedbabu_sweep: tune/pfl_fedbabu.yaml, seed 1),
 # then, with the value it chose in tune/tables.py, its main-table rows (fedbabu_a0.3, fedbabu_a0.1) and its
-# new-clients row (fedbabu_new_clients).
+# new-clients row (fedbabu_new_clients); pFedHN's and PeFLL's sweeps of their server learning rate and embedding
+# size (pfedhn_sweep, pefll_sweep: tune/pfl_pfedhn.yaml, tune/pfl_pefll.yaml, seed 1), then their main-table
+# rows (pfedhn_a0.3, pfedhn_a0.1, pefll_a0.3, pefll_a0.1) and new-clients rows (pfedhn_new_clients,
+# pefll_new_clients).
 set -uo pipefail
 out=${1:?usage: reproduce_fmnist.sh OUT [JOB ...]}
 shift
@@ -40,7 +43,8 @@ pfl_plain_rows=(--row Per-FedAvg --row pFedMe)
 seed_rows=(--row FedAvg --row FedDyn --row "Fed-RoD (hyper)" ${BEST_PFL:+--row "$BEST_PFL"})
 # The personalized-FL rows by their method's name (train.head; local: the local-only rule).
 declare -A PFL_ROWS=([mtl]=MTL [lg_fedavg]=LG-FedAvg [fedper]=FedPer [perfedavg]=Per-FedAvg [pfedme]=pFedMe
-                     [ditto]=Ditto [fedfomo]=FedFOMO [fedrep]=FedRep [local]=local-only [fedbabu]=FedBABU)
+                     [ditto]=Ditto [fedfomo]=FedFOMO [fedrep]=FedRep [local]=local-only [fedbabu]=FedBABU
+                     [pfedhn]=pFedHN [pefll]=PeFLL)
 # The paper's new-client split: 100 clients under Dir(0.3), 50 train, 50 held out, 20 per round.
 new_client_split=(--set data.alpha=0.3 --set data.num_clients=50 --set data.new_clients=50
                   --set train.client_fraction=0.4)
@@ -56,7 +60,8 @@ job_args() {
     meta_bsm_a0.1) args=(--table main --seeds 0, --row "Fed-RoD (Meta-BSM)") ;;
     # The paper's rows of the new-clients table; the methods built for new clients run theirs alone.
     new_clients) args=(--table new-clients --seeds 0, "${new_client_split[@]}" "${new_client_rows[@]}") ;;
-    fedbabu_new_clients) args=(--table new-clients --seeds 0, "${new_client_split[@]}" --row FedBABU) ;;
+    fedbabu_new_clients | pfedhn_new_clients | pefll_new_clients)
+      args=(--table new-clients --seeds 0, "${new_client_split[@]}" --row "${PFL_ROWS[${1%_new_clients}]}") ;;
     main_a0.1) args=(--table main --seeds 0, "${main_rows[@]}") ;;
     # The protocol audit: each switch whose two settings can change a result, at the other setting.
     init_a0.3) args=(--table main --seeds 0, --set data.alpha=0.3 --set model.init=pytorch "${two_rows[@]}") ;;
@@ -77,7 +82,7 @@ job_args() {
     seeds_a0.1) args=(--table main --seeds 1, "${seed_rows[@]}") ;;
     seed3_a0.1) args=(--table main --seeds 3, "${seed_rows[@]}") ;;
     sweep_lambda | sweep_perfedavg | sweep_pfedme) args=(--config "tune/pfl_${1#sweep_}.yaml") ;;
-    fedbabu_sweep) args=(--config "tune/pfl_${1%_sweep}.yaml") ;;
+    fedbabu_sweep | pfedhn_sweep | pefll_sweep) args=(--config "tune/pfl_${1%_sweep}.yaml") ;;
     privacy) args=(--table privacy --seeds 0,); job_base=configs/fmnist_dp.yaml ;;
     # The privacy table's two methods at one epsilon (privacy_epsinf: without DP), a table of their own.
     privacy_eps*)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import signal
 import sys
 import threading
@@ -15,7 +16,9 @@ from pathlib import Path
 
 from . import __version__
 from .config import ConfigError, check_resume, config_from_dict, config_schema, load_config
+from .config.overrides import defaults_taken
 from .config.sections import LOGGERS
+from .drivers.threads import passive_if_busy
 from .specs.datasets import DATASETS
 
 COMMANDS = "fedrod_ray.commands"  # entry-point group: callables that add a subcommand to the parser
@@ -28,8 +31,13 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--data-dir", help="dataset directory (default: $FEDROD_DATA_DIR, then the user cache dir)")
 
 
+def _plain_text(doc: str) -> str:
+    """A docstring as a terminal shows it: without reST's ``literal`` markup."""
+    return re.sub(r"``([^`]+)``", r"\1", doc)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedrod-ray", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fedrod-ray", description=_plain_text(__doc__))
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -113,20 +121,21 @@ def _stop_on_sigterm(storage):
 
 
 def cmd_train(args) -> int:
+    if args.resume and args.config:
+        raise ConfigError("--resume takes the config saved in the run directory; drop --config")
+    if not args.resume and not args.config:
+        raise ConfigError("train needs --config FILE (or --resume RUN_DIR)")
+    # The config first: its errors come before torch is imported.
+    cfg = None if args.resume else load_config(args.config, _overrides(args))
     from .federation_state.checkpoint import latest_checkpoint_name
     from .outputs.lock import exclusive_run_dir
     from .outputs.storage import RunStorage
 
-    if args.resume:
-        if args.config:
-            raise ConfigError("--resume takes the config saved in the run directory; drop --config")
-        storage, cfg = RunStorage(args.resume), None
+    if cfg is None:
+        storage = RunStorage(args.resume)
         if latest_checkpoint_name(storage) is None:
             raise ConfigError(f"--resume: no checkpoint found in {args.resume}/checkpoints")
     else:
-        if not args.config:
-            raise ConfigError("train needs --config FILE (or --resume RUN_DIR)")
-        cfg = load_config(args.config, _overrides(args))
         run_dir = args.run_dir or cfg.run_dir or f"runs/{cfg.name}"
         storage = RunStorage(run_dir)
     with exclusive_run_dir(storage):
@@ -155,6 +164,8 @@ def _train(args, storage, cfg) -> int:
     from .federation_state.setup import check_model_arch
 
     check_model_arch(cfg)
+    for line in defaults_taken(cfg, _overrides(args)):
+        print(line, flush=True)
     # config.yaml records where the data and the run really were, so a resume finds them again.
     cfg.run_dir = storage.uri
     if cfg.data.path is not None:
@@ -187,11 +198,11 @@ def _train(args, storage, cfg) -> int:
 
 
 def cmd_partition(args) -> int:
+    cfg = load_config(args.config, _overrides(args))
     from .data import load_dataset
     from .data.partition import format_partition
     from .federation_state.setup import partition_dataset
 
-    cfg = load_config(args.config, _overrides(args))
     print(format_partition(partition_dataset(cfg, load_dataset(cfg.data, seed=cfg.seed))))
     return 0
 
@@ -240,24 +251,33 @@ def cmd_schema(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .data import DatasetFormatError, DatasetNotFoundError
-    from .outputs.lock import DirectoryInUse
-    from .round_loop.federation import RoundFailedError
-
+    passive_if_busy()  # before anything imports torch
     args = build_parser().parse_args(argv)
     try:
         handler = getattr(args, "handler", None) or {"train": cmd_train, "partition": cmd_partition,
                                                        "list": cmd_list, "schema": cmd_schema}[args.command]
         return handler(args)
-    except (ConfigError, DatasetNotFoundError, DatasetFormatError) as e:
+    except ConfigError as e:
         print(f"fedrod-ray: error: {e}", file=sys.stderr)
         return 2
-    except RoundFailedError as e:
-        print(f"fedrod-ray: training stopped: {e}", file=sys.stderr)
-        return 1
-    except DirectoryInUse as e:
-        print(f"fedrod-ray: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:
+        # Imported only now, so that --help and config errors start without torch: an error of these
+        # classes comes from their modules, which are then loaded already.
+        from .clients.site_store import SiteStateError
+        from .data import DatasetFormatError, DatasetNotFoundError
+        from .outputs.lock import DirectoryInUse
+        from .round_loop.federation import RoundFailedError
+
+        if isinstance(e, (DatasetNotFoundError, DatasetFormatError, SiteStateError)):
+            print(f"fedrod-ray: error: {e}", file=sys.stderr)
+            return 2
+        if isinstance(e, RoundFailedError):
+            print(f"fedrod-ray: training stopped: {e}", file=sys.stderr)
+            return 1
+        if isinstance(e, DirectoryInUse):
+            print(f"fedrod-ray: {e}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

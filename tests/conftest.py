@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -12,6 +11,28 @@ from unittest import mock
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# --- a home of its own for the whole run -------------------------------------------------------------
+
+# Set before anything imports ray, matplotlib or mlflow, and inherited by every subprocess: whatever the
+# suite and the programs it starts (Ray, chromium, mkdocs, moto) write under ~ lands here, never in the user's
+# home, which other programs may change meanwhile. ``home_holds_nothing_of_the_users`` (at the end)
+# checks what the tests wrote here that they must not write into a user's home.
+TEST_HOME = Path(tempfile.mkdtemp(prefix="frt-home-"))
+os.environ.update(
+    HOME=str(TEST_HOME),
+    XDG_CONFIG_HOME=str(TEST_HOME / ".config"),
+    XDG_CACHE_HOME=str(TEST_HOME / ".cache"),
+    XDG_DATA_HOME=str(TEST_HOME / ".local" / "share"),
+    MPLCONFIGDIR=str(TEST_HOME / ".mplconfig"),  # matplotlib's font cache; not ~/.cache/matplotlib
+    MLFLOW_DISABLE_TELEMETRY="true",
+    DO_NOT_TRACK="true",
+)
+# What the library must never leave in a user's home: a Ray token (which switches token auth on for the
+# user's own Ray), datasets downloaded into the user's cache (the tests' data is on disk or served locally),
+# matplotlib's caches where MPLCONFIGDIR is not set.
+NOT_IN_HOME = (".ray", ".cache/fedrod-ray", ".cache/matplotlib", ".config/matplotlib")
+
 SHARED_DATA = Path(os.environ.get("FEDROD_TEST_DATA", REPO.parent / "shared" / "data"))
 MNIST_FILES = (
     "train-images-idx3-ubyte.gz",
@@ -69,53 +90,17 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # before anything imports
 # cluster writes ~/.ray/auth_token, which then switches token auth on for the user's own
 # `ray start --head` and breaks their `ray job submit` (deploy/README.md). Subprocesses inherit this.
 os.environ["RAY_AUTH_MODE"] = "disabled"
-# Matplotlib's font cache would otherwise land in ~/.cache/matplotlib.
-os.environ["MPLCONFIGDIR"] = tempfile.mkdtemp(prefix="frt-mpl-")
-
-# What the suite must leave exactly as it found it in the user's home: everything under these (files,
-# folders, symlinks), and which entries the top levels of ~, ~/.cache and ~/.config hold.
-HOME_PATHS = (".ray", ".cache/fedrod-ray", ".cache/matplotlib", ".config/matplotlib")
-HOME_LEVELS = ("", ".cache", ".config")
-
-
-def _entry(p: Path, content: bool) -> tuple:
-    """A symlink by its target, a folder as such, a file by size, mtime and (``content``) sha256."""
-    if p.is_symlink():
-        return ("link", os.readlink(p))
-    if p.is_dir():
-        return ("dir",)
-    st = p.stat()
-    return ("file", st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest() if content else "")
-
-
-def _home_state() -> dict[str, tuple]:
-    state = {}
-    home = Path.home()
-    for rel in HOME_PATHS:
-        root = home / rel
-        if root.is_symlink() or root.exists():
-            state[str(root)] = _entry(root, True)
-        if root.is_dir() and not root.is_symlink():
-            for p in sorted(root.rglob("*")):
-                state[str(p)] = _entry(p, True)
-    for rel in HOME_LEVELS:
-        level = home / rel
-        for p in sorted(level.iterdir()) if level.is_dir() else []:
-            # The top levels' other entries belong to other programs: only that they exist, and their kind.
-            state.setdefault(str(p), _entry(p, False)[:1] if not p.is_symlink() else _entry(p, False))
-    return state
 
 
 @pytest.fixture(scope="session", autouse=True)
-def user_home_is_left_untouched():
-    """Fails the session (an error in its last test's teardown) if a test wrote under the user's
-    ~/.ray, ~/.cache/fedrod-ray or matplotlib's dirs."""
-    before = _home_state()
+def home_holds_nothing_of_the_users():
+    """Fails the session (an error in its last test's teardown) if a test wrote into its home what the
+    library must not write into a user's: ``NOT_IN_HOME``. The home is removed afterwards."""
     yield
-    after = _home_state()
-    shutil.rmtree(os.environ["MPLCONFIGDIR"], ignore_errors=True)
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    assert not changed, f"the test suite changed files in the user's home: {changed}"
+    written = sorted(str(p.relative_to(TEST_HOME)) for rel in NOT_IN_HOME
+                     for p in [TEST_HOME / rel] if p.exists() or p.is_symlink())
+    shutil.rmtree(TEST_HOME, ignore_errors=True)
+    assert not written, f"the test suite wrote into the home directory what it must not: {written}"
 
 
 @pytest.fixture(scope="session")

@@ -133,7 +133,7 @@ def test_health_and_model(hyper, linear, runs, tmp_path):
 def test_openapi_lists_every_endpoint_with_examples(hyper):
     schema = hyper.get("/openapi.json").json()
     assert {(m, p) for p, ops in schema["paths"].items() for m in ops} == {
-        ("get", "/healthz"), ("get", "/readyz"), ("get", "/v1/model"), ("post", "/v1/heads"),
+        ("get", "/healthz"), ("head", "/healthz"), ("get", "/readyz"), ("head", "/readyz"), ("get", "/v1/model"), ("post", "/v1/heads"),
         ("get", "/v1/heads/{head_id}"), ("post", "/v1/predict"), ("post", "/v1/admin/reload")}
     parts = schema["components"]["schemas"]
     # Every request and response body of every operation has examples, and they are valid.
@@ -508,12 +508,13 @@ BAD_PREDICTS = [
     ({"images_png": [_truncated_png()]}, "images_png[0]", "is truncated"),
     ({"images": [IMG], "top_k": 0}, "top_k", "greater than or equal to 1"),
     ({"images": [IMG], "top_k": 11}, "top_k", "only 10 classes"),
-    # Strict numbers, as the schema's "integer" says: no strings, booleans or floats.
+    # Strict numbers, as the schema's "integer" says: no strings, booleans or fractions (2.0 is 2:
+    # test_integral_floats_are_the_integers_the_schema_allows).
     ({"images": [IMG], "top_k": "3"}, "top_k", "valid integer"),
     ({"images": [IMG], "top_k": True}, "top_k", "valid integer"),
-    ({"images": [IMG], "top_k": 2.0}, "top_k", "valid integer"),
-    ({"images": [IMG], "client_id": 1.0}, "client_id", "valid integer"),
-    ({"images": [IMG], "class_counts": [2.0] * 10}, "class_counts[0]", "valid integer"),
+    ({"images": [IMG], "top_k": 2.5}, "top_k", "valid integer"),
+    ({"images": [IMG], "client_id": 1.5}, "client_id", "valid integer"),
+    ({"images": [IMG], "class_counts": [2.5] * 10}, "class_counts[0]", "valid integer"),
     ({"images": [IMG], "head_id": "xyz"}, "head_id", "pattern"),
     ({"images": [IMG], "client_id": -1}, "client_id", "greater than or equal to 0"),
     ({"images": [IMG], "class_counts": [1] * 10, "head_id": "0" * 32}, "head_id", "at most one"),
@@ -529,6 +530,19 @@ def test_bad_predict_requests(hyper, body, field, words):
     assert r.json()["field"] == field and r.json()["detail"].startswith(field), r.json()
     assert words in r.json()["detail"], r.json()
     assert len(_served(hyper).heads) == 0  # even a valid class_counts next to bad images made no head
+
+
+def test_integral_floats_are_the_integers_the_schema_allows(hyper):
+    """JSON Schema's "integer" (the OpenAPI document's) holds 9.0 and 473475.0: the server takes them as
+    the integers they are, with the same answers (issue 49: it answered 422)."""
+    counts = [473475, 0, 3, 0, 0, 45, 0, 310, 0, 2]
+    as_int = hyper.post("/v1/predict", json={"images": [IMG], "class_counts": counts, "top_k": 9})
+    as_float = hyper.post("/v1/predict", content=json.dumps(
+        {"images": [IMG], "class_counts": [float(c) for c in counts], "top_k": 9.0}),
+        headers={"content-type": "application/json"})
+    assert as_float.status_code == 200, as_float.text
+    assert as_float.json() == as_int.json()
+    assert len(as_float.json()["generic"]["top_k"][0]) == 9
 
 
 def test_unknown_head_id(hyper):

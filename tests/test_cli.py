@@ -215,6 +215,49 @@ def test_config_yaml_records_the_data_directory_used(tmp_path, shared_data_dir, 
     assert "done: 2 rounds" in out
 
 
+def test_train_says_what_auto_and_null_chose(tmp_path):
+    """The console names what the config left to the run: the torch threads (runtime.torch_threads: auto),
+    the network (model.arch: auto) and what each --set key=null left (data.alpha's default, 0.1)."""
+    rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(tmp_path / "r"), "--set", "train.rounds=1",
+                             "--set", "data.alpha=null"])
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert "--set data.alpha=null: data.alpha takes its default, 0.1" in lines
+    assert "model.arch: auto -> mnist_cnn (for 1 x 28 x 28 images)" in lines
+    (threads,) = [ln for ln in lines if ln.startswith("torch threads: ")]
+    # torch was loaded before main() here: no wait policy to set, so a busy machine gets the free cores.
+    assert re.fullmatch(rf"torch threads: {torch.get_num_threads()} \(auto: \d+ cores, load average [\d.]+: "
+                        r"(a thread per core|the cores it leaves free)\)", threads)
+
+
+def test_auto_threads_take_the_cores_the_load_leaves_free():
+    from fedrod_ray.drivers.threads import choose_threads, free_cores
+
+    assert [free_cores(2, load) for load in (0.0, 0.3, 0.6, 1.7, 7.0)] == [2, 2, 1, 1, 1]
+    assert [free_cores(16, load) for load in (0.2, 3.2, 15.9, 40.0)] == [16, 13, 1, 1]
+    assert choose_threads(3) == (3, "runtime.torch_threads")
+    assert choose_threads(0) == (None, "runtime.torch_threads: 0, torch's default")
+
+
+@pytest.mark.parametrize(("load", "preset", "policy", "threads", "why"), [
+    (0.1, None, None, "cores", "a thread per core"),
+    (50.0, None, "PASSIVE", "cores", "a thread per core, sleeping when it waits (OMP_WAIT_POLICY=PASSIVE)"),
+    (50.0, "ACTIVE", "ACTIVE", 1, "the cores it leaves free"),  # the user's policy stays
+])
+def test_auto_threads_sleep_when_waiting_on_a_busy_machine(load, preset, policy, threads, why):
+    """What the command line does first: on a busy machine (a faked load average), OpenMP's passive wait
+    policy before torch loads, and then a thread per core; idle, torch's default. In a fresh interpreter."""
+    code = (f"import os, sys\nos.getloadavg = lambda: ({load}, 0.0, 0.0)\n"
+            "from fedrod_ray.drivers import threads\nthreads.passive_if_busy()\nimport torch\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), threads.usable_cores(), *threads.choose_threads(None), sep='|')")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": preset} if preset else {})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         timeout=120).stdout.strip()
+    got_policy, cores, got_threads, got_why = out.split("|")
+    assert got_policy == str(policy) and got_threads == (cores if threads == "cores" else str(threads))
+    assert got_why == f"auto: {cores} cores, load average {load:.2f}: {why}"
+
+
 def test_checkpoint_every_and_eval_every(tmp_path):
     """checkpoint_every=2, eval_every=2 over 5 rounds: evaluations after rounds 2, 4 and the last;
     checkpoints after 2, 4 and 5, of which the newest two are kept."""
@@ -281,7 +324,7 @@ def test_train_shows_progress_inside_rounds(tmp_path):
     rc, out, err = run_main(["train", "--config", CONFIG, "--run-dir", str(tmp_path / "P"), "--set", "train.rounds=1",
                              "--set", "runtime.progress_seconds=0", "--set", "runtime.torch_threads=1"])
     assert rc == 0, err
-    lines = out.splitlines()
+    lines = [ln for ln in out.splitlines() if ln.startswith("[round")]
     assert [ln.split(" done")[0] for ln in lines[:4]] == [f"[round   1/1] clients {k}/4" for k in range(1, 5)]
     assert lines[4].startswith("[round   1/1]") and "G-FL" in lines[4]
 
@@ -299,11 +342,44 @@ def test_version_and_list():
         "pfedme (train.head_params: lam=15.0, personal_lr=0.01, inner_steps=5), "
         "perfedavg (train.head_params: beta=0.001), "
         "fedfomo (train.head_params: models=4, epsilon=0.3, epsilon_decay=0.05, val_fraction=0.2), "
-        "mtl (train.head_params: lam=0.1), fedbabu (train.head_params: finetune_epochs=5)")
+        "mtl (train.head_params: lam=0.1), fedbabu (train.head_params: finetune_epochs=5), "
+        "pfedhn (train.head_params: embed_dim=None, hidden=100, server_lr=0.001), "
+        "pefll (train.head_params: embed_dim=None, hidden=100, server_lr=0.0002, reg_hyper=0.001, "
+        "reg_embed=0.001, reg_model=0.0)")
     assert lines["generic rules (train.generic_rule)"] == (
         "fedavg, feddyn (train.rule_params: alpha=0.01), fedprox (train.rule_params: mu=0.01), local, scaffold")
     assert lines["balanced losses (train.balanced_loss)"] == (
         "bsm (train.gamma), cdt (train.gamma), ce, ldam (train.gamma), reweight, meta_bsm (train.gamma, train.meta_bsm)")
+
+
+def test_help_shows_no_rest_markup():
+    """The docstring that becomes ``--help``'s description is written in reST; a terminal shows it plain."""
+    from fedrod_ray.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, text in [("fedrod-ray", parser.format_help())] + [
+            (name, command.format_help()) for name, command in sub.choices.items()]:
+        assert "``" not in text, (name, text)
+    assert "fedrod-ray: train a federation" in " ".join(parser.format_help().split())
+
+
+HEAVY_MODULES = ("torch", "ray", "fastapi", "uvicorn", "matplotlib", "mlflow", "tensorboard", "pyarrow")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["tune", "--help"],
+                                  ["train", "--config", CONFIG, "--set", "train.lr=-1"],
+                                  ["partition", "--config", CONFIG, "--set", "rounds=3"]])
+def test_help_and_config_errors_import_nothing_heavy(argv):
+    """``--help`` and a config error answer without loading torch, Ray or the servers (seconds on a busy
+    machine): the CLI imports them only once a command needs them. Checked in a fresh interpreter."""
+    code = ("import sys\nfrom fedrod_ray.cli import main\ntry:\n    rc = main(sys.argv[1:])\n"
+            "except SystemExit as e:\n    rc = e.code\n"
+            f"print('rc', rc, sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)
+    rc = 0 if "--help" in argv else 2
+    assert proc.stdout.splitlines()[-1] == f"rc {rc} []", proc.stdout + proc.stderr
 
 
 def test_schema_prints_the_committed_json_schema_that_the_shipped_configs_name():
@@ -341,13 +417,21 @@ def sigint_ignored(ignored: bool):
             signal.signal(signal.SIGINT, previous)
 
 
-def first_line(proc: subprocess.Popen, timeout: float) -> str:
-    """The child's first line of stdout, or a failure after ``timeout`` seconds (never a hang)."""
+def first_round_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The child's first round line on stdout (after the lines saying what the run chose), or a failure after
+    ``timeout`` seconds (never a hang)."""
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+
+    def read() -> None:
+        for line in proc.stdout:
+            if line.startswith("[round"):
+                lines.append(line)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     reader.join(timeout)
-    assert lines, f"no line on stdout within {timeout} s"
+    assert lines, f"no round line on stdout within {timeout} s"
     return lines[0]
 
 
@@ -366,7 +450,7 @@ def test_a_stop_signal_stops_with_one_line_naming_resume(tmp_path, sig, parent_i
     with sigint_ignored(parent_ignores_sigint):
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        first = first_line(proc, timeout=120)
+        first = first_round_line(proc, timeout=120)
         assert first.startswith("[round   1/500]"), first
         deadline = time.monotonic() + 60
         while not (run_dir / "checkpoints" / "latest").is_file() and time.monotonic() < deadline:

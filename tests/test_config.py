@@ -222,6 +222,30 @@ def test_a_null_override_restores_the_default():
         config_from_dict(base, ["train.meta_bsm.lr=null"])
 
 
+def test_each_null_override_says_what_the_key_became():
+    """The console names what ``--set key=null`` left: data.alpha=null is not "no alpha" but its default."""
+    from fedrod_ray.config.overrides import defaults_taken
+
+    overrides = ["data.alpha=null", "train.lr=0.5", "model.hyper_hidden=", "privacy=null",
+                 "runtime.client_resources.num_gpus=null"]
+    cfg = config_from_dict({"data": {"alpha": 0.3}, "model": {"hyper_hidden": 8}}, overrides)
+    assert defaults_taken(cfg, overrides) == [
+        "--set data.alpha=null: data.alpha takes its default, 0.1",
+        "--set model.hyper_hidden=null: model.hyper_hidden takes its default, null",
+        "--set privacy=null: privacy has its defaults",
+        "--set runtime.client_resources.num_gpus=null: runtime.client_resources.num_gpus is taken out",
+    ]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("rounds=3", r"^rounds: expected a mapping, got 3 \(rounds is a section; did you mean train\.rounds\?\)$"),
+    ("eval=2", r"^eval: expected a mapping, got 2$"),  # no setting is called eval: no guess
+])
+def test_a_value_given_to_a_section_points_to_the_setting_of_that_name(override, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({}, [override])
+
+
 def test_a_base_configs_setting_without_effect_is_taken_out_from_the_command_line():
     """The issue's case: quickstart.yaml sets data.alpha, which a natural partition does not use."""
     quickstart = Path(CONFIGS[0]).parent / "quickstart.yaml"

@@ -10,6 +10,8 @@ import os
 import pickle
 import socket
 import struct
+import subprocess
+import sys
 import tarfile
 import threading
 import warnings
@@ -320,6 +322,19 @@ def test_resolve_data_dir_order(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert resolve_data_dir(None) == tmp_path / "home" / ".cache" / "fedrod-ray" / "data"
+
+
+def test_the_suite_and_its_subprocesses_have_a_home_of_their_own():
+    """tests/conftest.py points HOME and the XDG dirs at a temporary home before anything runs: a download
+    into the default cache, Ray's ~/.ray and matplotlib's caches land there, in the subprocesses too."""
+    from conftest import TEST_HOME
+
+    code = "from fedrod_ray.data import resolve_data_dir; import pathlib; print(pathlib.Path.home(), resolve_data_dir(None))"
+    env = {k: v for k, v in os.environ.items() if k != "FEDROD_DATA_DIR"}
+    home, cache = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                 check=True, timeout=120).stdout.split()
+    assert Path(home) == TEST_HOME == Path.home() and Path(cache) == TEST_HOME / ".cache" / "fedrod-ray" / "data"
+    assert os.environ["MPLCONFIGDIR"].startswith(str(TEST_HOME))
 
 
 def test_load_uses_env_data_dir(tmp_path, monkeypatch):

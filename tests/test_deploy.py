@@ -345,8 +345,10 @@ FMNIST_JOBS = ("main_a0.3", "new_clients", "main_a0.1", "init_a0.3", "seeds_a0.3
                "meta_bsm_a0.3", "meta_bsm_a0.1", "pfl_a0.3", "pfl_a0.1", "pfl_tuned_a0.3", "pfl_tuned_a0.1",
                "pfl_plain_a0.3", "pfl_plain_a0.1", "seeds_a0.1", "seed3_a0.1", "ditto_a0.3", "local_a0.1", "privacy",
                "privacy_epsinf", "sweep_lambda", "fedbabu_sweep", "fedbabu_a0.3", "fedbabu_a0.1",
-               "fedbabu_new_clients")
-SWEEPS = {"sweep_lambda": "tune/pfl_lambda.yaml", "fedbabu_sweep": "tune/pfl_fedbabu.yaml"}
+               "fedbabu_new_clients", "pfedhn_sweep", "pefll_sweep", "pfedhn_a0.3", "pfedhn_a0.1", "pefll_a0.3",
+               "pefll_a0.1", "pfedhn_new_clients", "pefll_new_clients")
+SWEEPS = {"sweep_lambda": "tune/pfl_lambda.yaml", "fedbabu_sweep": "tune/pfl_fedbabu.yaml",
+          "pfedhn_sweep": "tune/pfl_pfedhn.yaml", "pefll_sweep": "tune/pfl_pefll.yaml"}
 
 
 def test_the_fmnist_queue_runs_valid_reproductions_and_logs_their_exit_status(tmp_path, shared_data_dir):
@@ -394,6 +396,14 @@ def test_the_fmnist_queue_runs_valid_reproductions_and_logs_their_exit_status(tm
     for alpha in ("0.3", "0.1"):
         cfg = specs[f"fedbabu_a{alpha}"].row_config("FedBABU", 0)
         assert (cfg.train.head, cfg.data.alpha, cfg.seed) == ("fedbabu", float(alpha), 0)
+    # pFedHN's and PeFLL's likewise.
+    for job, row, head in (("pfedhn", "pFedHN", "pfedhn"), ("pefll", "PeFLL", "pefll")):
+        assert list(specs[f"{job}_new_clients"].rows) == [row]
+        assert specs[f"{job}_new_clients"].fixed == specs["new_clients"].fixed
+        assert specs[f"{job}_new_clients"].row_config(row, 0).eval.finetune_epochs > 0
+        for alpha in ("0.3", "0.1"):
+            cfg = specs[f"{job}_a{alpha}"].row_config(row, 0)
+            assert (cfg.train.head, cfg.data.alpha, cfg.seed) == (head, float(alpha), 0)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -61,14 +61,61 @@ def test_the_readmes_cluster_job_is_the_one_the_docs_page_runs():
 
 
 def test_the_readmes_results_are_those_of_the_results_page():
-    results = (REPO / "docs" / "results.md").read_text()
+    """The README's summary of the results is the results page's first section, and its figures are those
+    of the tables the publisher wrote further down the page."""
+    page = (REPO / "docs" / "results.md").read_text()
     section = README[README.index("\n## Results\n"):README.index("\n## Documentation\n")]
+    summary = section[len("\n## Results\n"):section.index("Against the paper's personalized-FL baselines")].strip()
+    first = page[page.index("\n## The main result\n") + len("\n## The main result\n"):page.index("\nThe rest of this page")]
+    assert page.index("\n## The main result\n") < page.index("\n### How these were run\n")
+    assert first.strip() == summary.replace("](docs/", "](")
+    results = page[page.index("\n## Fashion-MNIST: the paper's protocol\n"):]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| method")]
     assert len(rows) >= 7, rows
     for row in rows:
         method, *values = [cell.strip(" ‡§") for cell in row.strip("|").split("|")]
         label = rf"\| {re.escape(method)}[ §‡]*(?=\|)"
         assert values and all(re.search(rf"{label}[^\n]*\| {re.escape(v)} ", results) for v in values), row
+
+
+def test_the_home_page_opens_with_the_commands_to_set_up_run_and_test():
+    home = (REPO / "docs" / "index.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", home, re.DOTALL)
+    setup = re.search(r"```bash\n(pip install .*)\n```", README).group(1)
+    assert block.start() < home.index("| you want to |")
+    assert block.group(1).splitlines() == [setup, "python -m pytest -q"]
+
+
+def _shape(line: str) -> str:
+    """A console line with its figures replaced by N: which fields it has, in which order."""
+    return re.sub(r"\d+(?:\.\d+)?(?:e-?\d+)?", "N", " ".join(line.split()))
+
+
+def test_the_sample_round_line_has_the_fields_the_quickstart_prints(tmp_path):
+    """The README's and Getting started's sample of the quickstart's round line has exactly the fields the
+    console prints for that config, in its order (its figures are an example): the quickstart itself runs,
+    on a few generated images instead of MNIST."""
+    import contextlib
+    import io
+
+    import torch
+
+    from fedrod_ray.cli import main
+
+    out, threads = io.StringIO(), torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(out):
+            rc = main(["train", "--config", str(REPO / "configs" / "quickstart.yaml"), "--run-dir", str(tmp_path / "r"),
+                       "--set", "data.dataset=synthetic", "--set", "data.synthetic_train_per_class=30",
+                       "--set", "data.synthetic_test_per_class=10", "--set", "train.rounds=1",
+                       "--set", "runtime.torch_threads=1", "--set", "runtime.progress_seconds=3600"])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    (printed,) = [line for line in out.getvalue().splitlines() if line.startswith("[round")]
+    for page in (README, (REPO / "docs" / "getting-started.md").read_text()):
+        (sample,) = re.findall(r"^\[round .*$", page, re.MULTILINE)
+        assert _shape(sample) == _shape(printed), (sample, printed)
 
 
 def _hook():

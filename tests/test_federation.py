@@ -384,7 +384,7 @@ def _same_clients(a, b) -> None:
     ("train.head=mtl", "train.balanced_loss=ce"),
     ("train.head=perfedavg", "train.balanced_loss=ce", "train.momentum=0", "train.weight_decay=0"),
     ("rounds.mode=fedbuff", "rounds.buffer_size=2", "rounds.concurrency=4"),
-    ("privacy.enabled=true", "privacy.noise_multiplier=0.5", "train.head=hyper"),
+    ("privacy.enabled=true", "privacy.noise_multiplier=0.5", "train.head=hyper", "privacy.noise_seed=1"),
 ], ids=["feddyn-linear-keep", "scaffold-hyper", "fedfomo", "mtl", "perfedavg", "fedbuff", "dp"])
 @pytest.mark.parametrize("cache", [0, 1])
 def test_a_tiny_client_cache_trains_and_evaluates_bitwise_as_all_in_memory(overrides, cache):

@@ -24,7 +24,7 @@ from fedrod_ray.federation_state.final import write_final
 from fedrod_ray.models import build_model
 from fedrod_ray.models.export import _version_id, load_final
 from fedrod_ray.outputs.storage import RunStorage
-from fedrod_ray.personalization import METHODS, build_method, generic_weights, mean_state
+from fedrod_ray.personalization import METHODS, ServerContext, build_method, generic_weights, mean_state
 from fedrod_ray.personalization.fedfomo import (
     AFFINITY,
     choose,
@@ -166,13 +166,13 @@ def result_with(upload):
 
 def test_fedfomo_server_adds_the_uploaded_weights_to_the_affinities_and_averages_every_model():
     method = build_method("fedfomo")
-    state = method.init_server_state(3)
+    state = method.init_server_state(ServerContext(3, {}, 0, (1, 28, 28), 10))
     state[AFFINITY][0, 1] = 0.5
     uploads = {0: {"w": torch.tensor([2.0])}, 1: None, 2: {"w": torch.tensor([4.0])}}
     results = {0: result_with({"ids": torch.tensor([1, 2]), "u": torch.tensor([0.25, -1.0], dtype=torch.float64)}),
                2: result_with({})}
     weights, new = method.server_update({"w": torch.tensor([9.0])}, results, uploads, state, {"w": torch.tensor([0.0])},
-                                        3)
+                                        3, None)
     assert new[AFFINITY][0].tolist() == [0.0, 0.75, -1.0] and not new[AFFINITY][1:].any()
     assert state[AFFINITY][0, 1] == 0.5  # the previous state is not written into
     # The plain mean of every client's model, a client that never trained with the initial weights.
@@ -181,19 +181,19 @@ def test_fedfomo_server_adds_the_uploaded_weights_to_the_affinities_and_averages
 
 def test_fedfomo_messages_carry_the_chosen_models_of_clients_the_server_has():
     method = build_method("fedfomo", {"models": 2, "epsilon": 0.0})
-    state = method.init_server_state(4)
+    state = method.init_server_state(ServerContext(4, {}, 0, (1, 28, 28), 10))
     state[AFFINITY][0] = torch.tensor([0.0, 0.1, 0.3, 0.2], dtype=torch.float64)
     uploads = {0: {"w": torch.tensor([0.0])}, 1: {"w": torch.tensor([1.0])}, 2: None, 3: {"w": torch.tensor([3.0])}}
-    msgs = method.messages(state, [0, 2], uploads, 0, 0)
+    msgs = method.messages(state, [0, 2], uploads, 0, 0, None)
     assert msgs[0]["ids"].tolist() == [3, 1] and msgs[0]["3/w"].item() == 3.0 and msgs[0]["1/w"].item() == 1.0
     assert sorted(msgs[2]["ids"].tolist()) == [0, 1]  # client 2 has none of its own, and never gets itself
-    assert method.messages(state, [0], {c: None for c in range(4)}, 0, 0)[0]["ids"].numel() == 0
+    assert method.messages(state, [0], {c: None for c in range(4)}, 0, 0, None)[0]["ids"].numel() == 0
 
 
 def test_mtl_server_step_is_the_plain_mean_of_all_clients_models():
     method = build_method("mtl")
     uploads = {0: {"w": torch.tensor([1.0])}, 1: {"w": torch.tensor([5.0])}, 2: None}
-    weights, _ = method.server_update({"w": torch.tensor([9.0])}, {}, uploads, {}, {"w": torch.tensor([0.0])}, 3)
+    weights, _ = method.server_update({"w": torch.tensor([9.0])}, {}, uploads, {}, {"w": torch.tensor([0.0])}, 3, None)
     assert torch.equal(weights["w"], torch.tensor([2.0]))
 
 
@@ -202,7 +202,7 @@ def test_fedbabu_server_step_averages_the_body_and_keeps_the_head_at_its_initial
     method = build_method("fedbabu")
     averaged = {"body.0.weight": torch.tensor([2.0, 3.0]), "generic_head.weight": torch.tensor([[5.0]])}
     initial = {"body.0.weight": torch.tensor([0.0, 0.0]), "generic_head.weight": torch.tensor([[1.0]])}
-    new, state = method.server_update(averaged, {}, {}, {}, initial, 2)
+    new, state = method.server_update(averaged, {}, {}, {}, initial, 2, None)
     assert state == {}
     assert torch.equal(new["body.0.weight"], torch.tensor([2.0, 3.0]))
     assert torch.equal(new["generic_head.weight"], torch.tensor([[1.0]]))
@@ -294,7 +294,7 @@ def test_the_methods_params_are_recorded_with_their_defaults():
                                 "train.head_params={lam: 20}"])
     assert cfg.train.head_params == {"lam": 20.0, "personal_lr": 0.01, "inner_steps": 5}
     assert isinstance(cfg, ExperimentConfig) and sorted(METHODS) == sorted(
-        ("none", "linear", "hyper", *BASELINES))
+        ("none", "linear", "hyper", *BASELINES, "pfedhn", "pefll"))
 
 
 # --- end to end, in process ----------------------------------------------------------------------------------
@@ -371,7 +371,7 @@ def test_perfedavg_pm_is_the_global_model_after_one_step_on_the_clients_data():
     assert all(r["pfl_pm"] != r["pfl_gm"] for r in records)
     host = fed.executor.host
     cid = 0
-    state = fed.evaluation._pm_state(fed.clients, cid, fed.global_shared, 3)
+    state = fed.evaluation._pm_state(fed.clients, cid, fed.global_shared, 3, fed.method_state)
     assert state.local_model is fed.global_shared and state.rounds_trained == 3
     host.method.load_pm(host.model, state, lambda: host.data(cid), host.context_of(cid, 2))
     moved = [k for k, v in host.model.state_dict().items() if not torch.equal(v, fed.global_shared[k])]

@@ -18,6 +18,7 @@ from test_personalization import overrides
 from fedrod_ray.client_update.local import ClientData, RoundInput, round_lr
 from fedrod_ray.clients.client import ClientState
 from fedrod_ray.data.transforms import normalize
+from fedrod_ray.personalization import ServerContext
 from fedrod_ray.personalization.ditto import PERSONAL_TAG
 from fedrod_ray.personalization.fedbabu import head_keys
 from fedrod_ray.personalization.fedfomo import AFFINITY, CHOICE_TAG, IDS, choose, train_val_split
@@ -248,12 +249,12 @@ def test_fedfomo_weighs_the_received_models_on_its_validation_split_then_trains_
 def test_fedfomo_epsilon_decays_by_its_step_each_round_to_zero():
     """Round r's picks are epsilon-greedy with epsilon = max(0, 0.3 - 0.05 r), each client's draws its own."""
     method = host_of("fedfomo").method
-    state = method.init_server_state(12)
+    state = method.init_server_state(ServerContext(12, {}, 0, (1, 28, 28), 10))
     state[AFFINITY] = torch.arange(144, dtype=torch.float64).reshape(12, 12).remainder(7)
     uploads = {c: {"w": torch.tensor([float(c)])} for c in range(12)}
     told = []
     for r in range(9):
-        msgs = method.messages(state, list(range(12)), uploads, r, 5)
+        msgs = method.messages(state, list(range(12)), uploads, r, 5, None)
         for cid, msg in msgs.items():
             have = [c for c in range(12) if c != cid]
             draws = np.random.default_rng([5, r, cid, CHOICE_TAG])

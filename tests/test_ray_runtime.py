@@ -123,6 +123,12 @@ VARIANTS = {
     # client's fine-tuning.
     "fedbabu": ("train.head=fedbabu", "train.balanced_loss=ce", "train.head_params={finetune_epochs: 1}",
                 "eval.finetune_epochs=1"),
+    # A server that generates each client's model from its hypernetwork and steps it on each client's Delta;
+    # its new client's zero-shot model and adaptation (an embedding fitted with phi frozen) on the actors.
+    "pfedhn": ("train.head=pfedhn", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
+    # ... and one that asks its clients questions within the round (their descriptors, their part of the
+    # backward pass), on the actors.
+    "pefll": ("train.head=pefll", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
 }
 _baselines: dict[str, tuple] = {}
 
@@ -145,9 +151,10 @@ ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources
     [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ()),
      ("hyper_scaffold", ()), ("linear_compiled", ()), ("linear_keep", ()), ("fedfomo", ()),
      ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ()), ("hyper", ("runtime.client_cache=1",)),
-     ("fedbabu", ())],
+     ("fedbabu", ()), ("pfedhn", ()), ("pefll", ())],
     ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold", "linear-compiled",
-         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1", "fedbabu"],
+         "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1", "fedbabu",
+         "pfedhn", "pefll"],
 )
 def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
                                                      variant, layout_overrides):
@@ -192,7 +199,7 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     assert_same_tensors(h_ref, fed.server_state, "the rule's server state")
     assert bool(h_ref) == (variant in ("fedavg_feddyn", "hyper_scaffold"))
     assert_same_tensors(m_ref, fed.method_state, "the method's server state")
-    assert bool(m_ref) == (variant == "fedfomo")
+    assert bool(m_ref) == (variant in ("fedfomo", "pfedhn", "pefll"))
     assert_same_states(states_ref, states)
     assert len(records) == 3
     # As JSON: a reading the method has not is NaN in both, which == would call different.
@@ -200,7 +207,7 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     for rec in records:
         assert {"gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before"} <= set(rec)
         assert rec["clients_failed"] == 0
-    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn", "fedbabu"))
+    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn", "fedbabu", "pfedhn", "pefll"))
     assert ("pfl_ft" in records[-1]) == (variant == "fedavg_feddyn")
     assert any(st.momentum for st in states.values()) == (variant == "linear_keep")
     if variant == "linear_keep":  # and some client continued its buffers on an actor
@@ -212,6 +219,38 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     assert_same_tensors(h_ref, ckpt.server_state, "checkpointed server state")
     assert_same_tensors(m_ref, ckpt.method_state, "checkpointed method state")
     assert_same_states(states_ref, ckpt.clients)
+
+
+@pytest.mark.parametrize("variant", ["pfedhn", "pefll"])
+def test_a_server_model_method_resumed_on_ray_trains_on_to_the_in_process_bits(ray_session, one_torch_thread,
+                                                                              tmp_path_factory, variant):
+    """A method whose server holds a model of its own (pFedHN's hypernetwork, embeddings and their momentum;
+    PeFLL's two networks, Adam's state and the descriptors, which it asks the actors for): checkpointed in
+    process after two rounds and resumed on Ray actors, its last round is the uninterrupted in-process run's,
+    bitwise: records, global weights, the method's server state, every client."""
+    g_ref, _, records_ref, states_ref, m_ref = in_process_baseline(variant, tmp_path_factory.getbasetemp())
+    storage = RunStorage(str(tmp_path_factory.mktemp("resume_on_ray")))
+    setup = prepare(tiny_config(*VARIANTS[variant]))
+    first = Federation(setup, InProcessExecutor(make_host(setup)), log=lambda s: None)
+    run_rounds_until(first, 2)
+    CheckpointWriter(storage).save(first.snapshot())
+    setup = prepare(tiny_config(*VARIANTS[variant]))
+    executor = ray_executor(ray_session, setup)
+    try:
+        fed = Federation(setup, executor, log=lambda s: None)
+        fed.restore(load_checkpoint(storage))
+        records = run_rounds(fed)
+    finally:
+        executor.close()
+    assert json.dumps(without_time(records)) == json.dumps(without_time(records_ref[2:]))
+    assert_same_tensors(g_ref, fed.global_shared, "global_shared")
+    assert_same_tensors(m_ref, fed.method_state, "the method's server state")
+    assert_same_states(states_ref, fed.clients)
+
+
+def run_rounds_until(fed: Federation, rounds: int) -> None:
+    for r in range(rounds):
+        fed.step(r)
 
 
 def test_ray_executor_makes_new_clients_zero_shot_models_as_in_process(ray_session, one_torch_thread):
@@ -239,7 +278,7 @@ def test_private_updates_leave_their_actor_clipped_and_train_as_in_process(ray_s
     clipped model, and the run (Poisson sampling, seeded noise) is the in-process one, bitwise."""
     clip = 0.05
     overrides = ("privacy.enabled=true", "privacy.noise_multiplier=1.0", f"privacy.clip_norm={clip}",
-                 "train.rounds=2", "eval.eval_every=2")
+                 "privacy.noise_seed=0", "train.rounds=2", "eval.eval_every=2")
     setup = prepare(tiny_config(*overrides))
     executor = ray_executor(ray_session, setup)
     arrived = []

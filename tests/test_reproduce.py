@@ -22,6 +22,7 @@ from fedrod_ray_tune.tables import DP_CLIP_NORM, DP_EPSILONS, FINETUNE_EPOCHS, T
 from fedrod_ray.cli import main
 from fedrod_ray.config import ConfigError
 from fedrod_ray.outputs.lock import exclusive
+from fedrod_ray.outputs.plotting import png as png_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "synthetic_tiny.yaml"
@@ -32,7 +33,7 @@ GENERIC_ROWS = ["FedAvg", "FedProx", "SCAFFOLD", "FedDyn", "local-only", "Fed-Ro
 # The paper's personalized-FL block, in its order.
 PFL_ROWS = ["MTL", "LG-FedAvg", "FedPer", "Per-FedAvg", "pFedMe", "Ditto", "FedFOMO", "FedRep"]
 # The methods built for new clients (FEDROD.md, "Methods that personalize new clients").
-NEWCOMER_ROWS = ["FedBABU"]
+NEWCOMER_ROWS = ["FedBABU", "pFedHN", "PeFLL"]
 MAIN_ROWS = GENERIC_ROWS + PFL_ROWS + NEWCOMER_ROWS
 
 
@@ -96,6 +97,9 @@ def test_the_rows_say_what_the_contract_says():
                                "train.rule_params": {}, "train.head_params": {"finetune_epochs": 5}}
     assert TABLES["new-clients"]["FedBABU"] == {**main["FedBABU"], "eval.finetune_epochs": FINETUNE_EPOCHS}
     assert main["local-only"]["train.generic_rule"] == "local" and main["local-only"]["train.head"] == "none"
+    for label, head in (("pFedHN", "pfedhn"), ("PeFLL", "pefll")):
+        assert (main[label]["train.head"], main[label]["train.balanced_loss"]) == (head, "ce")
+        assert TABLES["new-clients"][label] == {**main[label], "eval.finetune_epochs": FINETUNE_EPOCHS}
     assert main["Fed-RoD (hyper) + FedDyn"]["train.generic_rule"] == "feddyn"
     assert (main["Fed-RoD (Meta-BSM)"]["train.head"], main["Fed-RoD (Meta-BSM)"]["train.balanced_loss"]) == (
         "linear", "meta_bsm")
@@ -205,6 +209,35 @@ def test_the_table_by_hand():
     assert lines[2] == "| method | G-FL (GM) | new clients, before | new clients, after | wall (h) |"
     assert lines[4] == "| Fed-RoD (hyper) | 50.00 | 60.00 | 80.00 | - |"
     assert "fine-tuning it on their own data for 3 epochs" in lines[6]
+
+
+@pytest.mark.parametrize("seeds", [[0], [0, 1]])
+def test_the_curves_legend_sits_beside_the_plots_and_the_titles_count_the_seeds(tmp_path, monkeypatch, seeds):
+    """The legend of curves.png covers no curve: it lies outside every plot; one seed is named, not "mean ±
+    std over 1 seed(s)"."""
+    from fedrod_ray_tune import report
+
+    rows = ["FedAvg", "FedAvg (BRM)", "Fed-RoD (linear)"]
+    spec = build_spec("ablation", TINY, seeds, rounds=2, rows=rows)
+    curves = {(row, seed): {"round": [1.0, 2.0], "gfl_gm": [0.5 + i / 10, 0.6], "pfl_pm": [0.7, 0.8 - i / 10]}
+              for i, row in enumerate(rows) for seed in seeds}
+    drawn = []
+
+    def keep(fig, dpi=None):  # the figure, laid out as saved
+        drawn.append(fig)
+        return png_bytes(fig, dpi)
+
+    monkeypatch.setattr(report, "png", keep)
+    report.plot_curves(spec, curves, tmp_path / "curves.png")
+    (fig,) = drawn
+    legend = fig.axes[-1].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == rows
+    box = legend.get_window_extent()
+    assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == (["G-FL (GM): seed 0", "P-FL (PM): seed 0"] if len(seeds) == 1 else
+                      ["G-FL (GM): mean ± std over 2 seeds", "P-FL (PM): mean ± std over 2 seeds"])
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_the_personalized_fl_rows_are_read_as_the_paper_reads_them():

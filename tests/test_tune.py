@@ -472,3 +472,18 @@ def test_a_sweep_over_natural_clients_of_an_npz(ray_session, tmp_path):
     assert all(0 <= r["gfl_gm"] <= 1 for r in rows)
     best = load_config(tmp_path / "sweep" / "best.yaml")
     assert best.data.dataset == "arrays" and best.data.partition == "natural"
+
+
+@pytest.mark.slow
+def test_a_sweep_of_the_server_model_methods_trains_each_trial_with_its_server_step(ray_session, tmp_path):
+    """pFedHN and PeFLL under Tune: each trial a federation whose server holds and steps its own model (PeFLL's
+    exchanges with its clients in the trial), its server learning rate the searched value, metric P-FL (PM)."""
+    spec = load_sweep(sweep_file(tmp_path, search={"train.head": {"grid": ["pfedhn", "pefll"]},
+                                                   "train.head_params.server_lr": {"grid": [0.001]}},
+                                 set={"train.balanced_loss": "ce", "train.rounds": 2}, metric="pfl_pm"))
+    rows = run_sweep(spec, tmp_path / "sweep")
+    assert sorted(r["train.head"] for r in rows) == ["pefll", "pfedhn"]
+    assert all(0 <= r["pfl_pm"] <= 1 and r["train.head_params.server_lr"] == 0.001 for r in rows)
+    for trial in (p.parent for p in (tmp_path / "sweep" / "trials").glob("*/trial.json")):
+        snap = load_checkpoint(RunStorage(str(trial)))
+        assert snap.rounds_done == 2 and snap.method_state  # the server's model, checkpointed by the trial

@@ -116,9 +116,14 @@ def format_table(spec: ReproSpec, records: list[dict]) -> str:
                          "+ its zero-shot head) before, and after fine-tuning it on their own data for "
                          f"{' or '.join(map(_epochs, epochs))} at the last round.")
     if spec.table == "privacy":
+        private = next(label for label, row in spec.rows.items() if row.get("privacy.enabled"))
+        seeded = spec.row_config(private, spec.seeds[0]).privacy.noise_seed is not None
+        noise = ("seeded (privacy.noise_seed): ε holds only against whoever does not know the seed" if seeded
+                 else "from the OS's CSPRNG")
         footnotes.append("ε: client-level DP at δ = 1e-5 (RDP accountant), the noise multiplier derived from the target "
-                         f"over the run's rounds, Poisson sampling, updates clipped to {DP_CLIP_NORM:g}; ε = ∞: the "
-                         "method without DP. The personalized head never leaves its client and takes no noise.")
+                         f"over the run's rounds, Poisson sampling, updates clipped to {DP_CLIP_NORM:g}, noise and "
+                         f"sampling {noise}; ε = ∞: the method without DP. The personalized head never leaves its "
+                         "client and takes no noise.")
     if footnotes:
         lines += ["", *footnotes]
     return "\n".join(lines) + "\n"
@@ -157,9 +162,12 @@ def mean_curve(runs: list[dict[str, list[float]]], key: str) -> tuple[list[float
 
 
 def plot_curves(spec: ReproSpec, curves: dict, path: Path) -> None:
+    """Each row's CURVES by evaluated round (mean ± std over its seeds), the legend beside the plots, off the
+    curves."""
     import matplotlib
 
     colors = matplotlib.colormaps["tab20" if len(spec.rows) > 10 else "tab10"]
+    over = f"seed {spec.seeds[0]}" if len(spec.seeds) == 1 else f"mean ± std over {len(spec.seeds)} seeds"
     with figure(ncols=len(CURVES), figsize=(12, 4.8), sharex=True) as (fig, axes):
         for i, label in enumerate(spec.rows):
             runs = [c for (row, _), c in sorted(curves.items()) if row == label]
@@ -175,9 +183,9 @@ def plot_curves(spec: ReproSpec, curves: dict, path: Path) -> None:
         for ax, key in zip(axes, CURVES):
             round_axis(ax)
             ax.set_ylabel(f"{title(key)}, %")
-            ax.set_title(f"{title(key)}: mean ± std over {len(spec.seeds)} seed(s)")
+            ax.set_title(f"{title(key)}: {over}")
             ax.grid(alpha=0.3)
         if curves:
-            axes[1].legend(loc="best", fontsize=7)
+            axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize=8)
         fig.suptitle(f"table {spec.table}")
         path.write_bytes(png(fig, dpi=120))

@@ -21,6 +21,7 @@ from fedrod_ray.config import (
     check_keys_and_types,
     config_from_record,
     load_config,
+    without_record_keys,
 )
 from fedrod_ray.data import DatasetNotFoundError, load_dataset
 from fedrod_ray.federation_state.setup import partition_dataset
@@ -180,7 +181,7 @@ def check(spec: ReproSpec) -> None:
                 raise ConfigError(f"--set {key}: conflicts with row {label!r} of table {spec.table}, which sets "
                                   f"{clash}={row[clash]!r}; a --set may change only what no row sets")
     # Keys and types of the base with --set, before any row: an unknown key is the --set's, not a row's.
-    data = spec.base_data()
+    data = without_record_keys(spec.base_data()) if spec.recorded else spec.base_data()
     for key, value in spec.fixed.items():
         apply_override(data, f"{key}={json.dumps(value)}")  # JSON is YAML
     try:

@@ -17,6 +17,7 @@ before any trial starts.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -25,12 +26,14 @@ from typing import Any
 
 import yaml
 
+from fedrod_ray.client_update.local import derived_seed
 from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, config_from_dict, load_config
 
 METRICS = ("gfl", "pfl_pm", "hmean")
 SCHEDULERS = ("asha", "none")
 SAMPLERS = ("grid", "choice", "uniform", "loguniform")
-SPEC_KEYS = {"base", "set", "search", "num_samples", "metric", "scheduler", "asha", "resources", "name"}
+SPEC_KEYS = {"base", "set", "search", "num_samples", "metric", "scheduler", "asha", "resources", "name",
+             "privacy_budget"}
 COORDINATOR_MEMORY = 512 * 2**20  # the coordinator's bundle: it needs memory, not a core
 # What every trial sets itself, whatever its base config says, and why: setting it in a sweep has no effect.
 _ON_ITS_ACTORS = "it runs on its placement group's actors, sized by resources (reproduce: --resources)"
@@ -56,6 +59,8 @@ class SweepSpec:
     client_slots: int = 1
     client_resources: dict[str, float] = field(default_factory=lambda: {"num_cpus": 1.0})
     name: str = "sweep"
+    # A private sweep's total epsilon (every trial's rounds composed), which it refuses to start past.
+    privacy_budget: float | None = None
 
     def to_dict(self) -> dict:
         """The sweep file of this sweep (what ``--resume`` reads back)."""
@@ -64,6 +69,8 @@ class SweepSpec:
                "resources": {"client_slots": self.client_slots, "client": dict(self.client_resources)}}
         if self.scheduler == "asha":
             doc["asha"] = dict(self.asha)
+        if self.privacy_budget is not None:
+            doc["privacy_budget"] = self.privacy_budget
         return doc
 
     def base_data(self) -> dict:
@@ -74,6 +81,7 @@ class SweepSpec:
         data = self.base_data()
         for key, value in [*self.fixed.items(), *params.items()]:
             apply_override(data, f"{key}={json.dumps(value)}")  # JSON is YAML
+        own_noise(data, params)
         if trial:
             # A trial reports each round's metrics, on which ASHA decides: the estimate's
             # (eval.estimate_size) where the config has one, else an exact evaluation every round.
@@ -102,6 +110,22 @@ class SweepSpec:
         """The trial's placement group: the coordinator's bundle, then one per client slot."""
         client = {{"num_cpus": "CPU", "num_gpus": "GPU"}.get(k, k): v for k, v in self.client_resources.items() if v}
         return [{"memory": COORDINATOR_MEMORY}] + [dict(client) for _ in range(self.client_slots)]
+
+
+def own_noise(data: dict, params: dict[str, Any]) -> None:
+    """Every trial draws its own noise: models that differ only in sigma but share their noise give the
+    noise-free mean by a linear combination. Secure noise (``privacy.noise_seed`` null) is fresh in every
+    run; a seeded sweep's ``noise_seed`` becomes each trial's own, mixed from it and the trial's ``params``
+    (the same trial, resumed or rerun from best.yaml, gets the same one). It applies to the private trials
+    only: a trial without privacy.enabled (a reproduction's epsilon = inf rows) drops it."""
+    privacy = data.get("privacy") or {}
+    if privacy.get("noise_seed") is None:
+        return
+    if not privacy.get("enabled"):
+        privacy["noise_seed"] = None
+        return
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).digest()
+    privacy["noise_seed"] = derived_seed(privacy["noise_seed"], int.from_bytes(digest[:8], "big"))
 
 
 def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepSpec:
@@ -140,7 +164,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepSpe
         scheduler=raw.get("scheduler", "asha"), asha={"grace_period": 1, "reduction_factor": 2, **(raw.get("asha") or {})},
         client_slots=resources.get("client_slots", 1),
         client_resources={k: float(v) for k, v in (resources.get("client") or {"num_cpus": 1}).items()},
-        name=raw.get("name", path.stem),
+        name=raw.get("name", path.stem), privacy_budget=raw.get("privacy_budget"),
     )
     _check(spec)
     return spec
@@ -168,9 +192,15 @@ def _check(spec: SweepSpec) -> None:
             if why:
                 raise ConfigError(f"{section}.{key}: {why}")
     try:
-        spec.experiment_config({})
+        base = spec.experiment_config({})
     except ConfigError as e:
         raise ConfigError(f"set: {e}") from None
+    if spec.privacy_budget is not None:
+        budget = spec.privacy_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf:
+            raise ConfigError(f"privacy_budget: must be a positive number (a total epsilon), got {budget!r}")
+        if not base.privacy.enabled:
+            raise ConfigError("privacy_budget: has no effect: the base config is not private (privacy.enabled)")
     corners: list[dict[str, Any]] = [{}]
     for key, dist in spec.search.items():
         values = _check_dimension(key, dist)

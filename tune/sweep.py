@@ -33,6 +33,7 @@ from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.outputs.tracking import require_extra
 
 from .space import SweepSpec, load_sweep, param_space
+from .spend import check_budget, spent
 from .trial import objective, round_objective, run_trial
 
 TRIALS = "trials"
@@ -45,6 +46,7 @@ COLUMNS = ("rounds", "status", "objective", *FINAL, "best_objective", "best_roun
 def run_sweep(spec: SweepSpec, sweep_dir: Path, resume: bool = False) -> list[dict]:
     """Run (or resume) the sweep; returns its rows, best first."""
     sweep_dir = sweep_dir.resolve()
+    check_budget(spec)
     with exclusive(sweep_dir):
         if not resume:
             start_dir(sweep_dir, SPEC_FILE, spec.to_dict(), "a sweep", "--sweep-dir")
@@ -264,6 +266,10 @@ def write_results(spec: SweepSpec, rows: list[dict], sweep_dir: Path) -> None:
     (sweep_dir / "results.csv").write_text(out.getvalue())
     lines = [f"Sweep {spec.name}: {len(rows)} trials, maximising {spec.metric}; accuracies in %.", "",
              "| " + " | ".join(keys) + " |", "|" + "|".join("---:" for _ in keys) + "|"]
+    total = spent(spec, [({k: row[k] for k in spec.search}, row["rounds"]) for row in rows])
+    spending = "" if total is None else spending_line(spec, total)
+    if spending:
+        lines[2:2] = [spending, ""]
     for row in rows:
         lines.append("| " + " | ".join(_cell(k, row[k]) for k in keys) + " |")
     (sweep_dir / "results.md").write_text("\n".join(lines) + "\n")
@@ -274,7 +280,16 @@ def write_results(spec: SweepSpec, rows: list[dict], sweep_dir: Path) -> None:
         best.name = f"{spec.name}_best"
         (sweep_dir / "best.yaml").write_text(
             f"# The best trial of sweep {spec.name} ({spec.metric} {100 * scored[0]['objective']:.2f}):\n"
-            + dump_config(best))
+            + (f"# {spending}\n" if spending else "") + dump_config(best))
+
+
+def spending_line(spec: SweepSpec, total: float) -> str:
+    """What a private sweep spent, said in its results, best.yaml and (with results.md) on the console."""
+    delta = spec.experiment_config({}).privacy.delta
+    budget = f", of a budget of {spec.privacy_budget:g}" if spec.privacy_budget is not None else ""
+    return (f"Privacy: the trials spent epsilon {total:.4g} in all at delta {delta:g}{budget} (every trial's rounds "
+            "composed on one accountant: they trained on the same clients). Each trial's own epsilon covers its "
+            "model only; the selection metric, whose P-FL comes from un-noised local models, is not covered.")
 
 
 def _cell(key: str, value) -> str:

@@ -34,11 +34,14 @@ PFL = {
 
 
 # Methods built for new clients (issue 50; FEDROD.md, "Methods that personalize new clients"), beside the paper's
-# rows: FedBABU's PM fine-tunes for tau_f epochs, its default until tune/pfl_fedbabu.yaml's sweep (deploy job
-# fedbabu_sweep, at seed 1) selects it.
+# rows, in the main table and the new-clients table: FedBABU's PM fine-tunes for tau_f epochs, its default until
+# tune/pfl_fedbabu.yaml's sweep (deploy job fedbabu_sweep, at seed 1) selects it; pFedHN and PeFLL with their
+# defaults until their sweeps (tune/pfl_pfedhn.yaml, tune/pfl_pefll.yaml; pfedhn_sweep, pefll_sweep) choose.
 FEDBABU_FINETUNE_EPOCHS = 5
 NEWCOMERS = {
     "FedBABU": _method("fedbabu", "ce", finetune_epochs=FEDBABU_FINETUNE_EPOCHS),
+    "pFedHN": _method("pfedhn", "ce"),
+    "PeFLL": _method("pefll", "ce"),
 }
 
 FEDAVG = _method("none", "ce")

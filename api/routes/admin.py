@@ -43,8 +43,8 @@ def admin(request: Request,
              responses=responses(401, 403, 408, 409, 413, 415, 422, 503),
              openapi_extra=request_body(ReloadRequest, required=False),
              summary="Serve the final/ of model_dir (default: the served run's, e.g. after new training)")
-def reload(request: Request, req: Annotated[ReloadRequest | None, RELOAD_BODY]):
-    previous, now = request.app.state.service.reload(req.model_dir if req else None)
+async def reload(request: Request, req: Annotated[ReloadRequest | None, RELOAD_BODY]):
+    previous, now = await request.app.state.service.reload(req.model_dir if req else None)
     if now is not previous:
         request.app.openapi_schema = None  # the next /openapi.json describes the new model
     return ReloadResponse(version_id=now.served.version_id,

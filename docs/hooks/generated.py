@@ -152,6 +152,14 @@ def config_reference() -> str:
     out = [f"{schema.get('description', '')}", "", "## Top level", "",
            *_table(schema["properties"], "", comments[schema["title"]], defaults)]
     for name, prop in schema["properties"].items():
+        if "$ref" in prop.get("items", {}):  # a list of sections (sites): each item's keys
+            item = schema["$defs"][prop["items"]["$ref"].rsplit("/", 1)[1]]
+            out += ["", f"## `{name}`, each item", "", _cell(item.get("description", "")), "",
+                    "| key | type | default | allowed | what it is |", "| --- | --- | --- | --- | --- |"]
+            for key, p in item["properties"].items():
+                default = "required" if key in item.get("required", ()) else _default(p)
+                out.append(f"| `{name}[].{key}` | {_type(p)} | {default} | {_cell(_allowed(p))} | "
+                           f"{_cell(comments[item['title']].get(key, ''))} |")
         if "$ref" not in prop:
             continue
         section = schema["$defs"][prop["$ref"].rsplit("/", 1)[1]]

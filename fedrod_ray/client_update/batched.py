@@ -150,7 +150,7 @@ def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJ
         bad = (~torch.isfinite(per_step.sum(1))).nonzero()
         if len(bad):
             outcomes[i] = LocalTrainingError(
-                f"non-finite loss in local epoch {int(bad[0]) // steps_per_epoch[i] + 1} (lr={lr:g})")
+                f"non-finite loss in local epoch {int(bad[0]) // steps_per_epoch[i] + 1} (lr={lr:g})", diverged=True)
             continue
         # A correction of this client's own: the stacked one's finish cannot take per-client step sums.
         own = rule.start_local(anchor, starts[i][1], broadcast) if correction is not None else None

@@ -30,7 +30,16 @@ from .step import make_losses, make_train_step
 
 
 class LocalTrainingError(RuntimeError):
-    """A client's update cannot go on (for example a non-finite loss)."""
+    """A client's update cannot go on (for example a non-finite loss). ``diverged``: its loss or (client-level
+    DP) its update is not finite, which under DP drops the client from its round without counting against
+    the failure limits."""
+
+    def __init__(self, message: str, diverged: bool = False):
+        super().__init__(message)
+        self.diverged = diverged
+
+    def __reduce__(self):
+        return type(self), (str(self), self.diverged)
 
 
 def class_distribution(counts: torch.Tensor) -> torch.Tensor:
@@ -259,7 +268,7 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
             steps += 1
         # One check per epoch: a per-step .item() would synchronise a GPU on every batch.
         if not torch.isfinite(loss_sum + ploss_sum):
-            raise LocalTrainingError(f"non-finite loss in local epoch {epoch + 1} (lr={lr:g})")
+            raise LocalTrainingError(f"non-finite loss in local epoch {epoch + 1} (lr={lr:g})", diverged=True)
 
     local = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     buffers = None

@@ -69,6 +69,9 @@ class ClientActorImpl:
             self.fault.reached("train", [client_id], round_idx)
         return self._host().train(client_id, state, message, round_idx)
 
+    def answer(self, client_id: int, phase: str, common: dict, question: dict, round_idx: int):
+        return self._host().answer(client_id, phase, common, question, round_idx)
+
     def evaluate(self, jobs: list[tuple[int, ClientState]], estimate: bool = False) -> EvalCounts:
         if self.fault is not None:
             self.fault.reached("evaluate", [cid for cid, _ in jobs])

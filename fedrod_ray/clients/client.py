@@ -22,6 +22,7 @@ from ..algorithms import build_rule
 from ..client_update.local import (
     ClientData,
     LocalResult,
+    LocalTrainingError,
     Outcome,
     RoundInput,
     class_distribution,
@@ -33,7 +34,7 @@ from ..models.metrics import TestSet, personal_class_correct, stratified_sample
 from ..objectives import OBJECTIVES
 from ..personalization import UpdateContext, build_method, method_model
 from ..server_math.aggregate import StateDict
-from ..server_math.privacy import clip_update
+from ..server_math.privacy import NonFiniteUpdateError, clip_update
 
 ESTIMATE_TAG = 3  # seeds the estimate's test sample
 
@@ -101,11 +102,18 @@ def clipped(outcome: Outcome, message: RoundInput) -> Outcome:
     """A local update's outcome as it leaves the client: with client-level DP (``message.clip_norm``) its
     shared weights become w_bar + clip(w_m - w_bar), before anything is sent, so that on Ray the unclipped
     update never leaves the client's actor; the client keeps that clipped model as its local model too
-    (``ClientState.trained``). Its personal state is not clipped: it never leaves the client."""
+    (``ClientState.trained``). Its personal state is not clipped: it never leaves the client. An update that
+    is not finite raises LocalTrainingError (diverged), with or without DP: the client failed, and nothing of
+    it is summed."""
     result, personal, rule_state = outcome
     if message.clip_norm is None:
+        if not all(torch.isfinite(v).all() for v in result.shared.values() if v.is_floating_point()):
+            raise LocalTrainingError("the update of the shared weights is not finite", diverged=True)
         return outcome
-    shared, was_clipped = clip_update(result.shared, message.weights, message.clip_norm)
+    try:
+        shared, was_clipped = clip_update(result.shared, message.weights, message.clip_norm)
+    except NonFiniteUpdateError as e:
+        raise LocalTrainingError(str(e), diverged=True) from None
     return dataclasses.replace(result, shared=shared, clipped=was_clipped), personal, rule_state
 
 
@@ -114,6 +122,7 @@ class ClientFailure:
     client_id: int
     error: str  # "<ExceptionType>: message"
     traceback: str
+    diverged: bool = False  # its loss or update was not finite (LocalTrainingError.diverged)
 
     @classmethod
     def from_exception(cls, client_id: int, e: BaseException, kind: str = "",
@@ -122,7 +131,17 @@ class ClientFailure:
         and the first line of its message, and ``details`` (default: its traceback)."""
         lines = str(e).splitlines()
         return cls(client_id, f"{type(e).__name__}{kind}: {lines[0] if lines else ''}",
-                   "".join(traceback.format_exception(e)) if details is None else details)
+                   "".join(traceback.format_exception(e)) if details is None else details,
+                   isinstance(e, LocalTrainingError) and e.diverged)
+
+
+@dataclass(frozen=True)
+class ClientUnavailable:
+    """A sampled client that could not be reached this round (at sites: its site has no live node); not a
+    failure: the round goes on without it, and its state stays as it was."""
+
+    client_id: int
+    reason: str
 
 
 @dataclass
@@ -197,12 +216,22 @@ class ClientHost:
         """One local update and the client's new state; an error comes back as a ClientFailure (with its
         traceback) instead of raising, and then the caller's state stays as it was."""
         try:
-            outcome = self.method.train(self.model, message, self.data(client_id), state.personal,
-                                        state.local_model, state.rule_state, state.objectives, state.momentum,
-                                        self.context_of(client_id, round_idx))
+            outcome = clipped(self.method.train(self.model, message, self.data(client_id), state.personal,
+                                                state.local_model, state.rule_state, state.objectives,
+                                                state.momentum, self.context_of(client_id, round_idx)), message)
         except Exception as e:  # noqa: BLE001 - any client error is reported, never fatal to the round
             return ClientFailure.from_exception(client_id, e)
-        return state.trained(clipped(outcome, message))
+        return state.trained(outcome)
+
+    def answer(self, client_id: int, phase: str, common: StateDict, question: StateDict,
+               round_idx: int) -> StateDict | ClientFailure:
+        """The client's answer to the server's question within round ``round_idx`` (``Personalization.answer``);
+        an error comes back as a ClientFailure. It reads no client state and keeps nothing."""
+        try:
+            return self.method.answer(phase, self.model, common, question, self.data(client_id),
+                                      self.context_of(client_id, round_idx))
+        except Exception as e:  # noqa: BLE001 - as train: reported, never fatal to the round
+            return ClientFailure.from_exception(client_id, e)
 
     def context_of(self, client_id: int, round_idx: int) -> UpdateContext:
         """What an update (or a PM's making) of ``client_id`` in round ``round_idx`` reads besides its state."""

@@ -23,10 +23,11 @@ from .building import check_keys_and_types
 from .checks import build_head_params, build_rule_params
 from .loading import config_from_dict, config_schema, dump_config, load_config
 from .overrides import apply_override
-from .records import check_resume, config_from_record
+from .records import check_resume, config_from_record, without_record_keys
 from .sections import DataConfig, EvalConfig, ExperimentConfig, ModelConfig, RuntimeConfig, TrainConfig
 from .values import ConfigError
 
 __all__ = ["ConfigError", "DataConfig", "EvalConfig", "ExperimentConfig", "ModelConfig", "RuntimeConfig",
            "TrainConfig", "apply_override", "build_head_params", "build_rule_params", "check_keys_and_types",
-           "check_resume", "config_from_dict", "config_from_record", "config_schema", "dump_config", "load_config"]
+           "check_resume", "config_from_dict", "config_from_record", "config_schema", "dump_config", "load_config",
+           "without_record_keys"]

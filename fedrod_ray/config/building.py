@@ -19,6 +19,9 @@ RENAMED = {
     "train.variant": "train.head (linear | hyper)",
     "train.prox_mu": "train.rule_params.mu (with train.generic_rule=fedprox)",
     "train.feddyn_alpha": "train.rule_params.alpha (with train.generic_rule=feddyn)",
+    "privacy.secure_rng": "privacy.noise_seed (the noise and the client sampling now come from the OS's CSPRNG "
+                          "by default; an integer noise_seed opts into seeded, reproducible ones for experiments, "
+                          "which are not private against anyone who knows the seed)",
 }
 _EXPECTED = {"int_type": "expected an integer", "float_type": "expected a number", "bool_type": "expected true/false",
              "string_type": "expected a string", "dict_type": "expected a mapping",
@@ -60,6 +63,11 @@ def _message(cls: type, errors: list[Any], prefix: str) -> str:
         return (f"unknown config key {path}{did_you_mean(loc[-1], fields, section)}; "
                 f"valid keys here: {', '.join(sorted(fields)) or 'none'}")
     path = prefix + ".".join(loc) if loc else prefix.rstrip(".") or "config"
+    if e["type"] in ("dict_type", "dataclass_type") and loc:
+        # A value given to a section's name: the setting of that name in another section, likely.
+        elsewhere = [leaf for leaf in _leaves(ExperimentConfig) if leaf.rsplit(".", 1)[-1] == loc[-1]]
+        hint = f" ({path} is a section; did you mean {' or '.join(elsewhere)}?)" if elsewhere else ""
+        return f"{path}: {_EXPECTED[e['type']]}, got {e['input']!r}{hint}"
     if e["type"] in _EXPECTED:
         return f"{path}: {_EXPECTED[e['type']]}, got {e['input']!r}"
     if e["type"] in _BOUNDS:
@@ -70,7 +78,18 @@ def _message(cls: type, errors: list[Any], prefix: str) -> str:
 
 def _section_fields(cls: type, loc: list[str]) -> list[str]:
     for name in loc:
+        if name.isdigit():  # an item of a list of sections (sites): the list's class, already taken
+            continue
         cls = typing.get_type_hints(cls)[name]
-        # An optional section (privacy.adaptive_clip): the section's own class.
+        # An optional section (privacy.adaptive_clip) or a list of them (sites): the section's own class.
         cls = next((a for a in typing.get_args(cls) if dataclasses.is_dataclass(a)), cls)
     return [f.name for f in dataclasses.fields(cls)]
+
+
+def _leaves(cls: type, prefix: str = "") -> list[str]:
+    """The dotted names of every setting of a config dataclass that is not a section itself."""
+    out = []
+    for name, hint in typing.get_type_hints(cls).items():
+        inner = next((a for a in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(a)), None)
+        out += _leaves(inner, f"{prefix}{name}.") if inner else [f"{prefix}{name}"]
+    return out

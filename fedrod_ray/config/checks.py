@@ -10,7 +10,7 @@ import math
 import os
 from typing import Any
 
-from ..specs.datasets import DATASETS, USER_DATASETS
+from ..specs.datasets import DATASETS, SITES, USER_DATASETS
 from ..specs.losses import LOSSES
 from ..specs.methods import ERM, HEADS
 from ..specs.models import BUFFERED_ARCHS, MODEL_PLUGINS
@@ -64,6 +64,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         # An http(s) RAY_ADDRESS is a dashboard, set for the `ray job` CLI: no cluster to train on from here.
         env = os.environ.get("RAY_ADDRESS", "")
         on_ray = cfg.runtime.address is not None or bool(env and not env.startswith(("http://", "https://")))
+        on_ray = on_ray or cfg.data.dataset == SITES  # sites are Ray nodes
         cfg.runtime.mode = "ray" if on_ray else "local"
     _check_effective(cfg)
     cfg.train.rule_params = dataclasses.asdict(build_rule_params(cfg.train.generic_rule, cfg.train.rule_params))
@@ -142,6 +143,7 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     _check_head(cfg)
     _check_privacy(cfg)
     _check_rounds(cfg)
+    _check_sites(cfg)
     if not rule.server_model and HEADS[t.head].hypernetwork:
         raise ConfigError(f"train.generic_rule: {t.generic_rule} (local-only training) cannot use train.head="
                           f"{t.head}, whose hypernetwork the server averages; use train.head=none or linear")
@@ -197,8 +199,15 @@ def _check_head(cfg: ExperimentConfig) -> None:
                 # Not "remove it": the default (momentum 0.9, weight decay 1e-5) is not 0 either.
                 raise ConfigError(f"{key}: has no effect with {why}, whose updates are its own plain gradient "
                                   f"steps; set {key}=0")
-    if not spec.global_model and cfg.eval.finetune_epochs:
+    if not spec.global_model and not spec.generates_model and cfg.eval.finetune_epochs:
         raise ConfigError(f"eval.finetune_epochs: {why} has no global model to fine-tune from; set it to 0")
+    if spec.generates_model and cfg.eval.finetune_train:
+        raise ConfigError(f"eval.finetune_train: {why} adapts only new clients (a training client's PM is made by "
+                          "the server's hypernetwork); remove it")
+    if spec.generates_model and cfg.model.arch in BUFFERED_ARCHS:
+        raise ConfigError(f"model.arch: {why} generates every weight of each client's model on the server, and "
+                          f"model.arch={cfg.model.arch} has batch-norm statistics, which no hypernetwork generates; "
+                          "use a model without buffers")
 
 
 def _check_privacy(cfg: ExperimentConfig) -> None:
@@ -286,3 +295,54 @@ def _check_data(cfg: ExperimentConfig) -> None:
     if d.partition == "natural" and LOSSES[cfg.train.balanced_loss].meta_set:
         raise ConfigError(f"train.balanced_loss: {cfg.train.balanced_loss} takes its meta set out of the clients' "
                           "examples, which data.partition=natural keeps whole; use another loss or partition")
+
+
+SITES_KEY: str = "sites"  # the config's list of sites (ExperimentConfig.sites), beside data.dataset's choice
+
+
+def _check_sites(cfg: ExperimentConfig) -> None:
+    """What training at sites (``data.dataset: sites``, docs/sites.md) needs and rules out: the clients are the
+    sites' own (natural), trained on their sites' Ray nodes, and evaluated there (P-FL) or on the server (G-FL)."""
+    d, sites = cfg.data, cfg.sites
+    if d.dataset != SITES:
+        if sites:
+            raise no_effect(SITES_KEY, f"with data.dataset={d.dataset} (the driver reads the data)",
+                            "set data.dataset=sites")
+        if cfg.runtime.site_wait_s:
+            raise no_effect("runtime.site_wait_s", f"with data.dataset={d.dataset} (only sites can be away)")
+        return
+    if not sites:
+        raise ConfigError("sites: data.dataset=sites trains the clients where their data lives; list the sites "
+                          "(each its name and path)")
+    names = [s.name for s in sites]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"sites.{i}.name: {name!r} names two sites; each site once")
+    if d.partition != "natural":
+        raise ConfigError("data.partition: the sites name their own clients (natural clients); set "
+                          "data.partition=natural")
+    for key, default in (("data.new_clients", 0), ("data.data_dir", None), ("data.download", True)):
+        if functools.reduce(getattr, key.split("."), cfg) != default:
+            raise no_effect(key, "with data.dataset=sites (every client lives at a site and trains)"
+                            if key == "data.new_clients" else "with data.dataset=sites (data.path is the "
+                            "server's test set; the clients' data is at the sites)")
+    rt, ev = cfg.runtime, cfg.eval
+    if rt.mode != "ray":
+        raise ConfigError("runtime.mode: data.dataset=sites trains on the sites' Ray nodes; set runtime.mode=ray "
+                          "(or leave it auto)")
+    if rt.clients_per_actor:
+        raise no_effect("runtime.clients_per_actor", "with data.dataset=sites (each site's actors host its "
+                                                     "clients)")
+    for key, value in (("eval.estimate_size", ev.estimate_size), ("eval.finetune_epochs", ev.finetune_epochs),
+                       ("eval.clients", ev.clients)):
+        if value:
+            raise ConfigError(f"{key}: not supported with data.dataset=sites (P-FL is computed at the sites "
+                              "over every client); remove it")
+    if cfg.rounds.mode == "fedbuff":
+        raise ConfigError("rounds.mode: fedbuff cannot be used with data.dataset=sites (its clients in flight "
+                          "carry their state through the server); use sync or deadline")
+    spec = HEADS[cfg.train.head]
+    if not spec.global_model or spec.reads_uploads:
+        usable = ", ".join(n for n, s in HEADS.items() if s.global_model and not s.reads_uploads)
+        raise ConfigError(f"train.head: {cfg.train.head} cannot be used with data.dataset=sites: its server reads "
+                          f"the clients' own models, which stay at their sites; use {usable}")

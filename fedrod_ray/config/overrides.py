@@ -13,10 +13,8 @@ from .sections import ExperimentConfig
 from .values import ConfigError, did_you_mean
 
 
-def apply_override(data: dict[str, Any], assignment: str) -> Any:
-    """Apply one ``a.b.c=value`` override (value parsed as YAML) to a nested dict in place and return the value.
-    A null value (``a.b.c=null``, or nothing after ``=``) removes the key, so that it takes its default: a
-    setting of a base config can be taken out from the command line."""
+def parse_override(assignment: str) -> tuple[str, Any]:
+    """``a.b.c=value`` as its dotted key and its value parsed as YAML (None: ``null`` or nothing after ``=``)."""
     if "=" not in assignment:
         raise ConfigError(f"--set expects key=value, got {assignment!r}")
     key, raw = assignment.split("=", 1)
@@ -24,9 +22,16 @@ def apply_override(data: dict[str, Any], assignment: str) -> Any:
     if not key:
         raise ConfigError(f"--set expects key=value, got {assignment!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        return key, yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {key}: cannot parse value {raw!r}: {e}") from None
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> Any:
+    """Apply one ``a.b.c=value`` override (value parsed as YAML) to a nested dict in place and return the value.
+    A null value (``a.b.c=null``, or nothing after ``=``) removes the key, so that it takes its default: a
+    setting of a base config can be taken out from the command line."""
+    key, value = parse_override(assignment)
     parts = key.split(".")
     node = data
     for part in parts[:-1]:
@@ -55,3 +60,23 @@ def check_key(key: str) -> None:
         cls = typing.get_type_hints(cls)[part]
         if not dataclasses.is_dataclass(cls):
             return
+
+
+def defaults_taken(cfg: ExperimentConfig, overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """A line for each ``--set key=null`` of ``overrides`` saying what ``key`` is in ``cfg``: null takes a
+    setting out, so that it has its default, which the console should name (``data.alpha=null`` is 0.1)."""
+    lines = []
+    for assignment in overrides:
+        key, value = parse_override(assignment)
+        if value is not None:
+            continue
+        node: Any = cfg
+        for part in key.split("."):
+            parent, node = node, node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+        if dataclasses.is_dataclass(node):
+            lines.append(f"--set {key}=null: {key} has its defaults")
+        elif isinstance(parent, dict):  # a free mapping's key (train.rule_params.mu): its owner's default
+            lines.append(f"--set {key}=null: {key} is taken out")
+        else:
+            lines.append(f"--set {key}=null: {key} takes its default, {'null' if node is None else repr(node)}")
+    return lines

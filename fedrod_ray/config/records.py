@@ -15,13 +15,34 @@ RESUMABLE = ("name", "run_dir", "data.data_dir", "data.path", "data.download", "
              "runtime.", "tracking.")
 
 
+# Keys that only a record of an earlier version holds, which config_from_record reads (a user's config may not).
+RECORD_KEYS = ("privacy.secure_rng",)
+
+
+def without_record_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a record's config, as a mapping) without ``RECORD_KEYS``: what checks a record's keys and
+    types as a user's config is checked, before config_from_record reads the whole of it."""
+    data = deep_copy(data)
+    for key in RECORD_KEYS:
+        section, name = key.rsplit(".", 1)
+        node = _get(data, section, None)
+        if isinstance(node, dict):
+            node.pop(name, None)
+    return data
+
+
 def config_from_record(record: dict[str, Any]) -> ExperimentConfig:
     """The config a record holds: a checkpoint's, a reproduction's (reproduce.yaml), written by any version.
 
     A record keeps every setting, defaults included, as the version that wrote it had them, unused ones too.
     Those never had an effect, so they are dropped whatever their values (a default changed since would
-    otherwise read as a user's setting with no effect); everything else is checked as a user's config is."""
+    otherwise read as a user's setting with no effect); everything else is checked as a user's config is.
+    ``privacy.secure_rng`` (before ``privacy.noise_seed``): ``false`` seeded the noise by the run's seed and
+    the round, which ``noise_seed: <seed>`` does the same way; ``true`` is today's default."""
     data = deep_copy(record)
+    privacy = _get(data, "privacy", None)
+    if isinstance(privacy, dict) and privacy.pop("secure_rng", None) is False and privacy.get("enabled"):
+        privacy["noise_seed"] = data.get("seed", ExperimentConfig.seed)
     loss = _get(data, "train.balanced_loss", TrainConfig.balanced_loss)
     for key in unused_settings(loss, _get(data, "data.partition", DataConfig.partition)):
         section, name = key.rsplit(".", 1)

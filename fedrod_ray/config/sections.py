@@ -136,7 +136,9 @@ class RuntimeConfig:
     # auto: ray where Ray is (inside a Ray job, with RAY_ADDRESS set, or with an address), else local
     mode: Annotated[StrictStr, OneOf(MODES)] = "auto"  # local: in-process
     address: StrictStr | None = None  # ray only: None starts a private local Ray, "auto" joins a running cluster
-    torch_threads: NonNegativeInt = 0  # 0: all cores of this process (in-process) / the actor's CPUs (Ray)
+    # In-process: None (auto) chosen for the load average when the run starts (fedrod_ray.drivers.threads), 0
+    # torch's default (a thread per core); Ray: an actor's CPUs unless set
+    torch_threads: NonNegativeInt | None = None
     device: StrictStr = "cpu"  # in-process only; Ray actors use a GPU when their resources hold one
     # in-process only: 0 trains a round's clients one after another; k > 0 trains up to k of them at once in
     # one batched computation (fedrod_ray.client_update.batched; for a GPU: on CPU it is slower)
@@ -153,6 +155,9 @@ class RuntimeConfig:
     # Client states kept in memory between rounds, the most recently used; the others are read from the client
     # store on disk (the checkpoint's client files) when needed. 0: none, only the round's own clients are.
     client_cache: NonNegativeInt = 1000
+    # data.dataset=sites only: how long a round whose sampled clients are all at sites with no live node waits for
+    # one to come back before the run stops; 0: it stops at once
+    site_wait_s: NonNegativeFloat = 0.0
     progress_seconds: NonNegativeFloat = 30.0  # not on a terminal: a progress line inside a round at most this often
 
 
@@ -182,7 +187,10 @@ class PrivacyConfig:
     clip_norm: PositiveFloat = 1.0  # S: the L2 norm each client's update is clipped to (adaptive: the first)
     sampling: Annotated[StrictStr, OneOf(SAMPLINGS)] = "poisson"  # see SAMPLINGS
     adaptive_clip: AdaptiveClipConfig | None = None  # None: the clip norm stays S
-    secure_rng: StrictBool = False  # noise from the OS's CSPRNG instead of the run's seed (not reproducible)
+    # None: the noise and the client sampling come from the OS's CSPRNG (not reproducible). An integer: both
+    # seeded (the noise by (noise_seed, round), the sampling by (seed, round)), reproducible, for experiments
+    # only: not private against anyone who knows the seeds, which config.yaml holds.
+    noise_seed: NonNegativeInt | None = None
     accountant: Annotated[StrictStr, OneOf(ACCOUNTANTS)] = "rdp"
 
 
@@ -213,6 +221,23 @@ LOGGERS = ("tensorboard", "mlflow")
 
 
 @dataclass(config=CLOSED)
+class SiteConfig:
+    """A site (``sites``, with ``data.dataset: sites``; docs/sites.md): Ray nodes started with the label
+    fedrod.site=<name>, the data that lives there, and the store that keeps its clients' state there."""
+
+    # the site: its nodes carry the Ray label fedrod.site=<name> (letters, digits, ".", "_", "-")
+    name: Annotated[StrictStr, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+    # The site's clients as its nodes see them: clients/<client>/<class>/*.png|jpg (optionally
+    # clients/<client>/test/<class>/..., every client's own test set) or clients/<client>.npz (x_train, y_train,
+    # optionally x_test, y_test)
+    path: StrictStr
+    # Where the site keeps its clients' state (a path its nodes share, or an s3:// / gs:// URI); None:
+    # <path>/.fedrod/<name of the run>
+    store: StrictStr | None = None
+    data_cache: PositiveInt = 8  # clients' data each of the site's actors keeps in memory, the most recently used
+
+
+@dataclass(config=CLOSED)
 class TrackingConfig:
     # Each round's metrics, the config as hyperparameters, the final metrics (MLflow: and final/ as an
     # artifact): tensorboard into <run_dir>/tensorboard, mlflow into mlflow_uri. Empty: no tracking.
@@ -235,6 +260,8 @@ class ExperimentConfig:
     tracking: Annotated[TrackingConfig, BeforeValidator(section)] = field(default_factory=TrackingConfig)
     privacy: Annotated[PrivacyConfig, BeforeValidator(section)] = field(default_factory=PrivacyConfig)
     rounds: Annotated[RoundsConfig, BeforeValidator(section)] = field(default_factory=RoundsConfig)
+    # data.dataset=sites only: where the clients live (docs/sites.md); empty: the data is read by the driver
+    sites: list[SiteConfig] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..specs.datasets import DATASET_PLUGINS, DATASETS
+from ..specs.datasets import DATASET_PLUGINS, DATASETS, SITES
 from . import cifar, files, idx
 from .arrays import image_shape as arrays_shape
 from .arrays import read_arrays
@@ -20,6 +20,7 @@ from .files import DatasetFormatError, DatasetNotFoundError, resolve_data_dir
 from .folder import image_shape as folder_shape
 from .folder import read_folder
 from .layout import RawImages
+from .sites import read_server_test, server_image_shape
 from .synthetic import make_synthetic
 from .transforms import augment_batch, normalize
 
@@ -36,6 +37,7 @@ __all__ = [
     "declared_image_shape",
     "from_raw",
     "load_dataset",
+    "load_server_test",
     "normalize",
     "resolve_data_dir",
 ]
@@ -87,6 +89,9 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> ImageDataset:
     ``seed`` only matters for the synthetic dataset, which is generated rather than read.
     """
     name = cfg.dataset
+    if name == SITES:
+        raise ConfigError("data.dataset: sites keeps the clients' data at the sites, which no process reads "
+                          "whole; the server loads its test set only (load_server_test)")
     if name in ("folder", "arrays"):
         if cfg.path is None:
             raise ConfigError(f"data.path: data.dataset={name} reads the data from data.path; set it")
@@ -134,12 +139,24 @@ def declared_image_shape(cfg: DataConfig) -> tuple[int, int, int] | None:
     loading it tells, and for data that cannot be read here: loading it says why, naming the file."""
     if cfg.dataset in _IMAGE_SHAPES:
         return _IMAGE_SHAPES[cfg.dataset]
+    if cfg.dataset == SITES and cfg.path is not None:
+        return server_image_shape(cfg.path)
     if cfg.dataset not in ("folder", "arrays") or cfg.path is None:
         return None
     try:
         return (folder_shape if cfg.dataset == "folder" else arrays_shape)(cfg.path)
     except (DatasetFormatError, DatasetNotFoundError):
         return None
+
+
+def load_server_test(cfg: DataConfig) -> ImageDataset:
+    """``data.dataset: sites``: the dataset as the server holds it, its public test set at ``data.path`` and no
+    training example (the sites hold those). With ``data.normalize``, the statistics are the test set's, so that
+    nothing is computed from the sites' data."""
+    test = read_server_test(cfg.path)
+    empty = np.empty((0, *test.x.shape[1:]), np.uint8)
+    return ImageDataset(SITES, _tensor(empty), torch.empty(0, dtype=torch.int64), _tensor(test.x), _tensor(test.y),
+                        len(test.classes), *_stats(cfg, test.x), augment=False, classes=test.classes)
 
 
 def from_raw(name: str, raw: RawImages, cfg: DataConfig) -> ImageDataset:

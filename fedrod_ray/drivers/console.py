@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from ..models import resolve_arch
 from ..outputs.metric_schema import ESTIMATES, label, percent, values_line
 
 SUMMARY_METRICS = ("gfl_gm", "pfl_gm", "pfl_pm")
@@ -17,8 +18,9 @@ SUMMARY_METRICS = ("gfl_gm", "pfl_gm", "pfl_pm")
 def format_record(rec: dict, rounds: int) -> str:
     """A round's line: its time, learning rate, clients, loss and whatever it evaluated or estimated."""
     line = (f"[round {rec['round']:>3}/{rounds}] {rec['seconds']:6.1f}s  lr {rec['lr']:.4g}  "
-            f"clients {rec['clients_done']}/{rec['clients']} (failed {rec['clients_failed']})  "
-            f"{label('train_loss')} {rec['train_loss']:.3f}")
+            f"clients {rec['clients_done']}/{rec['clients']} (failed {rec['clients_failed']}"
+            + (f", {label('clients_unavailable')} {rec['clients_unavailable']}" if rec.get("clients_unavailable") else "")
+            + f")  {label('train_loss')} {rec['train_loss']:.3f}")
     if "gfl_gm" in rec:
         # The two readings of the PM together, and the new clients' GM -> PM -> fine-tuned PM as one story.
         line += (f"  |  {values_line(rec, ('gfl_gm', 'pfl_gm', 'pfl_pm'))}"
@@ -40,6 +42,13 @@ def format_record(rec: dict, rounds: int) -> str:
     if "coordinator_restart" in rec:
         line += f"  |  trained again (coordinator restart {rec['coordinator_restart']})"
     return line
+
+
+def format_model(arch: str, image_shape: tuple[int, int, int]) -> str | None:
+    """The line naming the network ``model.arch: auto`` chose for the data's images; None for any other."""
+    if arch != "auto":
+        return None
+    return f"model.arch: auto -> {resolve_arch(arch, image_shape)} (for {' x '.join(map(str, image_shape))} images)"
 
 
 def format_summary(records: list[dict], seconds: float, run_dir: str) -> str:

@@ -20,14 +20,14 @@ from ..clients import faults
 from ..config import ExperimentConfig
 from ..executors.shared_setup import share
 from ..federation_state.checkpoint import latest_checkpoint_name, load_checkpoint
-from ..federation_state.setup import prepare
+from ..federation_state.setup import prepare, prepare_server
 from ..federation_state.state import Snapshot
-from ..lifecycle.coordinator import Coordinator
+from ..lifecycle.coordinator import STARTUP_ERRORS, Coordinator
 from ..lifecycle.run import RunLostError
 from ..outputs.results import read_records
 from ..outputs.storage import RunStorage
 from ..round_loop.federation import RoundFailedError
-from .console import format_record
+from .console import format_model, format_record
 
 PROGRESS_POLL_S = 1.0
 
@@ -85,7 +85,10 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
     result as ``runner.run_local``'s."""
     # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message. Its arrays go
     # into the object store, and the coordinator is handed their references: this driver keeps no copy.
-    setup = prepare(cfg)
+    # At sites, the server's test set only: the sites report their clients to the coordinator.
+    setup = prepare_server(cfg) if cfg.sites else prepare(cfg)
+    if (line := format_model(cfg.model.arch, setup.dataset.image_shape)) is not None:
+        log(line)
     started = connect(cfg)
     coordinator = None
     try:
@@ -113,9 +116,13 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
                     log(f"ray: {info['num_actors']} client actor(s) ({hosted}), {info['max_in_flight']} "
                         f"training(s) at once; ready in {time.perf_counter() - t0:.1f}s")
                 return follow(coordinator, info, log, progress)
+            except RayTaskError as e:  # the run could not start, and says why (the sites' data or stores)
+                if isinstance(e.cause, STARTUP_ERRORS):
+                    raise e.cause from None
+                raise
             except RayActorError as e:
-                # An error of the run's own (raised in a round, or in the coordinator's setup) is not a death.
-                if isinstance(e, RayTaskError) or e.actor_init_failed:
+                # An error in the coordinator's setup is not a death.
+                if e.actor_init_failed:
                     raise
                 died = e
             ray.kill(coordinator)

@@ -14,7 +14,8 @@ from ..federation_state.state import Snapshot
 from ..lifecycle.run import Run
 from ..outputs.storage import RunStorage
 from ..round_loop.federation import Federation
-from .console import format_record
+from .console import format_model, format_record
+from .threads import choose_threads
 
 
 def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
@@ -28,9 +29,13 @@ def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | N
         log: prints a line (each round's, and the federation's own).
         progress: ``progress(round, clients finished, clients sampled)``, called as each client finishes.
     """
-    if cfg.runtime.torch_threads:
-        torch.set_num_threads(cfg.runtime.torch_threads)
+    threads, why = choose_threads(cfg.runtime.torch_threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    log(f"torch threads: {torch.get_num_threads()} ({why})")
     setup = prepare(cfg)
+    if (line := format_model(cfg.model.arch, setup.dataset.image_shape)) is not None:
+        log(line)
     executor = in_process_executor(make_host(setup, cfg.runtime.device), cfg.runtime.batched_clients)
     run = Run(Federation(setup, executor, log, progress), storage, snapshot)
     return run.train(lambda record: log(format_record(record, run.rounds)))

@@ -6,15 +6,22 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from ..client_update.local import LocalResult, RoundInput
-from ..clients.client import ClientFailure, ClientState, EvalCounts
+from ..clients.client import ClientFailure, ClientState, ClientUnavailable, EvalCounts
+from ..server_math.aggregate import StateDict
 
 Job = tuple[int, ClientState]  # a client id and the state its call starts from
-TrainOutcome = tuple[LocalResult, ClientState] | ClientFailure  # a client's result and new state, or its failure
+# A client's result and new state, or its failure, or (at sites) that it could not be reached.
+TrainOutcome = tuple[LocalResult, ClientState] | ClientFailure | ClientUnavailable
 
 
 class Executor(Protocol):
     def train(self, round_idx: int, jobs: list[Job], message: RoundInput) -> Iterator[tuple[int, TrainOutcome]]:
         """Yield (position in jobs, outcome) as each client finishes, in any order."""
+
+    def ask(self, round_idx: int, phase: str, common: StateDict,
+            questions: dict[int, StateDict]) -> dict[int, StateDict | ClientFailure]:
+        """Each client's answer (``ClientHost.answer``) to ``common`` and its own question, by client id: a
+        call that reads no client state, so one lost with its actor is sent again."""
 
     def evaluate(self, jobs: list[Job], estimate: bool = False) -> EvalCounts:
         """PM test counts of clients that have trained (``ClientHost.evaluate``; ``estimate``: on the

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Iterator
 
 from ..client_update.batched import BatchJob, batched_local_update
-from ..client_update.local import RoundInput
+from ..client_update.local import LocalTrainingError, RoundInput
 from ..clients.client import ClientFailure, ClientHost, clipped
 from .base import Job, TrainOutcome
 from .in_process import InProcessExecutor
@@ -57,8 +57,13 @@ class BatchedExecutor(InProcessExecutor):
                 continue
             for slot, out in zip(group, outcomes):
                 cid, state = jobs[slot]
+                if not isinstance(out, Exception):
+                    try:
+                        out = clipped(out, message)
+                    except LocalTrainingError as e:  # a non-finite update: as ClientHost.train, a failure
+                        out = e
                 yield slot, (ClientFailure.from_exception(cid, out) if isinstance(out, Exception)
-                             else state.trained(clipped(out, message)))
+                             else state.trained(out))
 
 
 def in_process_executor(host: ClientHost, batched_clients: int) -> InProcessExecutor:

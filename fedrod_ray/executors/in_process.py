@@ -15,6 +15,9 @@ class InProcessExecutor:
         for slot, (cid, state) in enumerate(jobs):
             yield slot, self.host.train(cid, state, message, round_idx)
 
+    def ask(self, round_idx, phase, common, questions):
+        return {cid: self.host.answer(cid, phase, common, q, round_idx) for cid, q in questions.items()}
+
     def evaluate(self, jobs, estimate=False):
         return self.host.evaluate(jobs, estimate)
 

@@ -25,6 +25,7 @@ from ..clients.actors import ActorNotReady, ClientActor
 from ..clients.client import ClientFailure, EvalCounts
 from ..config import RuntimeConfig
 from ..federation_state.setup import Setup
+from ..server_math.aggregate import StateDict
 from ..timing.scheduling import LargestFirst, LongestQueueFirst
 from .base import Job
 from .shared_setup import SharedSetup, share
@@ -241,6 +242,18 @@ class RayExecutor:
                 # A Ray error's text holds the remote traceback.
                 value = ClientFailure.from_exception(cid, value, kind, details=str(value))
             yield slot, value
+
+    def ask(self, round_idx: int, phase: str, common: StateDict,
+            questions: dict[int, StateDict]) -> dict[int, StateDict | ClientFailure]:
+        common_ref = ray.put(common)
+        submit = lambda actor, cid: actor.answer.remote(cid, phase, common_ref, questions[cid], round_idx)
+        out: dict[int, StateDict | ClientFailure] = {}
+        for cid, value in self._run("ask", list(questions), lambda cid: [cid], submit, retry_lost=True):
+            if isinstance(value, Exception):
+                kind = " (actor died)" if isinstance(value, RayActorError) else ""
+                value = ClientFailure.from_exception(cid, value, kind, details=str(value))
+            out[cid] = value
+        return out
 
     def evaluate(self, jobs: list[Job], estimate: bool = False) -> EvalCounts:
         return self._spread("evaluate", jobs, lambda actor, chunk: actor.evaluate.remote(chunk, estimate))

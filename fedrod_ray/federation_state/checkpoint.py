@@ -135,6 +135,8 @@ class CheckpointWriter:
         }
         if federation:
             manifest["num_clients"] = len(clients.ids)
+        if snap.sites:
+            manifest["sites"] = snap.sites
         self._discard(name)  # a complete folder of this round that ``latest`` never named (a resumed run)
         storage.write_bytes(f"{folder}/global.safetensors", st_save(global_tensors))
         # Compact: an indented dump goes through json's pure-Python encoder, slow at 10,000 clients.
@@ -296,7 +298,7 @@ def load_checkpoint(storage: RunStorage, name: str | None = None) -> Snapshot:
     return Snapshot(manifest["round"], config, global_shared, server, clients,
                     {str(k): float(v) for k, v in manifest.get("estimate_offset", {}).items()}, method, privacy,
                     float(clock.get("virtual_time", 0.0)), int(clock.get("dispatches", 0)),
-                    [_arrival(meta, tensors) for meta in clock.get("in_flight", [])])
+                    [_arrival(meta, tensors) for meta in clock.get("in_flight", [])], manifest.get("sites", {}))
 
 
 def _arrival_tensors(in_flight: list[Arrival]) -> dict[str, torch.Tensor]:

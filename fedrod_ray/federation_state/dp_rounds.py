@@ -4,9 +4,10 @@ it sends them, the noised aggregate of their clipped updates, and the epsilon sp
 The math is ``fedrod_ray.server_math.privacy``'s and the accounting ``fedrod_ray.server_math.accounting``'s.
 This holds what a run derives from its config before it starts (sigma from a target epsilon, the rounds a
 budget lasts, the updates' noise multiplier under adaptive clipping) and reads and writes the one piece of
-server state client-level DP keeps: adaptive clipping's clip norm (``Snapshot.privacy_state``). The noise of
-round r comes from a generator seeded by (seed, r) (or the OS's CSPRNG, ``privacy.secure_rng``), so a resumed
-run draws what the uninterrupted one drew.
+server state client-level DP keeps: adaptive clipping's clip norm (``Snapshot.privacy_state``). The noise and
+the sampling come from the OS's CSPRNG, so that no seed replays them; with ``privacy.noise_seed`` (experiments)
+round r's noise comes from a generator seeded by (noise_seed, r) and its clients from (seed, r), so a
+resumed run draws what the uninterrupted one drew.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from ..server_math.privacy import (
     noised_mean,
     update_noise_multiplier,
 )
-from ..server_math.server import clients_per_round, poisson_sample, sample_clients
+from ..server_math.server import (
+    clients_per_round,
+    poisson_sample,
+    sample_clients,
+    secure_poisson_sample,
+    secure_sample,
+)
 
 NOISE_TAG = 7  # seeds a round's noise apart from everything else the run draws
 CLIP_NORM = "clip_norm"  # adaptive clipping's server state: the clip norm of the next round (float64)
@@ -80,16 +87,23 @@ class ClientLevelDP:
             except ValueError as e:
                 raise ConfigError(f"privacy.adaptive_clip.count_noise: {e}; raise it, or lower the noise "
                                   "multiplier") from None
-        self.secure_noise = SecureNoise() if p.secure_rng else None
+        self.seeded = p.noise_seed is not None
+        self.secure_noise = None if self.seeded else SecureNoise()
 
     def epsilon(self, rounds: int) -> float:
         """Epsilon at ``privacy.delta`` after ``rounds`` rounds."""
         return epsilon(self.mechanism, rounds, self.config.delta)
 
     def sample(self, round_idx: int) -> list[int]:
-        """The round's clients, drawn as the accountant assumes."""
-        draw = poisson_sample if self.config.sampling == "poisson" else sample_clients
-        return draw(self.seed, round_idx, self.num_clients, self.rate)
+        """The round's clients, drawn as the accountant assumes: from the OS's CSPRNG, or seeded by (seed, round)
+        with ``privacy.noise_seed``."""
+        poisson = self.config.sampling == "poisson"
+        if self.seeded:
+            draw = poisson_sample if poisson else sample_clients
+            return draw(self.seed, round_idx, self.num_clients, self.rate)
+        if poisson:
+            return secure_poisson_sample(self.num_clients, self.rate)
+        return secure_sample(self.num_clients, round(self.expected))
 
     def init_state(self) -> StateDict:
         if self.config.adaptive_clip is None:
@@ -106,7 +120,7 @@ class ClientLevelDP:
         uploads of round ``round_idx``, ``unclipped`` of which were within the clip norm, and the round's
         global weights ``anchor``: ``privacy.noised_mean``, then adaptive clipping's next clip norm, both
         with this round's noise."""
-        noise = self.secure_noise or SeededNoise(derived_seed(self.seed, round_idx, NOISE_TAG))
+        noise = self.secure_noise or SeededNoise(derived_seed(self.config.noise_seed, round_idx, NOISE_TAG))
         clip = self.clip_norm(state)
         std = self.update_noise * clip if self.update_noise else 0.0  # without noise, S may be infinite
         weights = noised_mean(total, count, anchor, self.expected, std, noise)
@@ -125,4 +139,4 @@ class ClientLevelDP:
                        clip_norm=p.clip_norm if math.isfinite(p.clip_norm) else None,
                        adaptive_clip=p.adaptive_clip is not None, sampling=p.sampling,
                        sampling_rate=self.rate, accountant=p.accountant,
-                       noise="secure" if p.secure_rng else "seeded")
+                       noise="seeded" if self.seeded else "secure")

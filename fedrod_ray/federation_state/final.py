@@ -39,14 +39,16 @@ def final_model(setup: Setup, snap: Snapshot,
                 metrics: dict) -> tuple[ModelMeta, StateDict, dict[int, torch.Tensor] | None]:
     """What ``export.save_final`` writes: the metadata with the last evaluation's ``metrics``, the GM's
     weights (``personalization.generic_weights``: the global ones, or the mean of the clients' PMs) and
-    (linear) every client's phi_m (zeros for a client that never trained: its PM is the GM)."""
+    (linear) every client's phi_m (zeros for a client that never trained: its PM is the GM; none at sites)."""
     model = setup.build_model()
     t = snap.config.train
     method = build_method(t.head, t.head_params)
     weights = generic_weights(method, model.personal_keys(), snap.global_shared, snap.clients,
                               model.state_dict(), setup.num_clients)
     heads = None
-    if model.variant == "linear":
+    if model.variant == "linear" and setup.at_sites:
+        heads = {}  # each phi_m stays at its site (docs/sites.md): final/ serves no client's head
+    elif model.variant == "linear":
         # phi_m has the generic head's shape (classes x features): both are bias-free heads on the features.
         shape = snap.global_shared["generic_head.weight"].shape
         heads = {cid: st.personal["personal_head.weight"] if st.personal else torch.zeros(shape)

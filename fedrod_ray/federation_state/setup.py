@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..clients.client import ClientContext, ClientHost
 from ..config import ConfigError, ExperimentConfig
-from ..data import ImageDataset, declared_image_shape, load_dataset
+from ..data import ImageDataset, declared_image_shape, load_dataset, load_server_test
 from ..data.partition import Partition, make_partition
 from ..data.transforms import normalize
 from ..models import FedModel, resolve_arch
@@ -29,6 +30,13 @@ class Setup:
     partition: Partition
     test: TestSet
     augment: bool
+
+    at_sites = False  # the clients' data and state live at their sites (``site_setup.SiteSetup``)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Each client's number of training examples."""
+        return self.partition.sizes
 
     @property
     def num_clients(self) -> int:
@@ -85,6 +93,16 @@ def prepare(cfg: ExperimentConfig) -> Setup:
     test = TestSet(normalize(ds.test_x, ds.mean, ds.std), ds.test_y, ds.num_classes, own)
     augment = ds.augment if cfg.train.augment is None else cfg.train.augment
     return Setup(cfg, ds, partition, test, augment)
+
+
+def prepare_server(cfg: ExperimentConfig) -> Setup:
+    """``data.dataset: sites``: what the server prepares before the sites report their clients: its test set
+    (``load_server_test``) and the model's check, no client yet (``site_setup.SiteSetup`` adds them)."""
+    ds = load_server_test(cfg.data)
+    check_arch(resolve_arch(cfg.model.arch, ds.image_shape), ds.image_shape)
+    partition = Partition([], np.zeros((0, ds.num_classes), np.int64), 0)
+    test = TestSet(normalize(ds.test_x, ds.mean, ds.std), ds.test_y, ds.num_classes)
+    return Setup(cfg, ds, partition, test, bool(cfg.train.augment))
 
 
 def partition_dataset(cfg: ExperimentConfig, ds: ImageDataset) -> Partition:

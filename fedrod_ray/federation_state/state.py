@@ -56,3 +56,6 @@ class Snapshot:
     virtual_time: float = 0.0
     dispatches: int = 0
     in_flight: list[Arrival] = field(default_factory=list)
+    # At sites (``data.dataset: sites``): each site's clients' state versions and sha256, by site name; the states
+    # themselves stay at the sites (``executors.sites.SitesExecutor.site_versions``).
+    sites: dict[str, dict] = field(default_factory=dict)

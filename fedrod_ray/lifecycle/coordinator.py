@@ -8,12 +8,20 @@ from __future__ import annotations
 import ray
 import torch
 
+from ..clients.site_store import SiteStateError
+from ..config import ConfigError
+from ..data import DatasetFormatError, DatasetNotFoundError
 from ..executors.ray import RayExecutor, plan_layout
 from ..executors.shared_setup import SharedSetup
+from ..executors.sites import SitesExecutor
 from ..federation_state.state import Snapshot
 from ..outputs.storage import RunStorage
 from ..round_loop.federation import Federation
 from .run import Run
+
+# What stops a run before it starts with a message of its own (at sites, what the sites' data or stores say):
+# kept by the coordinator and raised by its first call, so that the driver can say it as the CLI says its own.
+STARTUP_ERRORS = (ConfigError, DatasetFormatError, DatasetNotFoundError, SiteStateError)
 
 
 class CoordinatorImpl:
@@ -29,6 +37,16 @@ class CoordinatorImpl:
         cfg = shared.cfg
         torch.set_num_threads(max(1, cfg.runtime.torch_threads or 1))
         setup = shared.setup()
+        self.start_error: Exception | None = None
+        if cfg.sites:  # the sites' actors report their clients, which make the whole setup
+            try:
+                self.executor = SitesExecutor(setup, log=print)
+                self.layout = self.executor.layout
+                self.run = Run(Federation(self.executor.setup, self.executor, log=print), RunStorage(storage_uri),
+                               snapshot)
+            except STARTUP_ERRORS as e:
+                self.start_error = e
+            return
         self.layout = plan_layout(cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
         self.executor = RayExecutor(setup, self.layout, shared=shared)
         self.run = Run(Federation(setup, self.executor, log=print), RunStorage(storage_uri), snapshot)
@@ -36,6 +54,8 @@ class CoordinatorImpl:
             self.run.redo(*restart)
 
     def info(self) -> dict:
+        if self.start_error is not None:
+            raise self.start_error
         return {"next_round": self.run.next_round, "rounds": self.run.rounds, "records": len(self.run.records),
                 "num_actors": self.layout.num_actors,
                 "clients_per_actor": self.layout.clients_per_actor, "max_in_flight": self.layout.max_in_flight}
@@ -57,7 +77,8 @@ class CoordinatorImpl:
         self.run.stop()
 
     def close(self) -> None:
-        self.executor.close()
+        if hasattr(self, "executor"):  # not where the sites' actors could not start
+            self.executor.close()
 
 
 Coordinator = ray.remote(CoordinatorImpl)

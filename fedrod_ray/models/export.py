@@ -52,6 +52,11 @@ VARIANTS = ("none", "linear", "hyper")  # the served model's personalized part (
 GENERIC_MODELS = ("global", "mean of personalized models")
 
 
+# What load_final reads of each file at most (a regular file only: RunStorage.read_file). meta.json is a few
+# KiB (thousands of class names fit); the tensor files are the model's weights.
+MAX_FILE_BYTES = {META_FILE: 4 * 2**20, MODEL_FILE: 4 * 2**30, PERSONAL_FILE: 4 * 2**30}
+
+
 def head_new_client(head: str) -> str:
     """What a new client gives for the zero-shot model of a final/ written before ``ModelMeta.new_client``:
     its class counts for the hyper head, else nothing."""
@@ -221,22 +226,31 @@ def _meta_to_doc(meta: ModelMeta) -> dict:
 
 def _assemble(meta: ModelMeta, weights: dict[str, torch.Tensor], heads: dict[str, torch.Tensor],
               where: str) -> tuple[FedModel, dict[int, torch.Tensor]]:
-    """The model built from meta with the weights loaded, and the personal heads keyed by client id."""
+    """The model built from meta with the weights loaded, and the personal heads keyed by client id.
+
+    The weights' shapes are checked against the model's before it is built, on torch's meta device (shapes,
+    no memory): a one-line edit of meta.json (an image_shape of 2000 x 2000, a hyper_hidden of 10**9) would
+    otherwise allocate gigabytes before the mismatch is found."""
+
+    def build():
+        return build_model(meta.arch, meta.num_classes, tuple(meta.image_shape),
+                           None if meta.head == "none" else meta.head, meta.hyper_hidden, seed=0)
+
     try:
-        model = build_model(meta.arch, meta.num_classes, tuple(meta.image_shape),
-                            None if meta.head == "none" else meta.head, meta.hyper_hidden, seed=0)
+        with torch.device("meta"):
+            skeleton = build()
     except ValueError as e:
         raise ExportError(f"{where}: {e}") from e
-    # The linear P-head is per client and served separately; the model's own stays at zero.
-    expected = {k: v.shape for k, v in model.state_dict().items() if not k.startswith("personal_head.")}
-    missing, extra = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
-    if missing or extra:
-        raise ExportError(f"{where}/{MODEL_FILE} does not fit the model in meta.json: "
-                          f"missing {missing}, extra {extra}")
-    for k, shape in expected.items():
-        if weights[k].shape != shape:
-            raise ExportError(f"{where}/{MODEL_FILE}: {k} has shape {tuple(weights[k].shape)}, "
-                              f"the model needs {tuple(shape)}")
+    except Exception:  # noqa: BLE001 - a plug-in that needs real tensors to build: checked once built
+        skeleton = None
+    if skeleton is not None:
+        _check_weights(skeleton, weights, where)
+    try:
+        model = build()
+    except ValueError as e:
+        raise ExportError(f"{where}: {e}") from e
+    if skeleton is None:
+        _check_weights(model, weights, where)
     model.load_partial(weights)
     model.eval()
     # A meta whose image size does not fit the arch builds fine but fails on the first request.
@@ -256,6 +270,19 @@ def _assemble(meta: ModelMeta, weights: dict[str, torch.Tensor], heads: dict[str
                               f"{tuple(t.shape)}, expected a float {head_shape}")
         out[int(key)] = t.to(model.generic_head.weight.dtype)
     return model, out
+
+
+def _check_weights(model: FedModel, weights: dict[str, torch.Tensor], where: str) -> None:
+    # The linear P-head is per client and served separately; the model's own stays at zero.
+    expected = {k: v.shape for k, v in model.state_dict().items() if not k.startswith("personal_head.")}
+    missing, extra = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
+    if missing or extra:
+        raise ExportError(f"{where}/{MODEL_FILE} does not fit the model in meta.json: "
+                          f"missing {missing}, extra {extra}")
+    for k, shape in expected.items():
+        if weights[k].shape != shape:
+            raise ExportError(f"{where}/{MODEL_FILE}: {k} has shape {tuple(weights[k].shape)}, "
+                              f"the model needs {tuple(shape)}")
 
 
 def save_final(storage: RunStorage, meta: ModelMeta, weights: dict[str, torch.Tensor],
@@ -293,7 +320,7 @@ def _read(storage: RunStorage, name: str, where: str) -> bytes:
     if not storage.exists(f"{FINAL_DIR}/{name}"):
         raise ExportError(f"{where}/{name} does not exist")
     try:
-        return storage.read_bytes(f"{FINAL_DIR}/{name}")
+        return storage.read_file(f"{FINAL_DIR}/{name}", MAX_FILE_BYTES[name])
     except OSError as e:
         raise ExportError(f"{where}/{name} cannot be read: {e}") from e
 

@@ -19,6 +19,8 @@ PRIVATE = "every round, with `privacy.enabled`"
 DEADLINE = "every round, with `rounds.mode: deadline`"
 FEDBUFF = "every server step, with `rounds.mode: fedbuff`"
 RESTARTED = "rounds trained again by a restarted Ray coordinator (`runtime.coordinator_restarts`)"
+AT_SITES = "every round, with `data.dataset: sites`"
+AT_SITES_EVALUATION = "evaluation rounds, with `data.dataset: sites`"
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,17 @@ ROUND_MODE_METRICS = (
     Metric("staleness", FEDBUFF, "the mean staleness of the buffered updates: server steps between the model a "
            "client was sent and the one its update is applied to", label="staleness", title="mean staleness"),
 )
+# A run at sites (``data.dataset: sites``; docs/sites.md).
+SITE_METRICS = (
+    Metric("clients_unavailable", AT_SITES, "sampled clients at sites with no live node (or whose site went "
+           "away while they trained): not failures; their state is as it was", label="unavailable",
+           title="clients unavailable"),
+    Metric("unavailable_ids", AT_SITES, "the unavailable clients' ids"),
+    Metric("gfl_at", AT_SITES_EVALUATION, "where G-FL was computed: on the server, on its test set"),
+    Metric("pfl_at", AT_SITES_EVALUATION, "where P-FL was computed: at the sites, on the clients' own test sets "
+           "or on the server's test set re-weighted there by each client's class distribution"),
+    Metric("pm_eval_unavailable", AT_SITES_EVALUATION, "clients at sites that were away: not in the P-FL means"),
+)
 # What happened to the run (docs/ray.md).
 RUN_METRICS = (
     Metric("coordinator_restart", RESTARTED, "the coordinator actor died in this round or after it, before the "
@@ -116,7 +129,8 @@ RUN_METRICS = (
            "in this invocation (1 for the first); the round's figures are those of the restarted coordinator's "
            "training"),
 )
-BY_KEY = {m.key: m for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS, *RUN_METRICS)}
+ALL_METRICS = (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS, *SITE_METRICS, *RUN_METRICS)
+BY_KEY = {m.key: m for m in ALL_METRICS}
 # The accuracies, in the order every table and report lists them: the exact ones only.
 ACCURACIES = tuple(m.key for m in METRICS if m.accuracy)
 ESTIMATES = tuple(m.key for m in ESTIMATE_METRICS)
@@ -153,5 +167,5 @@ def markdown_table() -> str:
     """docs/runs.md's table of the metrics files' columns (tests/test_metric_schema.py keeps them equal)."""
     lines = ["| column | in the record | console | tables, plots | what it is |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| `{m.key}` | {m.when} | {m.label} | {m.title} | {m.description} |"
-              for m in (*METRICS, *ESTIMATE_METRICS, *PRIVACY_METRICS, *ROUND_MODE_METRICS, *RUN_METRICS)]
+              for m in ALL_METRICS]
     return "\n".join(lines) + "\n"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat
 import uuid
 
 import pyarrow as pa
@@ -68,6 +69,24 @@ class RunStorage:
         with self.fs.open_input_stream(self.path(rel)) as f:
             return f.read()
 
+    def read_file(self, rel: str, max_bytes: int) -> bytes:
+        """``read_bytes`` of a regular file of at most ``max_bytes``; OSError for anything else: a FIFO would
+        block the reader forever and a device (a symlink to /dev/zero) flood it. Locally the checks are made
+        on the opened file (opened without blocking), so nothing swapped in after them is read instead."""
+        if self.fs.type_name != "local":
+            info = self.fs.get_file_info(self.path(rel))
+            _check_file(rel, info.type == pafs.FileType.File, info.size, max_bytes)
+            with self.fs.open_input_stream(self.path(rel)) as f:
+                data = f.read(max_bytes + 1)
+        else:
+            fd = os.open(self.path(rel), os.O_RDONLY | os.O_NONBLOCK)
+            with open(fd, "rb") as f:
+                st = os.fstat(fd)
+                _check_file(rel, stat.S_ISREG(st.st_mode), st.st_size, max_bytes)
+                data = f.read(max_bytes + 1)
+        _check_file(rel, True, len(data), max_bytes)  # it grew while read
+        return data
+
     def open_random(self, rel: str) -> pa.NativeFile:
         """The file for reads at any offset (``read_at``): on an object store, each one a ranged GET."""
         return self.fs.open_input_file(self.path(rel))
@@ -98,3 +117,10 @@ class RunStorage:
     def delete_dir(self, rel: str) -> None:
         if self.exists(rel):
             self.fs.delete_dir(self.path(rel))
+
+
+def _check_file(rel: str, regular: bool, size: int | None, max_bytes: int) -> None:
+    if not regular:
+        raise OSError(f"{rel} is not a regular file (a FIFO, a device or a directory?)")
+    if size is not None and size > max_bytes:
+        raise OSError(f"{rel} has {size} bytes, more than the {max_bytes} allowed")

@@ -16,7 +16,7 @@ from ..models import FedModel, build_model
 from ..objectives import model_parts
 from ..server_math.aggregate import StateDict
 from ..specs.methods import HEADS
-from .base import Personalization, UpdateContext, mean_state
+from .base import Ask, Personalization, ServerContext, UpdateContext, mean_state
 from .registry import METHODS, register
 
 
@@ -51,8 +51,21 @@ def generic_weights(method: Personalization, personal_keys: list[str], global_sh
 
 
 # Importing the method modules registers them.
-from . import ditto, fedbabu, fedfomo, fedper, fedrep, fedrod, lg_fedavg, mtl, perfedavg, pfedme  # noqa: F401
+from . import (  # noqa: F401
+    ditto,
+    fedbabu,
+    fedfomo,
+    fedper,
+    fedrep,
+    fedrod,
+    lg_fedavg,
+    mtl,
+    pefll,
+    perfedavg,
+    pfedhn,
+    pfedme,
+)
 
 check_registry(METHODS, tuple(HEADS), "train.head")
 
-__all__ = ["METHODS", "Personalization", "UpdateContext", "build_method", "generic_weights", "mean_state", "method_model", "register"]
+__all__ = ["METHODS", "Ask", "Personalization", "ServerContext", "UpdateContext", "build_method", "generic_weights", "mean_state", "method_model", "register"]

@@ -6,15 +6,25 @@ own heads (none, linear, hyper) are methods like the personalized-FL baselines (
 "Personalized-FL baselines"). A round, as the federation drives it:
 
 1. ``messages``: what each sampled client receives besides the global weights (FedFOMO: other clients'
-   models); the global weights and the generic rule's broadcast go to every client;
+   models; pFedHN: its own model, generated from the server's state); the global weights and the generic
+   rule's broadcast go to every client;
+   Before that, ``messages`` may ask clients a question (``Ask``, answered by ``answer`` on the client:
+   PeFLL's descriptor of the client's data, which the server's message is made from);
 2. on the client, ``train`` runs the local update from the client's state and returns the result for the
    server, the personal state the client keeps (never sent) and the generic rule's client state;
 3. the server averages the shared weights (``FedModel.shared_keys``) as the generic rule says, then
-   ``server_update`` gives the new global weights and the method's server state.
+   ``server_update`` gives the new global weights and the method's server state from that average and each
+   client's own result (pFedHN: its model, whose difference from the one it was sent the server
+   back-propagates into its hypernetwork), asking clients again where it needs them (PeFLL: the
+   gradient of each client's descriptor goes back to it, and the client's gradient of the embedding
+   network comes back).
 
 The method's client state is ``ClientState.personal`` (a flat ``StateDict`` whose keys it chooses: a head,
 Ditto's personal model, pFedMe's theta~) and ``ClientState.local_model`` (its last upload); its server state
-is a flat ``StateDict`` the checkpoint keeps under ``method/<name>/``. Every hook's default is Fed-RoD's.
+is a flat ``StateDict`` the checkpoint keeps under ``method/<name>/`` (which can be a whole server model:
+pFedHN's hypernetwork, embeddings and optimiser state), made from a ``ServerContext`` (the model's initial
+weights, the run's seed, the data's shape), and read by ``pm_job`` where the server makes the PMs. Every
+hook's default is Fed-RoD's.
 
 A client that never trained (a held-out new client) is personalized in two steps, both the method's:
 before any training of its own, its zero-shot model (``new_client_needs`` says what it must give for it;
@@ -38,6 +48,23 @@ from ..models import FedModel
 from ..server_math.aggregate import StateDict
 from ..specs.rules import NoParams
 from .finetune import fine_tune
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What the method's server state is made from before the first round."""
+
+    num_clients: int  # the training clients
+    initial: StateDict  # the model's initial weights (their shapes: a server model that generates them)
+    seed: int  # the run's
+    image_shape: tuple[int, int, int]  # C x H x W
+    num_classes: int
+
+
+# The server's question to some of the round's clients, within the round (``Personalization.answer``):
+# ask(phase, common, questions) sends each client ``common`` and its own question (by client id) and gives
+# back the answers of those that answered (a client that failed is logged and left out).
+Ask = Callable[[str, StateDict, dict[int, StateDict]], dict[int, StateDict]]
 
 
 @dataclass
@@ -67,7 +94,8 @@ class Personalization:
     # The PM's global reading (``pfl_pm_global``): "model", the global weights with the client's personal
     # part (``reading_heads``); None, no such reading (NaN), a client that never trained then reads the GM.
     global_reading: ClassVar[str | None] = "model"
-    # The PM is made from the global model at evaluation (``pm_job``): it changes every round.
+    # The PM is made on the server at evaluation (``pm_job``), from the global model or the method's server
+    # state: it changes every round.
     pm_from_global: ClassVar[bool] = False
     # A client's calls carry its last local model (``ClientState.for_training``).
     starts_from_local_model: ClassVar[bool] = False
@@ -126,9 +154,10 @@ class Personalization:
     # --- server ---------------------------------------------------------------------------------------
 
     def messages(self, server_state: StateDict, ids: list[int], uploads: dict[int, StateDict | None],
-                 round_idx: int, seed: int) -> dict[int, StateDict]:
+                 round_idx: int, seed: int, ask: Ask) -> dict[int, StateDict]:
         """What each of the round's clients ``ids`` receives besides the global weights; ``uploads`` is every
-        client's last upload (None: it never trained)."""
+        client's last upload (None: it never trained); ``ask`` puts a question to clients first (PeFLL: each
+        sampled client's descriptor, from which the server makes the model it sends)."""
         return {}
 
     def new_client_message(self, server_state: StateDict, global_shared: StateDict) -> StateDict:
@@ -136,15 +165,23 @@ class Personalization:
         its adaptation (its ``RoundInput.per_client`` entry): nothing by default."""
         return {}
 
-    def init_server_state(self, num_clients: int) -> StateDict:
+    def init_server_state(self, ctx: ServerContext) -> StateDict:
+        """The server state before the first round (drawn from ``ctx.seed`` where it is random)."""
         return {}
 
     def server_update(self, averaged: StateDict, results: dict[int, LocalResult],
                       uploads: dict[int, StateDict | None], server_state: StateDict, initial: StateDict,
-                      num_clients: int) -> tuple[StateDict, StateDict]:
+                      num_clients: int, ask: Ask) -> tuple[StateDict, StateDict]:
         """(new global weights, new server state) from the participants' averaged shared weights, their
-        ``results`` and every client's last upload (``uploads``, the round's included)."""
+        ``results`` and every client's last upload (``uploads``, the round's included); ``ask`` puts a
+        question to clients within the round (PeFLL: each client's part of the backward pass)."""
         return averaged, server_state
+
+    def answer(self, phase: str, model: FedModel, common: StateDict, question: StateDict, data: ClientData,
+               ctx: UpdateContext) -> StateDict:
+        """A client's answer to the server's question of ``phase`` within a round (``Ask``), from its data;
+        ``model`` is the host's, free to use. It keeps nothing: the answer is all that leaves."""
+        raise NotImplementedError(f"method {self.name!r} asks its clients no {phase!r} question")
 
     def generic_model(self, global_shared: StateDict, pms: Callable[[], Iterable[StateDict]]) -> StateDict:
         """The GM's weights (G-FL, P-FL (GM), ``final/``): the global weights, or (a method without a global
@@ -161,9 +198,10 @@ class Personalization:
         distributions; None: the reading is the global model itself."""
         return None
 
-    def pm_job(self, state, global_shared: StateDict, rounds_done: int):
-        """The ``ClientState`` that the client's PM is evaluated from (``load_pm``) after ``rounds_done``
-        rounds: its own (with ``pm_from_global``: one made of the global weights)."""
+    def pm_job(self, state, global_shared: StateDict, rounds_done: int, server_state: StateDict, client_id: int):
+        """The ``ClientState`` that client ``client_id``'s PM is evaluated from (``load_pm``) after ``rounds_done``
+        rounds: its own (with ``pm_from_global``: one made on the server, of the global weights or of the
+        method's ``server_state``)."""
         return state
 
 

@@ -43,11 +43,11 @@ class FedBABU(Personalization):
             loss, steps = sgd_epochs(model, optimizer(body, ctx), client_batches(data, ctx))
         return result(model, num_samples=len(data), loss=loss, steps=steps, t0=t0), None, {}
 
-    def server_update(self, averaged, results, uploads, server_state, initial, num_clients):
+    def server_update(self, averaged, results, uploads, server_state, initial, num_clients, ask):
         """The averaged body with the head at h_init."""
         return {**averaged, **{k: initial[k] for k in head_keys(averaged)}}, server_state
 
-    def pm_job(self, state, global_shared, rounds_done):
+    def pm_job(self, state, global_shared, rounds_done, server_state, client_id):
         return dataclasses.replace(state, personal=None, local_model=global_shared, rounds_trained=rounds_done)
 
     def load_pm(self, model, state, data, ctx):

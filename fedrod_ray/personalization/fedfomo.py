@@ -84,10 +84,10 @@ class FedFomo(OwnModels):
     name = "fedfomo"
     Params = FedFomoParams
 
-    def init_server_state(self, num_clients):
-        return {AFFINITY: torch.zeros(num_clients, num_clients, dtype=torch.float64)}
+    def init_server_state(self, ctx):
+        return {AFFINITY: torch.zeros(ctx.num_clients, ctx.num_clients, dtype=torch.float64)}
 
-    def messages(self, server_state, ids, uploads, round_idx, seed):
+    def messages(self, server_state, ids, uploads, round_idx, seed, ask):
         p = self.params
         epsilon = max(0.0, p.epsilon - p.epsilon_decay * round_idx)
         affinity = server_state[AFFINITY]
@@ -102,12 +102,12 @@ class FedFomo(OwnModels):
             out[cid] = msg
         return out
 
-    def server_update(self, averaged, results, uploads, server_state, initial, num_clients):
+    def server_update(self, averaged, results, uploads, server_state, initial, num_clients, ask):
         affinity = server_state[AFFINITY].clone()
         for cid, res in results.items():
             if res.method_upload:
                 affinity[cid, res.method_upload[IDS]] += res.method_upload["u"]
-        weights, _ = super().server_update(averaged, results, uploads, server_state, initial, num_clients)
+        weights, _ = super().server_update(averaged, results, uploads, server_state, initial, num_clients, ask)
         return weights, {AFFINITY: affinity}
 
     def train(self, model, message, data, personal, local_model, rule_state, objectives, momentum, ctx):

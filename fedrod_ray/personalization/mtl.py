@@ -28,7 +28,7 @@ class OwnModels(Personalization):
         """Its own model, or (a client that never trained) the initial weights."""
         start(model, ctx.initial if local_model is None else local_model, ctx)
 
-    def server_update(self, averaged, results, uploads, server_state, initial, num_clients):
+    def server_update(self, averaged, results, uploads, server_state, initial, num_clients, ask):
         """The global weights become the plain mean of every training client's current model, each read once."""
         models = (initial if (m := uploads.get(cid)) is None else m for cid in range(num_clients))
         return mean_state({k: m[k] for k in averaged} for m in models), server_state

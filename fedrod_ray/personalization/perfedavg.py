@@ -66,7 +66,7 @@ class PerFedAvg(Personalization):
         return result(model, num_samples=len(data), loss=(loss_sum / len(steps)).item(), steps=len(steps),
                       t0=t0), None, {}
 
-    def pm_job(self, state, global_shared, rounds_done):
+    def pm_job(self, state, global_shared, rounds_done, server_state, client_id):
         return dataclasses.replace(state, personal=None, local_model=global_shared, rounds_trained=rounds_done)
 
     def load_pm(self, model, state, data, ctx):

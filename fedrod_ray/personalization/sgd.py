@@ -109,7 +109,7 @@ def sgd_epochs(model: FedModel, opt: torch.optim.Optimizer, batches: Batches,
 
 def check_finite(loss_sum: torch.Tensor, epoch: int) -> None:
     if not torch.isfinite(loss_sum):
-        raise LocalTrainingError(f"non-finite loss in local epoch {epoch + 1}")
+        raise LocalTrainingError(f"non-finite loss in local epoch {epoch + 1}", diverged=True)
 
 
 def cpu_state(model: FedModel, keys: list[str] | None = None) -> StateDict:

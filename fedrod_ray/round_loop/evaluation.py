@@ -87,7 +87,8 @@ class Evaluation:
         test, weights = self.setup.test, self.setup.pfl_weights
         ids = self.client_ids
         m = self.setup.num_clients
-        pm, stale, fresh_clients = self._pm_jobs(clients, ids, global_shared, round_idx + 1, self._pm_counts)
+        pm, stale, fresh_clients = self._pm_jobs(clients, ids, global_shared, round_idx + 1, self._pm_counts,
+                                                 method_state)
         ft_jobs = self._finetune_jobs(clients) if final else []
         # New clients receive the method's new-client message; their zero-shot models are the executor's
         # unless they are the global reading (``Personalization.zero_shot_is_reading``).
@@ -99,7 +100,7 @@ class Evaluation:
         # fine-tunes, while this thread scores the GM and every client's global-reading PM from one pass of the GM.
         with ThreadPoolExecutor(1) as pool:
             pending = (pool.submit(self._executor_evaluation, executor, clients, stale, global_shared,
-                                   round_idx + 1, ft_jobs, zs_jobs, message, round_idx)
+                                   round_idx + 1, ft_jobs, zs_jobs, message, round_idx, method_state)
                        if stale or ft_jobs or zs_jobs else None)
             generic = self.generic_model(global_shared, clients)
             self.model.load_partial(generic)
@@ -152,16 +153,18 @@ class Evaluation:
         return out
 
     def estimate(self, executor: Executor, global_shared: StateDict, clients: ClientStore,
-                 rounds_done: int) -> dict:
+                 rounds_done: int, method_state: StateDict) -> dict:
         """The estimate of G-FL and of the training clients' P-FL of the GM and of their PMs (as
         ``evaluate``'s gfl_gm, pfl_gm and pfl_pm) on the sample ``estimate_test``: the same counts, from
-        its images only."""
+        its images only; ``method_state`` is the method's server state."""
         test = self.estimate_test
         dists = test.pfl_weights(self.setup.class_dists)
         m = self.setup.num_clients
-        pm, stale, fresh_clients = self._pm_jobs(clients, range(m), global_shared, rounds_done, self._pm_estimates)
+        pm, stale, fresh_clients = self._pm_jobs(clients, range(m), global_shared, rounds_done, self._pm_estimates,
+                                                 method_state)
         with ThreadPoolExecutor(1) as pool:
-            pending = (pool.submit(self._evaluate_pms, executor, clients, stale, global_shared, rounds_done, True)
+            pending = (pool.submit(self._evaluate_pms, executor, clients, stale, global_shared, rounds_done,
+                                   method_state, True)
                        if stale else None)
             generic = self.generic_model(global_shared, clients)
             self.model.load_partial(generic)
@@ -185,20 +188,22 @@ class Evaluation:
         return generic_weights(self.method, self.model.personal_keys(), global_shared, clients, self.initial,
                                self.setup.num_clients)
 
-    def _pm_state(self, clients: ClientStore, cid: int, global_shared: StateDict, rounds_done: int) -> ClientState:
+    def _pm_state(self, clients: ClientStore, cid: int, global_shared: StateDict, rounds_done: int,
+                  method_state: StateDict) -> ClientState:
         """What client ``cid``'s PM is evaluated from (``Personalization.pm_job``, for a training client)."""
         state = clients[cid]
         if self.method.pm_from_global and cid < self.setup.num_clients:
-            return self.method.pm_job(state, global_shared, rounds_done)
+            return self.method.pm_job(state, global_shared, rounds_done, method_state, cid)
         return state
 
     def _evaluate_pms(self, executor: Executor, clients: ClientStore, stale: list[int], global_shared: StateDict,
-                      rounds_done: int, estimate: bool = False) -> tuple[EvalCounts, dict[int, int]]:
+                      rounds_done: int, method_state: StateDict,
+                      estimate: bool = False) -> tuple[EvalCounts, dict[int, int]]:
         """The executor's PM counts of the ``stale`` clients, and the rounds each PM had trained. Their states
         are read PM_JOBS at a time, so that an evaluation holds no more of them than that."""
         out, rounds = EvalCounts(), {}
         for start in range(0, len(stale), PM_JOBS):
-            jobs = [(cid, self._pm_state(clients, cid, global_shared, rounds_done))
+            jobs = [(cid, self._pm_state(clients, cid, global_shared, rounds_done, method_state))
                     for cid in stale[start:start + PM_JOBS]]
             out.merge(executor.evaluate(jobs, estimate))
             rounds.update({cid: state.rounds_trained for cid, state in jobs})
@@ -206,9 +211,9 @@ class Evaluation:
 
     def _executor_evaluation(self, executor: Executor, clients: ClientStore, stale: list[int],
                              global_shared: StateDict, rounds_done: int, ft_jobs: list[Job], zs_jobs: list[Job],
-                             message: RoundInput, round_idx: int
+                             message: RoundInput, round_idx: int, method_state: StateDict
                              ) -> tuple[EvalCounts, dict[int, int], EvalCounts, EvalCounts]:
-        evaluated, rounds = self._evaluate_pms(executor, clients, stale, global_shared, rounds_done)
+        evaluated, rounds = self._evaluate_pms(executor, clients, stale, global_shared, rounds_done, method_state)
         zero_shot = executor.zero_shot(zs_jobs, message, round_idx) if zs_jobs else EvalCounts()
         tuned = (executor.finetune(ft_jobs, message, self.cfg.eval.finetune_epochs, round_idx)
                  if ft_jobs else EvalCounts())
@@ -230,7 +235,8 @@ class Evaluation:
         return [(cid, clients[cid].for_training()) for cid in ids]
 
     def _pm_jobs(self, clients: ClientStore, ids: Iterable[int], global_shared: StateDict, rounds_done: int,
-                 cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[EvalCounts, list[int], list[int]]:
+                 cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]],
+                 method_state: StateDict) -> tuple[EvalCounts, list[int], list[int]]:
         """Of clients ``ids``: the PM counts in ``cache`` still valid, the clients whose PM must be evaluated
         afresh (trained since their last evaluation), and those without a model of their own (never
         trained). A PM changes only when its client trains (with ``pm_from_global``: every round), so only
@@ -239,7 +245,7 @@ class Evaluation:
         m = self.setup.num_clients
         for cid in ids:
             if self.method.pm_from_global and cid < m:
-                state = self._pm_state(clients, cid, global_shared, rounds_done)
+                state = self._pm_state(clients, cid, global_shared, rounds_done, method_state)
                 has_model = state.local_model is not None or state.personal is not None
                 rounds = state.rounds_trained
             else:

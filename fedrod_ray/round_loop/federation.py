@@ -17,7 +17,7 @@ import numpy as np
 
 from ..algorithms import build_rule
 from ..client_update.local import LocalResult, RoundInput, round_lr
-from ..clients.client import ClientFailure, ClientState
+from ..clients.client import ClientFailure, ClientState, ClientUnavailable
 from ..config import ConfigError
 from ..executors.base import Executor
 from ..federation_state.buffered_rounds import BufferedRounds
@@ -25,7 +25,7 @@ from ..federation_state.client_store import ClientStore, LocalModels
 from ..federation_state.dp_rounds import ClientLevelDP, check_shared
 from ..federation_state.setup import Setup
 from ..federation_state.state import Arrival, Snapshot
-from ..personalization import build_method
+from ..personalization import Ask, ServerContext, build_method
 from ..server_math.aggregate import OrderedAverager, StateDict
 from ..server_math.buffered import buffered_update, staleness_weight
 from ..server_math.server import clients_per_round, sample_clients, sample_count
@@ -38,6 +38,7 @@ from ..timing.clock import (
     read_trace,
 )
 from .evaluation import Evaluation, anchored, estimate_offset
+from .site_evaluation import SiteEvaluation
 
 
 class RoundFailedError(RuntimeError):
@@ -71,12 +72,14 @@ class Federation:
         self.generic_keys = set(self.model.generic_keys())
         self.global_shared: StateDict = {k: state[k].detach().clone() for k in self.shared_keys}
         self.server_state: StateDict = self.rule.init_server_state(self._generic(self.global_shared))
-        self.method_state: StateDict = self.method.init_server_state(setup.num_clients)
+        self.method_state: StateDict = self.method.init_server_state(self._server_context())
         # Every client's committed state, the runtime.client_cache most recently used in memory, the rest on
         # disk. A state is only ever replaced, never written into, so a snapshot stays valid while training
         # goes on.
         self.clients = ClientStore(len(setup.all_client_ids), self.cfg.runtime.client_cache)
-        self.evaluation = Evaluation(setup, self.model, self.method, self.initial, log)
+        # At sites (``data.dataset: sites``), P-FL is computed where the clients are.
+        self.evaluation = (SiteEvaluation if setup.at_sites else Evaluation)(setup, self.model, self.method,
+                                                                              self.initial, log)
         self.estimate_offset: dict[str, float] = {}
         self.next_round = 0
         # Client-level DP (``privacy``): its sampling, clipping and noised aggregate replace the plain ones.
@@ -92,6 +95,10 @@ class Federation:
                 log(f"privacy: the budget of epsilon {self.cfg.privacy.target_epsilon:g} lasts {self.rounds} of "
                     f"the {self.cfg.train.rounds} rounds at noise multiplier {self.dp.noise_multiplier:g}: the run "
                     f"stops after round {self.rounds}")
+            if self.dp.seeded:
+                log(f"privacy: the noise and the client sampling are seeded (privacy.noise_seed="
+                    f"{self.cfg.privacy.noise_seed}, seed={self.cfg.seed}): reproducible, but not private against "
+                    "anyone who knows the seed (config.yaml holds it)")
         self.durations = self._durations()  # each client's local update, in virtual seconds
         self.virtual_time = 0.0
         rc = self.cfg.rounds
@@ -111,10 +118,15 @@ class Federation:
             except (OSError, ValueError) as e:
                 raise ConfigError(f"rounds.trace: {e}") from None
         speeds = client_speeds(rc.speeds, n, self.cfg.seed, rc.speed, rc.sigma, rc.shape, trace)
-        examples = np.array([len(self.setup.partition.client_indices[c]) for c in range(n)])
+        examples = np.asarray(self.setup.sizes[:n])
         model_bytes = sum(v.numel() * v.element_size() for v in self.global_shared.values())
         return durations(speeds, examples, self.cfg.train.local_epochs,
                          communication_seconds(model_bytes, rc.bandwidth))
+
+    def _server_context(self) -> ServerContext:
+        ds = self.setup.dataset
+        return ServerContext(self.setup.num_clients, self.initial, self.cfg.seed, tuple(ds.image_shape),
+                             ds.num_classes)
 
     def _generic(self, state: StateDict) -> StateDict:
         return {k: v for k, v in state.items() if k in self.generic_keys}
@@ -124,7 +136,13 @@ class Federation:
         return Snapshot(self.next_round, self.cfg, dict(self.global_shared), dict(self.server_state),
                         self.clients.snapshot(), dict(self.estimate_offset), dict(self.method_state),
                         dict(self.privacy_state), self.virtual_time, buffered.dispatches if buffered else 0,
-                        list(buffered.in_flight) if buffered else [])
+                        list(buffered.in_flight) if buffered else [], self._site_versions())
+
+    def _site_versions(self) -> dict:
+        """At sites: the version and sha256 of every client's state that each site keeps (``SitesExecutor``)."""
+        if not self.setup.at_sites:
+            return {}
+        return self.executor.site_versions({cid: self.clients.rounds_trained(cid) for cid in self.clients})
 
     def restore(self, snap: Snapshot) -> None:
         if set(snap.global_shared) != set(self.shared_keys):
@@ -132,10 +150,12 @@ class Federation:
                              f"{sorted(set(snap.global_shared) ^ set(self.shared_keys))}")
         self.global_shared = dict(snap.global_shared)
         self.server_state = dict(snap.server_state)
-        self.method_state = dict(snap.method_state) or self.method.init_server_state(self.setup.num_clients)
+        self.method_state = dict(snap.method_state) or self.method.init_server_state(self._server_context())
         if self.dp is not None:
             self.privacy_state = dict(snap.privacy_state) or self.dp.init_state()
         self.clients.restore(snap.clients)
+        if self.setup.at_sites:  # each site checks that it holds its clients' states as the snapshot names them
+            self.executor.restore_sites(snap.sites, {cid: self.clients.rounds_trained(cid) for cid in self.clients})
         self.next_round = snap.rounds_done
         self.estimate_offset = dict(snap.estimate_offset)
         self.virtual_time = snap.virtual_time
@@ -152,7 +172,7 @@ class Federation:
         t0 = time.perf_counter()
         record = self._buffered_round(r, t0) if self.buffered is not None else self._round(r, t0)
         cfg = self.cfg
-        sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients, r + 1)
+        sample = (self.evaluation.estimate(self.executor, self.global_shared, self.clients, r + 1, self.method_state)
                   if cfg.eval.estimate_size else None)
         last = r + 1 == self.rounds
         # Exact: every eval_every rounds and after the last; with the estimate, after round 1 too, which
@@ -190,15 +210,21 @@ class Federation:
         results: dict[int, LocalResult] = {}
         new_states: dict[int, ClientState] = {}
         failures: list[ClientFailure] = []
+        unavailable: list[ClientUnavailable] = []  # at sites: clients whose site is away (not failures)
         self._report(r + 1, 0, len(ids))
         for slot, out in self.executor.train(r, jobs, message):
-            if isinstance(out, ClientFailure):
+            if isinstance(out, ClientUnavailable):
+                for averager in (generic, rest, uploads, clipped):
+                    averager.skip(slot)
+                unavailable.append(out)
+                self.log(f"[round {r + 1}] client {out.client_id} unavailable: {out.reason}")
+            elif isinstance(out, ClientFailure):
                 res = out
                 for averager in (generic, rest, uploads, clipped):
                     averager.skip(slot)
                 failures.append(res)
                 self.log(f"[round {r + 1}] client {res.client_id} failed: {res.error}\n{res.traceback}")
-                self._check_failures(r, len(ids), failures)
+                self._check_failures(r, len(ids) - len(unavailable), failures)
             else:
                 res, new_states[ids[slot]] = out
                 if dp:
@@ -210,8 +236,13 @@ class Federation:
                              res.num_samples)
                     uploads.add(slot, res.upload, 1.0)
                 results[ids[slot]] = res
-            self._report(r + 1, len(results) + len(failures), len(ids))
-        self._check_failures(r, len(ids), failures)
+            self._report(r + 1, len(results) + len(failures) + len(unavailable), len(ids))
+        if ids and len(unavailable) == len(ids):
+            reasons = "; ".join(sorted({u.reason for u in unavailable}))
+            raise RoundFailedError(f"round {r + 1}: all {len(ids)} sampled clients are unavailable ({reasons}); the "
+                                   "run stops here (runtime.site_wait_s says how long a round waits for a site to "
+                                   "come back)")
+        self._check_failures(r, len(ids) - len(unavailable), failures)
         if dp:
             # The rule's server step sees only the noised mean, and the expected number of participants.
             averaged, privacy_state = dp.aggregate(clipped.total(), clipped.count, unclipped, self.global_shared,
@@ -230,12 +261,15 @@ class Federation:
         self.clients.update(new_states)
         averaged, self.method_state = self.method.server_update(
             {k: averaged[k] for k in self.shared_keys}, results, self._uploads(), self.method_state, self.initial,
-            self.setup.num_clients)
+            self.setup.num_clients, self._asker(r))
         self.global_shared = {k: averaged[k] for k in self.shared_keys}
         self.next_round = r + 1
         self.virtual_time += seconds
 
         record = self._record(r, list(results.values()), failures, t0, seconds)
+        if self.setup.at_sites:
+            record.update(clients=len(ids), clients_unavailable=len(unavailable),
+                          unavailable_ids=sorted(u.client_id for u in unavailable))
         if rc.mode == "deadline":
             record.update(clients=len(sampled), clients_dropped=len(sampled) - len(ids))
         if dp:
@@ -306,8 +340,24 @@ class Federation:
         from_local = self.rule.starts_from_local_model or self.method.starts_from_local_model
         jobs = [(cid, self.clients[cid].for_training(from_local)) for cid in ids]
         message = RoundInput(self.global_shared, self.rule.broadcast(self.server_state),
-                             self.method.messages(self.method_state, ids, self._uploads(), r, self.cfg.seed), clip_norm)
+                             self.method.messages(self.method_state, ids, self._uploads(), r, self.cfg.seed,
+                                                  self._asker(r)), clip_norm)
         return jobs, message
+
+    def _asker(self, r: int) -> Ask:
+        """The method's ``Ask`` within round ``r``: its clients' answers, by the executor; a client that fails
+        to answer is logged and left out (the method goes on without it)."""
+
+        def ask(phase: str, common: StateDict, questions: dict[int, StateDict]) -> dict[int, StateDict]:
+            answers = {}
+            for cid, out in self.executor.ask(r, phase, common, questions).items():
+                if isinstance(out, ClientFailure):
+                    self.log(f"[round {r + 1}] client {cid} did not answer {phase}: {out.error}\n{out.traceback}")
+                else:
+                    answers[cid] = out
+            return answers
+
+        return ask
 
     def _uploads(self) -> LocalModels:
         """Every training client's last upload (None: it never trained), read when asked for."""
@@ -319,7 +369,16 @@ class Federation:
             self.progress(round_number, finished, sampled)
 
     def _check_failures(self, r: int, sampled: int, failures: list[ClientFailure]) -> None:
+        """Raise RoundFailedError past the runtime's failure limits. Under client-level DP a client that
+        diverged (a non-finite loss or update) is left out of the count, as if it had not been sampled: it is
+        dropped from the round's sum, the mean still divides by the expected number, and the limits are for
+        what the runtime breaks, not for what the noise does to a client's training."""
         rt = self.cfg.runtime
+        if self.dp is not None:
+            sampled -= sum(f.diverged for f in failures)
+            failures = [f for f in failures if not f.diverged]
+        if not failures:
+            return
         if len(failures) > rt.max_failed_fraction * sampled or sampled - len(failures) < min(
                 rt.min_clients_per_round, sampled):
             ids = ", ".join(str(f.client_id) for f in failures)

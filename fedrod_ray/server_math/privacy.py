@@ -29,9 +29,14 @@ def update_norm(model: StateDict, anchor: StateDict) -> float:
     return math.sqrt(float(squares))
 
 
+class NonFiniteUpdateError(ArithmeticError):
+    """An update whose norm is not finite (NaN or inf weights): scaled, it would be all NaN, and summed, it
+    would end the sum's bound; its client failed instead."""
+
+
 def clip_update(model: StateDict, anchor: StateDict, clip_norm: float) -> tuple[StateDict, bool]:
     """(anchor + clip(model - anchor), whether it was clipped): the update scaled to L2 norm at most
-    ``clip_norm``.
+    ``clip_norm``. Raises NonFiniteUpdateError for an update that is not finite.
 
     An update within the norm comes back as ``model`` itself, bit for bit. A longer one is scaled by
     S / ||Delta|| (less ``CLIP_MARGIN``) in float64 and rounded to the model's dtype towards the anchor, not to
@@ -39,6 +44,8 @@ def clip_update(model: StateDict, anchor: StateDict, clip_norm: float) -> tuple[
     within S: rounded to the nearest, a small update on large weights could gain a good part of its norm.
     """
     norm = update_norm(model, anchor)
+    if not math.isfinite(norm):
+        raise NonFiniteUpdateError(f"the update's norm is {norm} (its weights are not finite)")
     if norm <= clip_norm:
         return model, False
     scale = clip_norm / norm * CLIP_MARGIN
@@ -105,7 +112,9 @@ def update_noise_multiplier(noise_multiplier: float, count_noise: float) -> floa
     The round releases the clipped sum with noise multiplier z_Delta and the count of unclipped updates,
     centred (b_m - 1/2, sensitivity 1/2), with noise std sigma_b: together a Gaussian mechanism of multiplier
     (z_Delta^-2 + (2 sigma_b)^-2)^-1/2. For that to be ``noise_multiplier``, z_Delta = (sigma^-2 -
-    (2 sigma_b)^-2)^-1/2, which needs 2 sigma_b > sigma (else the count alone spends the whole budget).
+    (2 sigma_b)^-2)^-1/2, which needs 2 sigma_b > sigma (else the count alone spends the whole budget). Under
+    replace-one neighbours (fixed-size sampling) both sensitivities double, and the two are one mechanism of
+    multiplier sigma / 2, which is what the accountant charges there.
     """
     if noise_multiplier == 0:
         return 0.0

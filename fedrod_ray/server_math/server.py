@@ -3,6 +3,8 @@ global weights is the generic rule's (``fedrod_ray.algorithms``)."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
 SAMPLE_TAG = 2
@@ -30,3 +32,16 @@ def poisson_sample(seed: int, round_idx: int, num_clients: int, rate: float) -> 
     a function of (seed, round) only."""
     rng = np.random.default_rng([seed, round_idx, POISSON_TAG])
     return [int(c) for c in np.flatnonzero(rng.random(num_clients) < rate)]
+
+
+def secure_sample(num_clients: int, count: int) -> list[int]:
+    """``count`` of the clients, sorted, drawn from the OS's CSPRNG (``random.SystemRandom``): a private run's
+    fixed-size draw, which no seed reproduces, so that who took part stays unknown to whoever knows it."""
+    return sorted(random.SystemRandom().sample(range(num_clients), count))
+
+
+def secure_poisson_sample(num_clients: int, rate: float) -> list[int]:
+    """Poisson sampling at ``rate`` (as ``poisson_sample``), each client's draw a 53-bit uniform from the OS's
+    CSPRNG. Sorted."""
+    rng = random.SystemRandom()
+    return [c for c in range(num_clients) if rng.random() < rate]

@@ -48,6 +48,26 @@ class MTLParams:
 
 
 @dataclass(config=CLOSED)
+class PFedHNParams:
+    # the clients' embeddings v_m; None: the paper's code's 1 + M / 4 (M training clients)
+    embed_dim: PositiveInt | None = None
+    hidden: PositiveInt = 100  # the hypernetwork's width (its MLP: 4 linear layers, ReLU between)
+    # the server's SGD step on phi and the embeddings (the official 1e-2 diverges here: docs/method.md)
+    server_lr: PositiveFloat = 0.001
+
+
+@dataclass(config=CLOSED)
+class PeFLLParams:
+    # the descriptors v_m; None: the official code's 1 + M / 4 (M training clients)
+    embed_dim: PositiveInt | None = None
+    hidden: PositiveInt = 100  # the hypernetwork's width (pFedHN's)
+    server_lr: PositiveFloat = 2e-4  # the server's Adam step on phi and psi (the official code's)
+    reg_hyper: NonNegativeFloat = 1e-3  # lam_h: the regulariser (lam_h / 2) ||phi||^2 of the hypernetwork
+    reg_embed: NonNegativeFloat = 1e-3  # lam_v: (lam_v / 2) ||psi||^2 of the embedding network
+    reg_model: NonNegativeFloat = 0.0  # lam_theta: (lam_theta / 2) ||w_m||^2 of each generated model
+
+
+@dataclass(config=CLOSED)
 class FedBABUParams:
     finetune_epochs: PositiveInt = 5  # tau_f: epochs of fine-tuning the GM on a client's own data (its PM)
 
@@ -67,7 +87,8 @@ class HeadSpec:
     formulas of plain gradient steps (no momentum, no weight decay); ``global_model``: it has a global model
     (else its GM is the mean of the personalized models); ``reads_uploads``: its server reads every client's
     own upload (not only their aggregate); ``hypernetwork``: the server averages a hypernetwork that makes
-    each client's head (``model.hyper_hidden``)."""
+    each client's head (``model.hyper_hidden``); ``generates_model``: the server generates every weight of each
+client's model (which therefore can have no buffers, such as batch-norm statistics)."""
 
     params: type = NoParams
     erm: bool = True
@@ -75,6 +96,7 @@ class HeadSpec:
     global_model: bool = True
     reads_uploads: bool = False
     hypernetwork: bool = False
+    generates_model: bool = False
 
 
 # What a personalized-FL baseline (``erm``) trains with: cross-entropy on one head, FedAvg's server step.
@@ -88,6 +110,8 @@ HEADS: dict[str, HeadSpec] = {
     "fedfomo": HeadSpec(FedFomoParams, global_model=False, reads_uploads=True),
     "mtl": HeadSpec(MTLParams, global_model=False, reads_uploads=True),
     "fedbabu": HeadSpec(FedBABUParams),
+    "pfedhn": HeadSpec(PFedHNParams, global_model=False, reads_uploads=True, generates_model=True),
+    "pefll": HeadSpec(PeFLLParams, global_model=False, reads_uploads=True, generates_model=True),
 }
 
 
