@@ -11,7 +11,7 @@ import yaml
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedrod_ray.clients.client import ClientFailure, ClientHost
+from fedrod_ray.clients.client import ClientFailure, ClientHost, ClientState
 from fedrod_ray.config import config_from_dict
 
 from . import wire
@@ -64,17 +64,26 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Test counts of this node's clients' personalized models (``ClientHost.evaluate``), after their
+    """The answers of this node's clients to the method's question (``ClientHost.answer``), or test counts of
+    their personalized models (``ClientHost.evaluate``), after their
     adaptation (``ClientHost.finetune``) or of the zero-shot models of those that never trained
     (``ClientHost.zero_shot``), each from its own state after the server's rounds so far."""
     head, _, states, host = _node(context, msg.content)
     done, ids, action = head["rounds_done"], head["clients"], head["action"]
     message = wire.round_input(msg.content, ids, None)
+    if action == "ask":
+        reply = RecordDict()
+        for cid in ids:
+            wire.put_answer(reply, cid, host.answer(cid, head["phase"], message.weights,
+                                                    message.per_client.get(cid, {}), head["round_idx"]))
+        return Message(reply, reply_to=msg)
     jobs = []
     for cid in ids:
-        state = states.load(cid, done)
         if host.method.pm_from_global and action == "evaluate":
-            state = host.method.pm_job(state, message.weights, done)
+            # The PM the server made (``Personalization.pm_job``) from its own state, which holds nothing personal.
+            state = ClientState.from_tensors(message.per_client[cid], done)
+        else:
+            state = states.load(cid, done)
         jobs.append((cid, state))
     if action == "evaluate":
         counts = host.evaluate(jobs, head["estimate"])

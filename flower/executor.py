@@ -21,6 +21,7 @@ from fedrod_ray.config import ExperimentConfig
 from fedrod_ray.config.loading import dump_config
 from fedrod_ray.executors.base import Job, TrainOutcome
 from fedrod_ray.personalization import build_method
+from fedrod_ray.server_math.aggregate import StateDict
 
 from . import wire
 
@@ -120,6 +121,21 @@ class FlowerExecutor:
                 # What the server keeps of the client: the shared weights it sent, never its own state.
                 yield slot, out if isinstance(out, ClientFailure) else jobs[slot][1].trained((out, None, {}))
 
+    def ask(self, round_idx: int, phase: str, common: StateDict,
+            questions: dict[int, StateDict]) -> dict[int, StateDict | ClientFailure]:
+        def fill(content: RecordDict, cids: list[int]) -> None:
+            wire.put_header(content, config=self.config_text, clients=cids, rounds_done=self.rounds_done,
+                            action="ask", phase=phase, round_idx=round_idx)
+            wire.put_round_input(content, RoundInput(common, per_client=questions), cids)
+
+        by_node, replies = self._send(list(questions), MessageType.EVALUATE, fill)
+        out: dict[int, StateDict | ClientFailure] = {}
+        for node, cids in by_node.items():
+            reply = replies[node]
+            for cid in cids:
+                out[cid] = ClientFailure(cid, reply, "") if isinstance(reply, str) else wire.answer(reply, cid)
+        return out
+
     def _counts(self, jobs: list[Job], header: dict, message: RoundInput) -> EvalCounts:
         def fill(content: RecordDict, cids: list[int]) -> None:
             wire.put_header(content, config=self.config_text, clients=cids, rounds_done=self.rounds_done,
@@ -137,9 +153,10 @@ class FlowerExecutor:
         return out
 
     def evaluate(self, jobs: list[Job], estimate: bool = False) -> EvalCounts:
-        # A PM made from the global model (``Personalization.pm_job``): its job's local model is the global one.
-        weights = jobs[0][1].local_model if jobs and self.pm_from_global else {}
-        return self._counts(jobs, {"action": "evaluate", "estimate": estimate}, RoundInput(weights))
+        # A PM made from the server's state (``Personalization.pm_job``: the server has no personal part to
+        # put in it): the node evaluates the state the server made.
+        made = {cid: state.tensors() for cid, state in jobs} if self.pm_from_global else {}
+        return self._counts(jobs, {"action": "evaluate", "estimate": estimate}, RoundInput({}, per_client=made))
 
     def finetune(self, jobs: list[Job], message: RoundInput, epochs: int, round_idx: int) -> EvalCounts:
         return self._counts(jobs, {"action": "finetune", "epochs": epochs, "round_idx": round_idx}, message)

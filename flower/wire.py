@@ -82,3 +82,18 @@ def counts(content: RecordDict) -> EvalCounts:
     return EvalCounts({int(c): v for c, v in tensors(content["correct"]).items()},
                       {int(c): v for c, v in tensors(content["total"]).items()},
                       {int(c): e for c, e in json.loads(content["failed"]["json"]).items()})
+
+
+def put_answer(content: RecordDict, cid: int, answer: StateDict | ClientFailure) -> None:
+    """Client ``cid``'s answer to the method's question (``ClientHost.answer``), or its failure."""
+    if isinstance(answer, ClientFailure):
+        put_result(content, cid, answer)
+    else:
+        content[f"answer_{cid}"] = arrays(answer)
+
+
+def answer(content: RecordDict, cid: int) -> StateDict | ClientFailure:
+    if f"answer_{cid}" in content:
+        return tensors(content[f"answer_{cid}"])
+    out = result(content, cid)
+    return out if isinstance(out, ClientFailure) else ClientFailure(cid, "MissingResult: no answer", "")

@@ -91,6 +91,13 @@ def test_what_crosses_the_wire_is_exact_and_holds_nothing_the_client_keeps():
     assert wire.result(reply, 6) == ClientFailure(6, "ValueError: boom", "trace")
     assert wire.result(reply, 7).error.startswith("MissingResult")
 
+    reply = RecordDict()
+    wire.put_answer(reply, 2, {"g": torch.arange(3.0)})
+    wire.put_answer(reply, 3, ClientFailure(3, "KeyError: 3", "trace"))
+    assert wire.answer(reply, 2)["g"].equal(torch.arange(3.0))
+    assert wire.answer(reply, 3) == ClientFailure(3, "KeyError: 3", "trace")
+    assert wire.answer(reply, 4).error.startswith("MissingResult")
+
     counts = EvalCounts({2: torch.tensor([1, 2])}, {2: torch.tensor([3, 4])}, {8: "KeyError: x"})
     reply = RecordDict()
     wire.put_counts(reply, counts)
