@@ -17,6 +17,7 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
+from starlette.middleware import Middleware
 
 from fedrod_ray.config import ConfigError
 
@@ -62,8 +63,38 @@ def http_options(host: str, port: int, connections: Connections) -> dict:
 
 # A replica's own variables (its runtime_env; deploy/serve_config.yaml sets the same). The high-throughput
 # mode buffers 1,000 access-log records and formats them all at once: a ~10 ms stall every 1,000 requests,
-# the p99 of /v1/heads at concurrency 8 (8-10 ms; 6.3-6.5 ms with 100, the same requests/s).
-REPLICA_ENV = {"RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "100"}
+# the p99 of /v1/heads at concurrency 8 (8-10 ms; 6.3-6.5 ms with 100, the same requests/s). The replica's
+# HTTP server calls ``replica_middlewares`` for the middlewares around Serve's own handler (DirectReceive).
+REPLICA_ENV = {"RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "100",
+               "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "fedrod_ray_api.serve.replica_middlewares"}
+
+# The request header with which a Ray Serve replica hands the app its HTTP server's own ``receive``.
+DISCONNECT_DISABLED = b"x-request-disconnect-disabled"
+
+
+class DirectReceive:
+    """ASGI middleware of a replica's HTTP server (uvicorn, behind HAProxy): marks each request so that Serve
+    hands the app uvicorn's ``receive`` itself. Otherwise Serve reads each request's messages into a queue of
+    its own, eagerly and without limit (to notice a disconnect), so every body arrives in full, whatever the
+    app reads: 12 bodies of 16 MiB held one byte short grew the replica by 197 MiB against a 64 MiB budget,
+    60 complete ones by 1.2 GB against 256 MiB (issue 49). With uvicorn's ``receive``, uvicorn stops reading
+    a connection while 64 KiB of it wait unread, so the bytes a replica holds are those BodyLimit counts.
+    What Serve loses is cancelling a request whose client left; the app, like ``fedrod-ray serve``, answers
+    it anyway (BodyLimit stops reading a body whose client left)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k != DISCONNECT_DISABLED]
+            scope["headers"].append((DISCONNECT_DISABLED, b"?1"))
+        await self.app(scope, receive, send)
+
+
+def replica_middlewares() -> list[Middleware]:
+    """The middlewares of a replica's HTTP server (Serve calls this, named by REPLICA_ENV, when it starts)."""
+    return [Middleware(DirectReceive)]
 
 
 class BatchConfig(BaseModel):
