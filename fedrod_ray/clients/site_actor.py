@@ -158,10 +158,12 @@ class SiteActorImpl:
         return (dataclasses.replace(result, objectives={}, momentum={}),
                 ClientState(rounds_trained=new.rounds_trained), new_digest)
 
-    def evaluate(self, jobs: list[tuple[int, int, str | None]], global_shared: dict, rounds_done: int) -> dict:
+    def evaluate(self, jobs: list[tuple[int, int, str | None]], global_shared: dict, method_state: dict,
+                 rounds_done: int) -> dict:
         """P-FL of clients ``jobs`` ((id, version, sha256) each) after ``rounds_done`` rounds, as sums over them:
         {"pfl_gm" | "pfl_pm" | "pfl_pm_global": (sum, clients)} and "failed": {id: error} (as
-        ``round_loop.evaluation.Evaluation`` computes each client's, with the GM ``global_shared``)."""
+        ``round_loop.evaluation.Evaluation`` computes each client's, with the GM ``global_shared`` and the
+        method's server state ``method_state``)."""
         host = self._host()
         if self.fault is not None:
             self.fault.reached("evaluate", [cid for cid, _, _ in jobs])
@@ -185,7 +187,7 @@ class SiteActorImpl:
             try:
                 state = self.store.load(self.names[cid], version, digest)
                 if method.pm_from_global:
-                    state = method.pm_job(state, global_shared, rounds_done)
+                    state = method.pm_job(state, global_shared, rounds_done, method_state, cid)
                 reading = self._reading(model, state.personal, counts, z, logits, gm, test, cid)
                 if state.local_model is None and state.personal is None:
                     pm = reading  # never trained: its PM is the global reading

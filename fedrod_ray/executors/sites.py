@@ -205,7 +205,8 @@ class SitesExecutor(RayExecutor):
     def finetune(self, jobs, message, epochs, round_idx):
         raise NotImplementedError("fine-tuning is not supported with sites")
 
-    def site_evaluate(self, global_shared: dict, rounds_done: int, versions: dict[int, int]) -> dict:
+    def site_evaluate(self, global_shared: dict, method_state: dict, rounds_done: int,
+                      versions: dict[int, int]) -> dict:
         """Each site's P-FL sums of its clients, whose committed state has ``versions`` (client -> rounds trained),
         added up in the order of the actors: {"pfl_*": (sum, clients)}, "failed": {client: error}, and the
         clients at sites that are away, "unavailable"."""
@@ -216,11 +217,11 @@ class SitesExecutor(RayExecutor):
             if self.site_index[cid] in available:
                 by_home.setdefault(self.home[cid], []).append(self._version(cid, versions[cid]))
         chunks = [by_home[a] for a in sorted(by_home)]
-        ref = ray.put(global_shared)
+        ref, state_ref = ray.put(global_shared), ray.put(method_state)
         values: dict[int, dict] = {}
         failed: dict[int, str] = {}
         for chunk, value in self._run("evaluate", chunks, lambda chunk: [cid for cid, _, _ in chunk],
-                                      lambda actor, chunk: actor.evaluate.remote(chunk, ref, rounds_done),
+                                      lambda actor, chunk: actor.evaluate.remote(chunk, ref, state_ref, rounds_done),
                                       retry_lost=True):
             if isinstance(value, Exception) and self.setup.sites[self.site_index[chunk[0][0]]].name not in live_sites():
                 unavailable += [cid for cid, _, _ in chunk]

@@ -32,8 +32,8 @@ class SiteEvaluation:
     def clear(self) -> None:
         """Nothing is cached here (each site keeps its PMs' counts, by the state they came from)."""
 
-    def evaluate(self, executor, global_shared: StateDict, clients: ClientStore, round_idx: int,
-                 final: bool = False) -> dict:
+    def evaluate(self, executor, global_shared: StateDict, clients: ClientStore, method_state: StateDict,
+                 round_idx: int, final: bool = False) -> dict:
         """The metrics of the GM ``global_shared`` and of the clients' PMs after round ``round_idx`` (0-based)."""
         test = self.setup.test
         generic = generic_weights(self.method, self.model.personal_keys(), global_shared, clients, self.initial,
@@ -42,7 +42,7 @@ class SiteEvaluation:
         _, logits = features_and_logits(self.model, test, self.cfg.eval.batch_size)
         correct, total = class_correct(logits.argmax(1), test.y, test.num_classes)
         versions = {cid: clients.rounds_trained(cid) for cid in self.setup.all_client_ids}
-        site = executor.site_evaluate(global_shared, round_idx + 1, versions)
+        site = executor.site_evaluate(global_shared, method_state, round_idx + 1, versions)
         for cid, error in sorted(site["failed"].items()):
             self.log(f"client {cid}: personalized model not evaluated: {error}")
         out = {"gfl_gm": accuracy(correct, total)}
