@@ -102,6 +102,7 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
         # run it holds; its own part keeps it from the name of the last one, which Ray frees in its own time.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         restart, rounds = None, cfg.train.rounds
+        printed = [0]  # the last round whose line is out
         while True:
             name = f"fedrod-ray coordinator {uuid.uuid4().hex[:8]} of {storage.uri}"
             coordinator = Coordinator.options(
@@ -115,7 +116,7 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
                               else f"{info['clients_per_actor']} client(s) each")
                     log(f"ray: {info['num_actors']} client actor(s) ({hosted}), {info['max_in_flight']} "
                         f"training(s) at once; ready in {time.perf_counter() - t0:.1f}s")
-                return follow(coordinator, info, log, progress)
+                return follow(coordinator, info, log, progress, printed)
             except RayTaskError as e:  # the run could not start, and says why (the sites' data or stores)
                 if isinstance(e.cause, STARTUP_ERRORS):
                     raise e.cause from None
@@ -135,6 +136,12 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
                     else "(runtime.coordinator_restarts is 0)")) from died
             if latest_checkpoint_name(storage) is not None:
                 snapshot = load_checkpoint(storage)
+            # The rounds the dead coordinator finished and saved but whose lines it had not sent yet: the new one
+            # starts after them.
+            for record in recorded:
+                if printed[0] < record["round"] <= (snapshot.rounds_done if snapshot is not None else 0):
+                    log(format_record(record, rounds))
+                    printed[0] = record["round"]
             restart = (restarts + 1, died_in)
             log(f"ray: the coordinator actor died in round {died_in}; "
                 f"{restarted(snapshot, *restart, cfg.runtime.coordinator_restarts)}")
@@ -158,10 +165,11 @@ def restarted(snapshot: Snapshot | None, number: int, died_in: int, limit: int) 
 
 
 def follow(coordinator, info: dict, log: Callable[[str], None],
-           progress: Callable[[int, int, int], None] | None) -> list[dict]:
+           progress: Callable[[int, int, int], None] | None, printed: list[int] | None = None) -> list[dict]:
     """Start the coordinator's run and follow it to its end: each round's line as its record comes, and the
     progress of the round in hand, asked for every ``PROGRESS_POLL_S`` seconds. Returns every record.
-    Stopped here (Ctrl-C, SIGTERM), it has the coordinator commit the save in flight first."""
+    Stopped here (Ctrl-C, SIGTERM), it has the coordinator commit the save in flight first. ``printed[0]`` is
+    kept at the last round whose line is out."""
     done = coordinator.train.remote()
     shown = info["records"]
     in_hand = info["next_round"] + 1
@@ -171,6 +179,8 @@ def follow(coordinator, info: dict, log: Callable[[str], None],
         for record in ray.get(coordinator.records.remote(shown)):
             log(format_record(record, info["rounds"]))
             shown, in_hand = shown + 1, record["round"] + 1
+            if printed is not None:
+                printed[0] = record["round"]
 
     try:
         while not ray.wait([done], timeout=PROGRESS_POLL_S)[0]:
