@@ -273,27 +273,23 @@ class ClientHost:
         its own data (``Personalization.adapt``: by default fine-tuning, docs/method.md, "Baselines": FT, and
         "Evaluation": new clients) from what it received, ``message`` (a new client: with its
         ``new_client_message`` entry), at round ``round_idx``; nothing is kept."""
-        out = EvalCounts()
-        for cid, state in jobs:
-            try:
-                data = self.data(cid)
-                model = self.method.adapt(self.model, message, data, state.personal, epochs,
-                                          self.context_of(cid, round_idx))
-                out.correct[cid], out.total[cid] = personal_class_correct(
-                    model, self.context.test, data.class_dist, self.cfg.eval.batch_size, model.variant is not None,
-                    cid)
-            except Exception as e:  # noqa: BLE001 - one client's failure must not stop the others'
-                out.failed[cid] = f"{type(e).__name__}: {e}"
-        return out
+        return self._score(jobs, lambda cid, state, data: self.method.adapt(
+            self.model, message, data, state.personal, epochs, self.context_of(cid, round_idx)))
 
     def zero_shot(self, jobs: list[tuple[int, ClientState]], message: RoundInput, round_idx: int) -> EvalCounts:
         """Per-class test counts of the zero-shot models of clients that never trained
         (``Personalization.new_client_model``, from ``message`` and their data) after round ``round_idx``."""
+        return self._score(jobs, lambda cid, state, data: self.method.new_client_model(
+            self.model, message, data, self.context_of(cid, round_idx)))
+
+    def _score(self, jobs: list[tuple[int, ClientState]], make_model) -> EvalCounts:
+        """Per-class test counts of the model ``make_model(client id, state, data)`` gives each client of
+        ``jobs``, weighted by its class distribution; a client whose model fails is counted as failed."""
         out = EvalCounts()
-        for cid, _ in jobs:
+        for cid, state in jobs:
             try:
                 data = self.data(cid)
-                model = self.method.new_client_model(self.model, message, data, self.context_of(cid, round_idx))
+                model = make_model(cid, state, data)
                 out.correct[cid], out.total[cid] = personal_class_correct(
                     model, self.context.test, data.class_dist, self.cfg.eval.batch_size, model.variant is not None,
                     cid)
