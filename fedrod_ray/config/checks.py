@@ -150,6 +150,9 @@ def _check_effective(cfg: ExperimentConfig) -> None:
     rt = cfg.runtime
     if rt.mode == "local" and rt.address is not None:
         raise no_effect("runtime.address", "with runtime.mode=local", "set runtime.mode=ray")
+    for key in ("coordinator_restarts", "max_restarts"):
+        if rt.mode == "local" and getattr(rt, key) != getattr(RuntimeConfig(), key):
+            raise no_effect(f"runtime.{key}", "with runtime.mode=local (no Ray actor to restart)", "set runtime.mode=ray")
     if rt.mode == "ray" and rt.device != "cpu":
         raise no_effect("runtime.device", "with runtime.mode=ray (actors use a GPU when "
                                           "runtime.client_resources asks for num_gpus)")
