@@ -215,15 +215,17 @@ def test_headers_over_the_size_limit_are_431_and_closed(server, parts):
 
 
 def test_malformed_http_gets_the_api_error_body(server):
-    """What the HTTP parser refuses is answered in the API's error shape too (uvicorn answered plain text)."""
-    if server.name != "uvicorn":
-        pytest.skip("HAProxy answers malformed requests itself (its own HTML page)")
+    """What the HTTP parser refuses is answered 400 and closed, in the API's error shape on uvicorn (it answered
+    plain text). On Ray Serve, HAProxy 2.8 (Ray 2.60's) answers it from its HTTP/1 layer, which takes no
+    errorfile or http-error of the config (haproxy/haproxy#3032, fixed in 3.2): its own HTML page
+    (docs/security.md)."""
     with _connect(server) as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: test\r\nBad Header\r\n\r\n")
         received = _until_closed(sock, SLACK)
     head, _, body = received.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head, received[:300]
-    assert json.loads(body)["field"] == "request", body
+    assert head.startswith(b"HTTP/1.1 400 "), received[:300]
+    if server.name == "uvicorn":
+        assert b"application/json" in head and json.loads(body)["field"] == "request", received[:300]
     _healthy(server)
 
 
