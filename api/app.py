@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -15,6 +16,7 @@ from fedrod_ray import __version__
 from . import client_tokens, errors
 from .body_limit import BodyLimit
 from .body_schema import body_schemas
+from .parse_workers import ParseWorkers
 from .routes import admin, heads, health, model, predict
 from .service import Loaded, ModelService
 from .settings import Settings
@@ -24,7 +26,8 @@ Generic and personalized predictions of a Fed-RoD model trained by fedrod-ray, a
 heads for brand-new clients described only by their class distribution (hyper head).
 
 Every error is `{"detail": "<field>: <what is wrong>", "field": "<field>"}` with a 4xx status, or 503 (with
-Retry-After) while the request bodies in flight are at the server's memory budget.
+Retry-After) while the request bodies in flight are at the server's memory budget, or too many large bodies
+wait for a parse worker.
 """
 
 
@@ -65,17 +68,25 @@ def create_app(settings: Settings | str, admin_token: str | None = None, forward
     service = ModelService(settings.model_dir, settings.head_cache_size, settings.allow_factories,
                            settings.reload_timeout_s)
     tokens = client_tokens.load(settings.client_tokens, service.current.served.meta.head)
+    parse_workers = ParseWorkers(settings.parse_workers, settings.parse_queue, settings.parse_cpu_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        parse_workers.close()
+
     # /docs and /redoc with Swagger UI's and ReDoc's scripts served from the fastapi-offline package rather
     # than a CDN: a federation's server often runs without internet. Swagger UI's validator is off: served
     # under any name but localhost, it would have the browser fetch a badge from validator.swagger.io.
     app = FastAPIOffline(title="fedrod-ray", version=__version__, description=DESCRIPTION,
-                         swagger_ui_parameters={"validatorUrl": None})
+                         swagger_ui_parameters={"validatorUrl": None}, lifespan=lifespan)
     # What the routes read (routes/__init__.py).
     app.state.service = service
     app.state.settings = settings
     app.state.admin_token = admin_token
     app.state.client_tokens = tokens
     app.state.forward = forward
+    app.state.parse_workers = parse_workers
     # Predictions run one at a time on their own thread, in arrival order, while the event loop parses and
     # answers the other requests. With torch on one core, more threads only contend for the GIL and the
     # cores: on 2 cores this gave ~45% more requests/s at concurrency 8 than the default thread pool, and

@@ -14,7 +14,7 @@ from .settings import Connections, Settings
 
 # The flag of each setting whose name is not --setting-name.
 FLAGS = {"model_dir": "RUN_DIR", "body_timeout_s": "--body-timeout", "header_timeout_s": "--header-timeout",
-         "allow_factories": "--allow-factory"}
+         "allow_factories": "--allow-factory", "parse_cpu_s": "--parse-cpu"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +34,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "Retry-After above (default %(default)s)")
     serve.add_argument("--body-timeout", type=float, default=Settings.model_fields["body_timeout_s"].default,
                        help="seconds a request body may take to arrive, 408 after (default %(default)s)")
+    serve.add_argument("--parse-process-bytes", type=int,
+                       default=Settings.model_fields["parse_process_bytes"].default,
+                       help="bodies larger than this are parsed in a parse worker process, not the serving "
+                            "one (default %(default)s)")
+    serve.add_argument("--parse-workers", type=int, default=Settings.model_fields["parse_workers"].default,
+                       help="parse worker processes: large bodies parsed at once (default %(default)s)")
+    serve.add_argument("--parse-queue", type=int, default=Settings.model_fields["parse_queue"].default,
+                       help="large bodies that may wait for a parse worker; 503 with Retry-After above "
+                            "(default %(default)s)")
+    serve.add_argument("--parse-cpu", type=int, default=Settings.model_fields["parse_cpu_s"].default,
+                       help="CPU seconds a parse worker may spend on one body, 413 after (default %(default)s)")
     serve.add_argument("--header-timeout", type=float, default=None,
                        help=f"seconds a request's line and headers may take to arrive, 408 after "
                             f"(default {Connections.model_fields['header_timeout_s'].default}; with --ray, "
@@ -72,6 +83,8 @@ def serve_command(args) -> int:
     try:
         settings = Settings(model_dir=args.run_dir, max_batch=args.max_batch, max_body_bytes=args.max_body_bytes,
                             max_bodies_bytes=args.max_bodies_bytes, body_timeout_s=args.body_timeout,
+                            parse_process_bytes=args.parse_process_bytes, parse_workers=args.parse_workers,
+                            parse_queue=args.parse_queue, parse_cpu_s=args.parse_cpu,
                             allow_factories=args.allow_factory, client_tokens=args.client_tokens)
         connections = Connections(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as e:
@@ -122,6 +135,7 @@ def serve_command(args) -> int:
     # What is loaded by now (torch, the model) lives as long as the process: frozen, it is left out of the
     # full collections that a JSON batch's many small objects set off (64-image p99 90 -> 25 ms).
     gc.freeze()
+    app.state.parse_workers.start()
     host, port = sock.getsockname()[:2]
     print(f"fedrod-ray: serving {args.run_dir} (model version {version}) at http://{host}:{port} "
           f"(API docs at /docs; Ctrl-C stops)", flush=True)

@@ -23,10 +23,11 @@ DESCRIPTIONS = {
     409: "the served model cannot do this (e.g. no hypernetwork), or a reload target is not servable",
     408: "the request body did not arrive in time",
     413: "request body over the size limit, or more JSON values than a request can need, or a body on a "
-         "method that takes none",
+         "method that takes none, or one that took more than the server's CPU limit to parse",
     415: "not a JSON body (Content-Type), or a compressed one (Content-Encoding)",
     422: "invalid input; the message names the field",
-    503: "the request bodies in flight are at this server's memory budget: retry after Retry-After seconds",
+    503: "the request bodies in flight are at this server's memory budget, or its parse workers' queue is "
+         "full: retry after Retry-After seconds",
 }
 
 
@@ -40,13 +41,24 @@ class ApiError(Exception):
         self.field = field
         self.message = message
 
+    def __reduce__(self):  # pickled by a parse worker (parse_workers.py)
+        return type(self), (self.field, self.message)
+
     @property
     def detail(self) -> str:
         return f"{self.field}: {self.message}" if self.field else self.message
 
+    @property
+    def headers(self) -> dict | None:
+        return None
+
 
 class Unauthorized(ApiError):
     status = 401
+
+    @property
+    def headers(self) -> dict | None:
+        return {"WWW-Authenticate": "Bearer"}
 
 
 class Forbidden(ApiError):
@@ -67,6 +79,23 @@ class TooLarge(ApiError):
 
 class UnsupportedMediaType(ApiError):
     status = 415
+
+
+class Unavailable(ApiError):
+    """The server cannot take the request now: retry after ``retry_after_s``."""
+
+    status = 503
+
+    def __init__(self, field: str | None, message: str, retry_after_s: int):
+        super().__init__(field, message)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict | None:
+        return {"Retry-After": str(self.retry_after_s)}
+
+    def __reduce__(self):
+        return type(self), (self.field, self.message, self.retry_after_s)
 
 
 def error_response(status: int, field: str | None, detail: str, headers: dict | None = None) -> JSONResponse:
@@ -101,8 +130,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return error_response(exc.status, exc.field, exc.detail, headers)
+        return error_response(exc.status, exc.field, exc.detail, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,11 +1,12 @@
 """Request bodies: the content type and encoding, a bound on the JSON values, then parsing and validation
-on a worker thread.
+on a worker thread, or in a worker process for a large body.
 
 The routes take their body through ``json_body`` instead of FastAPI's own body parameters, which parse and
 validate on the event loop: a 16 MiB body of two million tiny images took 4-40 s there, during which
 nothing else, not even /healthz, was answered. Here a body is first bounded by the number of JSON values it
 can hold (counting commas and brackets is a C loop over the bytes), then parsed and validated by
-pydantic-core off the event loop (all but the smallest bodies).
+pydantic-core off the event loop (all but the smallest bodies), and a body over ``parse_process_bytes`` in a
+parse worker process (parse_workers.py), so that it holds no lock of the serving process either.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def parse(model: type[BaseModel], body: bytes, max_values: int | None, what: str
     try:
         parsed = model.model_validate_json(body)
     except ValidationError as e:
-        found = e.errors(include_url=False)
+        # Without their inputs, which a parse worker would send back (the whole body, for a rule across fields).
+        found = e.errors(include_url=False, include_input=False)
         if found and found[0]["type"] == "json_invalid":
             raise _json_error(found[0]) from None
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in found]) from None
@@ -109,10 +111,19 @@ def _refuse_duplicate_keys(body: bytes) -> None:
             seen.add(key)
 
 
+def parse_converted(body: bytes, model: type[BaseModel], max_values: int | None, what: str,
+                    convert: Callable[[BaseModel], BaseModel] | None) -> BaseModel:
+    """``parse``, then ``convert``: what a parse worker runs."""
+    parsed = parse(model, body, max_values, what)
+    return convert(parsed) if convert else parsed
+
+
 def json_body(model: type[BaseModel], bound: Callable[[Any], tuple[int, str]] | None = None,
-              optional: bool = False):
+              optional: bool = False, convert: Callable[[Any], Callable[[BaseModel], BaseModel]] | None = None):
     """A dependency giving the route its validated ``model``; ``bound(app)`` is (max JSON values, why),
-    read per request (a reload can change the model's shape). An ``optional`` body may be empty (None)."""
+    read per request (a reload can change the model's shape). An ``optional`` body may be empty (None).
+    ``convert(app)``: a picklable function that a parse worker applies to the parsed request, so that what
+    it sends back is quick to receive (the predict route's images as one array, not a float per pixel)."""
 
     async def dependency(request: Request):
         body = await request.body()  # already buffered by BodyLimit
@@ -124,6 +135,9 @@ def json_body(model: type[BaseModel], bound: Callable[[Any], tuple[int, str]] | 
         max_values, what = bound(request.app) if bound else (None, "")
         if len(body) <= INLINE_BYTES:
             return parse(model, body, max_values, what)
+        if len(body) > request.app.state.settings.parse_process_bytes:
+            return await request.app.state.parse_workers.run(parse_converted, body, model, max_values, what,
+                                                             convert(request.app) if convert else None)
         return await run_in_threadpool(parse, model, body, max_values, what)
 
     return Depends(dependency)

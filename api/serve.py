@@ -127,6 +127,7 @@ class FedRodAPI:
         self._in_flight = 0  # predict requests between decoding and their answer
         self.reconfigure({})
         self._app = create_app(settings, forward=self._predict, proxied=True)
+        self._app.state.parse_workers.start()
         gc.freeze()  # as `fedrod-ray serve` does: start-up objects stay out of full collections
 
     def reconfigure(self, user_config: dict) -> None:

@@ -35,6 +35,15 @@ class Settings(BaseModel):
                                                                   "all requests together (503 above)")
     body_timeout_s: float = Field(30.0, gt=0, le=3600, description="seconds a request body may take to "
                                                                   "arrive after its headers (408 after)")
+    # 64 KiB: parsed in the serving process, such a body holds its GIL ~2 ms; larger ones go to the workers.
+    parse_process_bytes: int = Field(64 * 1024, ge=8 * 1024, description="bodies larger than this are parsed "
+                                     "in a parse worker process, not the serving one")
+    parse_workers: int = Field(2, ge=1, le=64, description="parse worker processes, started on first need: "
+                                                         "bodies parsed at once")
+    parse_queue: int = Field(8, ge=0, le=4096, description="large bodies that may wait for a parse worker "
+                                                          "(503 above)")
+    parse_cpu_s: int = Field(5, ge=1, le=3600, description="CPU seconds a parse worker may spend on one "
+                                                          "body (413 after)")
     reload_timeout_s: float = Field(60.0, gt=0, le=3600, description="seconds POST /v1/admin/reload waits "
                                                                      "for a model to load (409 after)")
     head_cache_size: int = Field(1024, ge=1, description="zero-shot heads kept for GET /v1/heads/{head_id}")

@@ -15,7 +15,11 @@ attacks (docs/security.md says what bounds each):
   plus 2;
 - big-headers: 4 clients looping on requests with 64 KB of headers in one write (431);
 - slowloris: 200 connections trickling a request's headers a byte every 2 s;
-- bodies: 60 concurrent 16 MiB bodies of PNG strings (peak memory against the default 256 MiB budget).
+- bodies: 60 concurrent 16 MiB bodies of PNG strings (peak memory against the default 256 MiB budget);
+- largest-body: 4 clients looping on the largest body the value bound lets through, 12 MiB of ~400,000
+  long numbers (512 images, a 422 once parsed: over max_batch).
+
+The peak memory includes the server's parse worker processes.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ PREDICT = json.dumps({"images_png": [EXAMPLE_PNG]}).encode()
 INVALID = b'{"images": [[[[' + b",".join([b'"a"'] * 200_000) + b"]]]]}"
 # 256 strings of 64 KiB, valid base64 but no PNG: the body is parsed, each string held, the first refused.
 PNG_STRINGS = json.dumps({"images_png": [base64.b64encode(b"x" * 49_000).decode()] * 256}).encode()
+_ROW = "[" + ",".join(f"{i * 9.87654321012345678:.22e}" for i in range(28)) + "]"
+LARGEST = ('{"images": [' + ",".join(["[[" + ",".join([_ROW] * 28) + "]]"] * 512) + "]}").encode()
 
 
 def _connect(address: tuple[str, int]) -> socket.socket:
@@ -107,10 +113,12 @@ def attack(name: str, address) -> Iterator[Callable[[threading.Event], None]]:
         return (lambda stop: _slowloris(address, stop) for _ in range(200))
     if name == "bodies":
         return (lambda stop: _post(address, "/v1/predict", PNG_STRINGS) for _ in range(60))
+    if name == "largest-body":
+        return (lambda stop: _loop(stop, lambda: _post(address, "/v1/predict", LARGEST)) for _ in range(4))
     raise ValueError(name)
 
 
-ATTACKS = ("invalid-items", "declared-length", "big-headers", "slowloris", "bodies")
+ATTACKS = ("invalid-items", "declared-length", "big-headers", "slowloris", "bodies", "largest-body")
 
 
 def probe(address, seconds: float) -> tuple[list[float], list[float], int]:
@@ -145,6 +153,21 @@ def rss(pids: list[int]) -> int:
         with contextlib.suppress(OSError):
             total += int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
     return total
+
+
+def with_workers(pids: Callable[[], list[int]]) -> Callable[[], list[int]]:
+    """``pids`` and their children (a server's parse worker processes)."""
+
+    def found() -> list[int]:
+        listed = pids()
+        children = []
+        for pid in listed:
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                with contextlib.suppress(OSError):
+                    children += [int(c) for c in (task / "children").read_text().split()]
+        return listed + children
+
+    return found
 
 
 def measure(address, pids: Callable[[], list[int]], name: str, seconds: float) -> list:
@@ -215,7 +238,7 @@ def main() -> None:
                 proc, host, port = start_server(run_dir, Path(tmp) / "uvicorn.log")
                 try:
                     for name in args.attacks:
-                        rows.append(measure((host, port), [proc.pid].copy, name, args.seconds))
+                        rows.append(measure((host, port), with_workers([proc.pid].copy), name, args.seconds))
                 finally:
                     proc.terminate()
                     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -224,7 +247,7 @@ def main() -> None:
                 with serve_running():
                     host, port, pids = start_serve(run_dir, fixed_options(1))
                     for name in args.attacks:
-                        rows.append(measure((host, port), pids, name, args.seconds))
+                        rows.append(measure((host, port), with_workers(pids), name, args.seconds))
             print(f"\n{server} (uvicorn: the process; Ray Serve: the replica and HAProxy)\n")
             print(md_table(HEADERS, rows))
 

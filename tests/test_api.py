@@ -135,6 +135,8 @@ def test_openapi_lists_every_endpoint_with_examples(hyper):
     assert {(m, p) for p, ops in schema["paths"].items() for m in ops} == {
         ("get", "/healthz"), ("head", "/healthz"), ("get", "/readyz"), ("head", "/readyz"), ("get", "/v1/model"), ("post", "/v1/heads"),
         ("get", "/v1/heads/{head_id}"), ("post", "/v1/predict"), ("post", "/v1/admin/reload")}
+    ids = [op["operationId"] for ops in schema["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), sorted(ids)  # GET and HEAD /healthz shared one
     parts = schema["components"]["schemas"]
     # Every request and response body of every operation has examples, and they are valid.
     bodies = {ref.rsplit("/", 1)[1] for ops in schema["paths"].values() for op in ops.values()

@@ -260,6 +260,9 @@ def test_serve_refuses_what_it_cannot_serve(capsys, tmp_path, run_dir):
                                              "--max-bodies-bytes", "2048")
     assert "--header-timeout" in _error_of(capsys, str(run_dir), "--header-timeout", "0")
     assert "--max-connections" in _error_of(capsys, str(run_dir), "--max-connections", "0")
+    for flag, bad in (("--parse-process-bytes", "100"), ("--parse-workers", "0"), ("--parse-queue", "-1"),
+                      ("--parse-cpu", "0")):
+        assert flag in _error_of(capsys, str(run_dir), flag, bad)
     assert "--allow-factory: Value error, 'builtins' is not a package.module:factory" in _error_of(
         capsys, str(run_dir), "--allow-factory", "builtins")
     assert "--port 0" in _error_of(capsys, str(run_dir), "--ray", "--port", "0")

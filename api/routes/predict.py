@@ -5,6 +5,7 @@ with other requests' by Ray Serve's replica), so the event loop keeps answering.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from typing import Annotated
 
@@ -12,7 +13,7 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from .. import images
+from .. import arrays, images
 from ..errors import ApiError, Forbidden, Unauthorized, responses
 from ..json_body import HEADROOM, SLACK, json_body, request_body
 from ..schemas import (
@@ -103,7 +104,10 @@ def _predict_values(loaded: Loaded, max_batch: int) -> tuple[int, str]:
 
 # Module level: FastAPI resolves the (string) annotations of the routes in this module's globals.
 PREDICT_BODY = json_body(PredictRequest, lambda app: _predict_values(app.state.service.current,
-                                                                     app.state.settings.max_batch))
+                                                                     app.state.settings.max_batch),
+                         convert=lambda app: functools.partial(
+                             arrays.convert, shape=tuple(app.state.service.current.served.meta.image_shape),
+                             max_batch=app.state.settings.max_batch))
 
 
 # Only a training client's own head (client_id) needs its token; nothing else does (security [{}]).
