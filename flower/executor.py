@@ -5,7 +5,8 @@ The server keeps of each client only what it receives anyway (its last shared we
 uploads, how many rounds it trained): the committed states it hands back hold no personal part, rule state,
 objective state or momentum, which stay on the client's SuperNode (``node.NodeStates``). A node that does not
 answer within ``timeout`` seconds fails its clients' calls, which the round loop counts as it counts any
-client's failure (``runtime.max_failed_fraction``)."""
+client's failure (``runtime.max_failed_fraction``). Under secure aggregation a round's training goes through
+Flower's SecAgg+ workflow instead (``train_secure``), which hands back only the sum of the nodes' vectors."""
 
 from __future__ import annotations
 
