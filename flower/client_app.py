@@ -1,27 +1,45 @@
 """The ClientApp each SuperNode runs: fedrod-ray's ``ClientHost`` over the node's own clients.
 
 Its node config names ``data-path`` (what ``split`` wrote: this participant's clients and the test set) and
-``state-path`` (where their state stays, ``NodeStates``). The server's messages carry the run's config, the
-round and the clients to train or evaluate; the replies carry what ``ClientHost.train`` gives the server and
-nothing the client keeps."""
+``state-path`` (where their state stays, ``NodeStates``), and may set ``secure-aggregation=true``: the node then
+trains only within Flower's SecAgg+ (``secure``), and refuses a round that would send its clients' updates in
+the clear. The server's messages carry the run's config, the round and the clients to train or evaluate; the
+replies carry what ``ClientHost.train`` gives the server (under SecAgg+: the node's sums, masked) and nothing
+the client keeps."""
 
 from __future__ import annotations
 
+import json
+
 import yaml
 from flwr.app import Context, Message, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.common import Code, FitRes, ndarrays_to_parameters
+from flwr.common import Status as FlowerStatus
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.compat.common import recorddict_compat as compat
 
 from fedrod_ray.clients.client import ClientFailure, ClientHost, ClientState
 from fedrod_ray.config import config_from_dict
 
-from . import wire
+from . import secure, wire
 from .node import NodeData, NodeStates
 
-app = ClientApp()
+
+def secagg_where_asked(msg: Message, context: Context, call_next):
+    """Flower's ``secaggplus_mod`` on the messages of a SecAgg+ round (its four stages), none on the rest."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
 
 
-def _node(context: Context, content: RecordDict) -> tuple[dict, NodeData, NodeStates, ClientHost | None]:
-    head = wire.header(content)
+app = ClientApp(mods=[secagg_where_asked])
+
+
+def _node(context: Context, head: dict) -> tuple[NodeData, NodeStates, ClientHost | None]:
+    """This node's data, its clients' states and, where the server's message ``head`` names the run's config,
+    fedrod-ray's client host over its clients."""
     data = NodeData.load(context.node_config["data-path"])
     states = NodeStates(context.node_config["state-path"])
     host = None
@@ -31,7 +49,7 @@ def _node(context: Context, content: RecordDict) -> tuple[dict, NodeData, NodeSt
 
         torch.set_num_threads(cfg.runtime.torch_threads or 1)
         host = data.host(cfg)
-    return head, data, states, host
+    return data, states, host
 
 
 @app.query()
@@ -43,23 +61,54 @@ def query(msg: Message, context: Context) -> Message:
     return Message(reply, reply_to=msg)
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    """One round's local updates of this node's sampled clients, each from its own state on this disk; the
-    new states stay here."""
-    head, data, states, host = _node(context, msg.content)
+def _train_clients(head: dict, data: NodeData, states: NodeStates, host: ClientHost, message) -> dict:
+    """Round ``head["round"]``'s local updates of this node's clients ``head["clients"]``, each from its own
+    state on this disk; the new states stay here. Each client's result or failure, by id."""
     r, ids = head["round"], head["clients"]
     states.start_round(data.client_ids, r, 2 * host.cfg.runtime.checkpoint_every + 1)
-    message = wire.round_input(msg.content, ids, head["clip_norm"])
-    reply = RecordDict()
+    out = {}
     for cid in ids:
-        out = host.train(cid, states.load(cid, r), message, r)
-        if not isinstance(out, ClientFailure):
-            result, state = out
+        out[cid] = host.train(cid, states.load(cid, r), message, r)
+        if not isinstance(out[cid], ClientFailure):
+            result, state = out[cid]
             states.save(cid, r, state)
-            out = result
+            out[cid] = result
+    return out
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """One round's local updates of this node's sampled clients: their results (under SecAgg+, its stage that
+    collects the masked vectors: the node's sums, which ``secaggplus_mod`` masks)."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return Message(_train_secure(msg.content, context), reply_to=msg)
+    if context.node_config.get(secure.SECURE, False):
+        raise PermissionError(f"this SuperNode's node config sets {secure.SECURE}=true: it sends its clients' "
+                              "updates only within SecAgg+, and this round is not one")
+    head = wire.header(msg.content)
+    data, states, host = _node(context, head)
+    results = _train_clients(head, data, states, host, wire.round_input(msg.content, head["clients"],
+                                                                         head["clip_norm"]))
+    reply = RecordDict()
+    for cid, out in results.items():
         wire.put_result(reply, cid, out)
     return Message(reply, reply_to=msg)
+
+
+def _train_secure(content: RecordDict, context: Context) -> RecordDict:
+    """SecAgg+'s instructions to this node (``wire.fit_ins``): its clients trained, their sums as one vector
+    (``secure.node_vector``), and in the clear only which clients took part or failed."""
+    head, message = wire.from_fit_ins(compat.recorddict_to_fitins(content, keep_input=True))
+    data, states, host = _node(context, head)
+    results = _train_clients(head, data, states, host, message)
+    done = {cid: res for cid, res in results.items() if not isinstance(res, ClientFailure)}
+    vector = secure.node_vector(list(done.values()), message.weights, secure.Layout.from_json(head["layout"]),
+                                secure.Scales(*head["scales"]), host.rule.aggregation_weight, head["clipping_range"])
+    report = {"done": sorted(done), "failed": {str(c): f.error for c, f in results.items() if c not in done},
+              "personal": any(res.personal_loss is not None for res in done.values())}
+    # num_examples 1 = SecAgg+'s max_weight: the vector goes in unweighted (``FlowerExecutor.train_secure``).
+    return compat.fitres_to_recorddict(FitRes(FlowerStatus(Code.OK, "ok"), ndarrays_to_parameters([vector]), 1,
+                                              {"json": json.dumps(report)}), keep_input=True)
 
 
 @app.evaluate()
@@ -68,7 +117,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     their personalized models (``ClientHost.evaluate``), after their
     adaptation (``ClientHost.finetune``) or of the zero-shot models of those that never trained
     (``ClientHost.zero_shot``), each from its own state after the server's rounds so far."""
-    head, _, states, host = _node(context, msg.content)
+    head = wire.header(msg.content)
+    _, states, host = _node(context, head)
     done, ids, action = head["rounds_done"], head["clients"], head["action"]
     message = wire.round_input(msg.content, ids, None)
     if action == "ask":

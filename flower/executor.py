@@ -5,14 +5,24 @@ The server keeps of each client only what it receives anyway (its last shared we
 uploads, how many rounds it trained): the committed states it hands back hold no personal part, rule state,
 objective state or momentum, which stay on the client's SuperNode (``node.NodeStates``). A node that does not
 answer within ``timeout`` seconds fails its clients' calls, which the round loop counts as it counts any
-client's failure (``runtime.max_failed_fraction``)."""
+client's failure (``runtime.max_failed_fraction``). Under secure aggregation a round's training goes through
+Flower's SecAgg+ workflow instead (``train_secure``), which hands back only the sum of the nodes' vectors."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 
-from flwr.app import Message, MessageType, RecordDict
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.common import parameters_to_ndarrays
+from flwr.server.compat.grid_client_proxy import GridClientProxy
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.strategy import FedAvg
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 
 from fedrod_ray.client_update.local import RoundInput
@@ -21,18 +31,41 @@ from fedrod_ray.config import ExperimentConfig
 from fedrod_ray.config.loading import dump_config
 from fedrod_ray.executors.base import Job, TrainOutcome
 from fedrod_ray.personalization import build_method
+from fedrod_ray.round_loop.federation import RoundFailedError
 from fedrod_ray.server_math.aggregate import StateDict
 
 from . import wire
+from .secure import MODULUS, Layout, Scales, SecAggSettings
 
 
 class NodeLostError(RuntimeError):
     """A SuperNode did not answer (it left, or was too slow)."""
 
 
+class _Round(FedAvg):
+    """The strategy SecAgg+'s workflow asks for one round: each node's instructions out, and the nodes' replies
+    (their plain reports, the secure sum in place of their parameters) and failures kept. Nothing is averaged
+    here: the round loop's server step reads the sum."""
+
+    def __init__(self, instructions: dict[int, tuple[GridClientProxy, object]]):
+        super().__init__()
+        self.instructions = instructions
+        self.results: list | None = None  # None: the protocol did not complete
+        self.failures: list = []
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        return list(self.instructions.values())
+
+    def aggregate_fit(self, server_round, results, failures):
+        self.results, self.failures = results, failures
+        return None, {}
+
+
 class FlowerExecutor:
-    def __init__(self, grid: Grid, cfg: ExperimentConfig, timeout: float, log: Callable[[str], None] = print):
-        self.grid, self.cfg, self.timeout, self.log = grid, cfg, timeout, log
+    def __init__(self, grid: Grid, cfg: ExperimentConfig, timeout: float, log: Callable[[str], None] = print,
+                 context: Context | None = None):
+        """``context``: the ServerApp's, which SecAgg+'s workflow keeps its round in (``train_secure``)."""
+        self.grid, self.cfg, self.timeout, self.log, self.context = grid, cfg, timeout, log, context
         self.config_text = dump_config(cfg)
         self.rounds_done = 0  # the rounds trained, whose client states the nodes' evaluations read
         self._nodes: set[int] = set()
@@ -120,6 +153,63 @@ class FlowerExecutor:
                 out = wire.result(reply, cid)
                 # What the server keeps of the client: the shared weights it sent, never its own state.
                 yield slot, out if isinstance(out, ClientFailure) else jobs[slot][1].trained((out, None, {}))
+
+    def train_secure(self, round_idx: int, ids: list[int], message: RoundInput, layout: Layout, scales: Scales,
+                     settings: SecAggSettings) -> tuple[np.ndarray, list[int], list[ClientFailure], bool]:
+        """Round ``round_idx``'s clients ``ids`` trained on their nodes and summed by SecAgg+: (the sum of every
+        node's ``secure.node_vector`` that made it into the sum, the clients in it, the clients that failed or
+        whose node dropped, whether their method has a personal loss). Every node that hosts a client takes
+        part, with or without a client of the round (its vector is then zeros), so that the protocol has as
+        many nodes as it can. Raises RoundFailedError when the protocol cannot complete (too few nodes)."""
+        hosts = self.placement()
+        if any(cid not in hosts for cid in ids):
+            hosts = self.placement(refresh=True)
+        by_node: dict[int, list[int]] = {node: [] for node in sorted(set(hosts.values()))}
+        failures = [ClientFailure(cid, "NodeLostError: no connected SuperNode hosts this client", "")
+                    for cid in ids if cid not in hosts]
+        for cid in ids:
+            if cid in hosts:
+                by_node[hosts[cid]].append(cid)
+        if len(by_node) * settings.quantization_range >= MODULUS:
+            raise RoundFailedError(f"round {round_idx + 1}: {len(by_node)} SuperNodes' sum of quantized values "
+                                   "may wrap at SecAgg+'s modulus 2**32: lower run config secagg-quantization-range")
+        run_id = self.context.run_id
+        header = {"config": self.config_text, "round": round_idx, "clip_norm": message.clip_norm,
+                  "layout": layout.to_json(), "scales": [scales.generic, scales.samples, scales.count],
+                  "clipping_range": settings.clipping_range}
+        strategy = _Round({node: (GridClientProxy(node, self.grid, run_id),
+                                  wire.fit_ins({**header, "clients": cids}, message, cids))
+                           for node, cids in by_node.items()})
+        context = LegacyContext(self.context, strategy=strategy)
+        context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: round_idx + 1})
+        context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
+        # Each node's update is the same for every weight (1 = max_weight): SecAgg+ returns the mean of the
+        # vectors over the nodes in the sum, which their number turns back into the sum.
+        SecAggPlusWorkflow(settings.num_shares, settings.reconstruction_threshold, max_weight=1.0,
+                           clipping_range=settings.clipping_range, quantization_range=settings.quantization_range,
+                           modulus_range=MODULUS, timeout=self.timeout)(self.grid, context)
+        self.rounds_done = round_idx + 1
+        if not strategy.results:
+            why = "; ".join(str(f) for f in strategy.failures)[:2000]
+            raise RoundFailedError(f"round {round_idx + 1}: SecAgg+ did not complete with the SuperNodes that "
+                                   f"answered (run config secagg-reconstruction-threshold="
+                                   f"{settings.reconstruction_threshold}){': ' + why if why else ''}")
+        for f in strategy.failures:
+            self.log(f"[round {round_idx + 1}] a SuperNode left SecAgg+: {f}")
+        summed, done, personal = set(), [], False
+        for proxy, res in strategy.results:
+            summed.add(proxy.node_id)
+            report = json.loads(res.metrics["json"])
+            done += report["done"]
+            personal |= report["personal"]
+            failures += [ClientFailure(int(cid), error, "") for cid, error in report["failed"].items()]
+        for node, cids in by_node.items():
+            if node not in summed:
+                self._nodes = set()  # ask every node again next time
+                failures += [ClientFailure(cid, f"NodeLostError: SuperNode {node} left the round's SecAgg+", "")
+                             for cid in cids]
+        vector = parameters_to_ndarrays(strategy.results[0][1].parameters)[0] * len(strategy.results)
+        return vector, sorted(done), sorted(failures, key=lambda f: f.client_id), personal
 
     def ask(self, round_idx: int, phase: str, common: StateDict,
             questions: dict[int, StateDict]) -> dict[int, StateDict | ClientFailure]:

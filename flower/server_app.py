@@ -4,8 +4,9 @@ clients train on the SuperNodes (``executor.FlowerExecutor``).
 Its run config (``flwr run ... --run-config``): ``config``, the fedrod-ray config file on the server's machine;
 ``run-dir``, the run directory, which ``fedrod-ray serve`` serves from once it has a ``final/`` and from whose
 newest checkpoint a restarted ServerApp resumes; ``min-nodes``, the SuperNodes to wait for before the first
-round; ``timeout``, the seconds a SuperNode has to answer a message. The server reads the config's test set
-and the clients' class counts (the partition), never their training images.
+round; ``timeout``, the seconds a SuperNode has to answer a message; ``secure-aggregation`` and the
+``secagg-*`` settings, SecAgg+ of the shared part (``secure``). The server reads the config's test set and the
+clients' class counts (the partition), never their training images.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fedrod_ray.personalization import build_method
 from fedrod_ray.round_loop.federation import Federation
 
 from .executor import FlowerExecutor
+from .secure import SecureFederation, settings_from
 
 app = ServerApp()
 
@@ -49,6 +51,7 @@ def check_flower(setup: Setup) -> None:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
+    secagg = settings_from(rc)
     storage = RunStorage(str(rc["run-dir"]))
     # One writer per run directory, as for `fedrod-ray train`: a second ServerApp on it stops at once.
     with exclusive_run_dir(storage):
@@ -60,7 +63,9 @@ def main(grid: Grid, context: Context) -> None:
         cfg.run_dir = storage.uri
         setup = prepare(cfg)
         check_flower(setup)
-        executor = FlowerExecutor(grid, cfg, float(rc["timeout"]))
+        executor = FlowerExecutor(grid, cfg, float(rc["timeout"]), context=context)
+        federation = (Federation(setup, executor) if secagg is None else
+                      SecureFederation(setup, executor, secagg))
         executor.wait_for_nodes(int(rc["min-nodes"]), float(rc["timeout"]))
-        run = Run(Federation(setup, executor), storage, snapshot)
+        run = Run(federation, storage, snapshot)
         run.train(lambda record: print(format_record(record, run.rounds), flush=True))

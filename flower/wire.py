@@ -8,6 +8,8 @@ import json
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.common import FitIns, Parameters
+from safetensors.torch import load, save
 
 from fedrod_ray.client_update.local import LocalResult, RoundInput
 from fedrod_ray.clients.client import ClientFailure, EvalCounts
@@ -97,3 +99,29 @@ def answer(content: RecordDict, cid: int) -> StateDict | ClientFailure:
         return tensors(content[f"answer_{cid}"])
     out = result(content, cid)
     return out if isinstance(out, ClientFailure) else ClientFailure(cid, "MissingResult: no answer", "")
+
+
+def fit_ins(values: dict, message: RoundInput, ids: list[int]) -> FitIns:
+    """A round's message to one node in the instructions Flower's SecAgg+ workflow forwards (``FitIns``): the
+    header ``values`` and the round's message as clients ``ids`` read it, one safetensors blob."""
+    tensors = {f"weights/{k}": v for k, v in message.weights.items()}
+    tensors.update({f"broadcast/{k}": v for k, v in message.broadcast.items()})
+    for cid in ids:
+        tensors.update({f"per_client/{cid}/{k}": v for k, v in message.per_client.get(cid, {}).items()})
+    blob = save({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()})
+    return FitIns(Parameters(tensors=[blob], tensor_type="safetensors"), {"json": json.dumps(values)})
+
+
+def from_fit_ins(ins: FitIns) -> tuple[dict, RoundInput]:
+    """The header and the round's message of ``fit_ins``."""
+    values = json.loads(ins.config["json"])
+    message = RoundInput({}, {}, {}, values.get("clip_norm"))
+    common = {"weights": message.weights, "broadcast": message.broadcast}
+    for key, v in load(ins.parameters.tensors[0]).items():
+        part, name = key.split("/", 1)
+        if part == "per_client":
+            cid, name = name.split("/", 1)
+            message.per_client.setdefault(int(cid), {})[name] = v
+        else:
+            common[part][name] = v
+    return values, message

@@ -135,10 +135,11 @@ class FlowerFederation:
         self.supernodes[i] = None
 
     def run(self, config: Path, run_dir: Path, timeout: float = 600, node_timeout: float = 300,
-            wait: bool = True) -> subprocess.Popen:
-        """``flwr run`` of the app on ``config``, writing ``run_dir``; waits for it unless ``wait`` is False."""
+            wait: bool = True, run_config: str = "") -> subprocess.Popen:
+        """``flwr run`` of the app on ``config``, writing ``run_dir`` (``run_config``: more of the app's settings);
+        waits for it unless ``wait`` is False."""
         settings = (f'config="{config}" run-dir="{run_dir}" min-nodes={len(self.nodes)} '
-                    f'timeout={float(node_timeout)}')
+                    f'timeout={float(node_timeout)} {run_config}')
         with open(self.root / f"flwr-run-{run_dir.name}.log", "ab") as out:
             proc = subprocess.Popen([str(BIN / "flwr"), "run", str(APP), "test", "--stream", "--run-config",
                                      settings], stdout=out, stderr=subprocess.STDOUT, env=self.env,

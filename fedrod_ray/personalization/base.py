@@ -99,6 +99,9 @@ class Personalization:
     pm_from_global: ClassVar[bool] = False
     # A client's calls carry its last local model (``ClientState.for_training``).
     starts_from_local_model: ClassVar[bool] = False
+    # The server's step (``messages``, ``server_update``) reads each client's own result or last upload, not only
+    # the round's average: the method cannot run where the server learns only sums (secure aggregation).
+    server_reads_clients: ClassVar[bool] = False
     # What a client that never trained gives for its zero-shot model (one of ``specs.methods.NEW_CLIENT_NEEDS``).
     new_client_needs: ClassVar[str] = "none"
     # The zero-shot model is the PM's global reading of a client with no personal state (``reading_heads``),

@@ -23,6 +23,7 @@ class OwnModels(Personalization):
 
     global_reading = None
     starts_from_local_model = True
+    server_reads_clients = True
 
     def start(self, model, local_model, ctx) -> None:
         """Its own model, or (a client that never trained) the initial weights."""

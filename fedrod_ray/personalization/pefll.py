@@ -143,6 +143,7 @@ class PeFLL(Personalization):
     Params = PeFLLParams
     global_reading = None
     pm_from_global = True
+    server_reads_clients = True
     new_client_needs = "data"
     zero_shot_is_reading = False
 

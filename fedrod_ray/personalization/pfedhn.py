@@ -149,6 +149,7 @@ class PFedHN(Personalization):
     Params = PFedHNParams
     global_reading = None
     pm_from_global = True
+    server_reads_clients = True
     new_client_needs = "none"
     zero_shot_is_reading = False
 

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,11 +39,45 @@ from ..timing.clock import (
     read_trace,
 )
 from .evaluation import Evaluation, anchored, estimate_offset
+from .round_sums import RoundSums, shared_update
 from .site_evaluation import SiteEvaluation
 
 
 class RoundFailedError(RuntimeError):
     """Too many clients of a round failed for its average to be trusted."""
+
+
+@dataclass
+class Losses:
+    """A round's participants as its record reports them: how many finished, their sample-weighted mean loss
+    (NaN without any: a DP round under Poisson sampling may have none) and personal loss (None: the method has
+    none)."""
+
+    done: int
+    train_loss: float
+    personal_loss: float | None
+
+
+def mean_losses(done: list) -> Losses:
+    """The ``Losses`` of the clients ``done`` (each with ``num_samples``, ``loss`` and ``personal_loss``)."""
+    weights = np.array([res.num_samples for res in done], dtype=np.float64)
+    return Losses(len(done), float(np.average([res.loss for res in done], weights=weights)) if done else math.nan,
+                  (float(np.average([res.personal_loss for res in done], weights=weights))
+                   if done and done[0].personal_loss is not None else None))
+
+
+@dataclass
+class Collected:
+    """What a round's clients gave the server: the sums its server step reads, their losses, each one's result
+    and new state (empty where a secure aggregation gives only the sums), their failures and, at sites, the
+    clients that were unavailable."""
+
+    sums: RoundSums
+    losses: Losses
+    results: dict[int, LocalResult] = field(default_factory=dict)
+    new_states: dict[int, ClientState] = field(default_factory=dict)
+    failures: list[ClientFailure] = field(default_factory=list)
+    unavailable: list[ClientUnavailable] = field(default_factory=list)
 
 
 class Federation:
@@ -202,16 +237,48 @@ class Federation:
             seconds = float(self.durations[ids].max(initial=0.0))  # the slowest (a DP round may have none)
         clip_norm = dp.clip_norm(self.privacy_state) if dp else None
         jobs, message = self._send(r, ids, clip_norm)
-        # theta, psi under the rule's weights; nu (hyper) by sample count whatever the rule; the rule's
-        # uploads unweighted. Each folds in the order of ``ids``, so the runtimes agree bitwise. With DP, every
-        # shared weight is summed unweighted instead (``clipped``): a sample count would break the sensitivity.
+        self._report(r + 1, 0, len(ids))
+        out = self._collect(r, ids, jobs, message)
+        if ids and len(out.unavailable) == len(ids):
+            reasons = "; ".join(sorted({u.reason for u in out.unavailable}))
+            raise RoundFailedError(f"round {r + 1}: all {len(ids)} sampled clients are unavailable ({reasons}); the "
+                                   "run stops here (runtime.site_wait_s says how long a round waits for a site to "
+                                   "come back)")
+        self._check_failures(r, len(ids) - len(out.unavailable), out.failures)
+        update = shared_update(out.sums, self.global_shared, self.generic_keys, self.rule, self.server_state,
+                               self.setup.num_clients, dp, self.privacy_state, r)
+        self.server_state, self.privacy_state = update.server_state, update.privacy_state
+        # Committed with the round, all at once: a round that raises leaves every client as it was.
+        self.clients.update(out.new_states)
+        averaged, self.method_state = self.method.server_update(
+            {k: update.weights[k] for k in self.shared_keys}, out.results, self._uploads(), self.method_state,
+            self.initial, self.setup.num_clients, self._asker(r))
+        self.global_shared = {k: averaged[k] for k in self.shared_keys}
+        self.next_round = r + 1
+        self.virtual_time += seconds
+
+        record = self._record(r, out.losses, out.failures, t0, seconds)
+        if self.setup.at_sites:
+            record.update(clients=len(ids), clients_unavailable=len(out.unavailable),
+                          unavailable_ids=sorted(u.client_id for u in out.unavailable))
+        if rc.mode == "deadline":
+            record.update(clients=len(sampled), clients_dropped=len(sampled) - len(ids))
+        if dp:
+            record.update(dp_epsilon=dp.epsilon(r + 1), dp_clip_norm=clip_norm)
+        return record
+
+    def _collect(self, r: int, ids: list[int], jobs: list, message: RoundInput) -> Collected:
+        """Round ``r``'s clients ``ids`` trained (``executor.train``), their results folded into the round's
+        sums. theta, psi under the rule's weights; nu (hyper) by sample count whatever the rule; the rule's
+        uploads unweighted. Each folds in the order of ``ids``, so the runtimes agree bitwise. With DP, every
+        shared weight is summed unweighted instead (``clipped``): a sample count would break the sensitivity."""
+        dp = self.dp
         generic, rest, uploads, clipped = (OrderedAverager(len(ids)) for _ in range(4))
         unclipped = 0
         results: dict[int, LocalResult] = {}
         new_states: dict[int, ClientState] = {}
         failures: list[ClientFailure] = []
         unavailable: list[ClientUnavailable] = []  # at sites: clients whose site is away (not failures)
-        self._report(r + 1, 0, len(ids))
         for slot, out in self.executor.train(r, jobs, message):
             if isinstance(out, ClientUnavailable):
                 for averager in (generic, rest, uploads, clipped):
@@ -235,61 +302,23 @@ class Federation:
                     rest.add(slot, {k: v for k, v in res.shared.items() if k not in self.generic_keys},
                              res.num_samples)
                     uploads.add(slot, res.upload, 1.0)
+                for averager in (generic, rest, uploads) if dp else (clipped,):  # the sums this mode leaves empty
+                    averager.skip(slot)
                 results[ids[slot]] = res
             self._report(r + 1, len(results) + len(failures) + len(unavailable), len(ids))
-        if ids and len(unavailable) == len(ids):
-            reasons = "; ".join(sorted({u.reason for u in unavailable}))
-            raise RoundFailedError(f"round {r + 1}: all {len(ids)} sampled clients are unavailable ({reasons}); the "
-                                   "run stops here (runtime.site_wait_s says how long a round waits for a site to "
-                                   "come back)")
-        self._check_failures(r, len(ids) - len(unavailable), failures)
-        if dp:
-            # The rule's server step sees only the noised mean, and the expected number of participants.
-            averaged, privacy_state = dp.aggregate(clipped.total(), clipped.count, unclipped, self.global_shared,
-                                                   self.privacy_state, r)
-            new_generic, self.server_state = self.rule.server_update(
-                self._generic(self.global_shared), self._generic(averaged), {}, dp.expected, self.setup.num_clients,
-                self.server_state)
-            self.privacy_state = privacy_state
-        else:
-            new_generic, self.server_state = self.rule.server_update(
-                self._generic(self.global_shared), generic.result(), uploads.result(), generic.count,
-                self.setup.num_clients, self.server_state)
-            averaged = rest.result()
-        averaged = {**averaged, **new_generic}
-        # Committed with the round, all at once: a round that raises leaves every client as it was.
-        self.clients.update(new_states)
-        averaged, self.method_state = self.method.server_update(
-            {k: averaged[k] for k in self.shared_keys}, results, self._uploads(), self.method_state, self.initial,
-            self.setup.num_clients, self._asker(r))
-        self.global_shared = {k: averaged[k] for k in self.shared_keys}
-        self.next_round = r + 1
-        self.virtual_time += seconds
+        sums = RoundSums(generic.sum(), rest.sum(), uploads.sum(), clipped.sum(), unclipped)
+        return Collected(sums, mean_losses(list(results.values())), results, new_states, failures, unavailable)
 
-        record = self._record(r, list(results.values()), failures, t0, seconds)
-        if self.setup.at_sites:
-            record.update(clients=len(ids), clients_unavailable=len(unavailable),
-                          unavailable_ids=sorted(u.client_id for u in unavailable))
-        if rc.mode == "deadline":
-            record.update(clients=len(sampled), clients_dropped=len(sampled) - len(ids))
-        if dp:
-            record.update(dp_epsilon=dp.epsilon(r + 1), dp_clip_norm=clip_norm)
-        return record
-
-    def _record(self, r: int, done: list, failures: list, t0: float, seconds: float) -> dict:
-        """A round's (or server step's) record up to the evaluation: its clients ``done`` (their
-        ``num_samples``, ``loss`` and ``personal_loss``) and their ``failures`` (``client_id``), the real time
-        since ``t0`` and the virtual ``seconds`` it took, the clock already moved on."""
-        weights = np.array([res.num_samples for res in done], dtype=np.float64)
+    def _record(self, r: int, losses: Losses, failures: list, t0: float, seconds: float) -> dict:
+        """A round's (or server step's) record up to the evaluation: its clients' ``losses`` and their
+        ``failures`` (``client_id``), the real time since ``t0`` and the virtual ``seconds`` it took, the
+        clock already moved on."""
         return {
             # 1-based, as everywhere users see a round: "round 3" is the third, after which 3 are done.
             "round": r + 1, "name": self.cfg.name, "lr": round_lr(self.cfg.train, r),
-            "clients": len(done) + len(failures), "clients_done": len(done), "clients_failed": len(failures),
+            "clients": losses.done + len(failures), "clients_done": losses.done, "clients_failed": len(failures),
             "failed_ids": [f.client_id for f in failures],
-            # A DP round under Poisson sampling may have no client: no loss then.
-            "train_loss": float(np.average([res.loss for res in done], weights=weights)) if done else math.nan,
-            "personal_loss": (float(np.average([res.personal_loss for res in done], weights=weights))
-                              if done and done[0].personal_loss is not None else None),
+            "train_loss": losses.train_loss, "personal_loss": losses.personal_loss,
             "train_seconds": round(time.perf_counter() - t0, 4),
             "virtual_time": self.virtual_time, "round_virtual_seconds": seconds,
         }
@@ -305,7 +334,7 @@ class Federation:
         self.next_round = r + 1
         seconds, self.virtual_time = now - self.virtual_time, now
         self.buffered.dispatch(r + 1, now)  # the last arrival's replacement gets the new model
-        record = self._record(r, buffer, failed, t0, seconds)
+        record = self._record(r, mean_losses(buffer), failed, t0, seconds)
         record["staleness"] = float(np.mean(staleness))
         return record
 

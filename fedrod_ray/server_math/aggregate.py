@@ -8,6 +8,7 @@ global weights.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +26,25 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]] | Sequence[tor
         averager.add(i, {"": state} if isinstance(state, torch.Tensor) else state, w)
     result = averager.result()
     return result[""] if states and isinstance(states[0], torch.Tensor) else result
+
+
+@dataclass
+class WeightedSum:
+    """What a weighted mean is made of, whoever summed it: ``total`` = sum_m w_m * state_m in float64 (None:
+    no state was added), ``weight`` = sum_m w_m, over ``count`` states, to be cast back to ``dtypes``. The
+    round loop folds each client's result into one (``OrderedAverager``); a secure aggregation hands over
+    only the totals, never one client's state."""
+
+    total: StateDict | None
+    weight: float
+    count: int
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+    def mean(self) -> StateDict:
+        """total / weight, key by key, in each state's own dtype."""
+        if self.total is None:
+            raise RuntimeError("no results to average: every slot was skipped")
+        return {k: (v / self.weight).to(self.dtypes[k]) for k, v in self.total.items()}
 
 
 class OrderedAverager:
@@ -79,15 +99,11 @@ class OrderedAverager:
     def done(self) -> bool:
         return self._next == self.num_slots
 
-    def total(self) -> StateDict | None:
-        """sum_m w_m * state_m in float64 once every slot is in (None: every slot was skipped)."""
+    def sum(self) -> WeightedSum:
+        """The weighted sum once every slot is in (its total None: every slot was skipped)."""
         if not self.done:
             raise RuntimeError(f"{self.num_slots - self._next} slot(s) still missing")
-        return self._acc
+        return WeightedSum(self._acc, self.total_weight, self.count, self._dtypes)
 
     def result(self) -> StateDict:
-        if not self.done:
-            raise RuntimeError(f"{self.num_slots - self._next} slot(s) still missing")
-        if self._acc is None:
-            raise RuntimeError("no results to average: every slot was skipped")
-        return {k: (v / self.total_weight).to(self._dtypes[k]) for k, v in self._acc.items()}
+        return self.sum().mean()
