@@ -74,7 +74,7 @@ def one_torch_thread():
 
 # A test that starts a Ray (through these fixtures, directly or through another fixture) is slow whether or
 # not it is marked: `pytest -m "not slow"` runs without starting one (docs/getting-started.md).
-RAY_FIXTURES = {"ray_session", "private_ray_env"}
+RAY_FIXTURES = {"ray_session", "private_ray_env", "module_private_ray_env"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -187,15 +187,10 @@ class PrivateRayEnv(dict):
                 pass
 
 
-@pytest.fixture
-def private_ray_env():
-    """Environment for a subprocess that starts (and must stop) a Ray of its own.
-
-    The subprocess gets a private, short RAY_TMPDIR, so its Ray never meets the session's or anyone
-    else's. On teardown every process carrying that directory in its command line or environment (Ray's
-    gcs_server, raylet, workers, agents) must be gone within 30 s; stragglers are killed by pid and fail
-    the test.
-    """
+def _private_ray():
+    """A ``PrivateRayEnv`` (a private, short RAY_TMPDIR); afterwards, every process carrying that directory in
+    its command line or environment (Ray's gcs_server, raylet, workers, agents) must be gone within 30 s;
+    stragglers are killed by pid and fail the test."""
     import signal
     import time
 
@@ -214,3 +209,19 @@ def private_ray_env():
     shutil.rmtree(env.temp_dir, ignore_errors=True)
     assert not left, "Ray processes outlived the subprocess that started them:\n" + "\n".join(
         f"{pid} {cmd[:120]}" for pid, cmd in left)
+
+
+@pytest.fixture
+def private_ray_env():
+    """Environment for a subprocess that starts (and must stop) a Ray of its own (``_private_ray``).
+
+    The subprocess gets a private, short RAY_TMPDIR, so its Ray never meets the session's or anyone
+    else's. On teardown every process of that Ray must be gone within 30 s.
+    """
+    yield from _private_ray()
+
+
+@pytest.fixture(scope="module")
+def module_private_ray_env():
+    """``private_ray_env`` for one subprocess whose result several tests of a module check."""
+    yield from _private_ray()

@@ -1,12 +1,15 @@
-"""A run at two sites on a real multi-node local Ray cluster (``ray.cluster_utils.Cluster``): a head with no CPU
+"""Runs at two sites on a real multi-node local Ray cluster (``ray.cluster_utils.Cluster``): a head with no CPU
 and no data, and one worker node per site, labelled fedrod.site=a / b, each site its own directory of real MNIST
-clients (tests/sites_data.py). Run by tests/test_sites.py as ``python tests/sites_cluster.py ROOT``; prints one
-``RESULT <json>`` line of what the test checks.
+clients (tests/sites_data.py). Run once by tests/test_sites.py as ``python tests/sites_cluster.py ROOT`` (one
+cluster for all its tests: starting one is most of their time); prints one ``RESULT <json>`` line of what the
+tests check.
 
 In order: the same federations in this process (Fed-RoD hyper and Ditto); then, with every file this driver and
-every Ray worker opens under the sites' directories recorded (an audit hook), the runs at the sites; a site store
-altered behind the run's back, then resumed; a driver killed by SIGKILL after its first checkpoint, then
-resumed with ``--resume``.
+every Ray worker opens under the sites' directories recorded (an audit hook), the runs at the sites; a driver
+killed by SIGKILL after its first checkpoint, then resumed with ``--resume``; a site store altered behind the run's
+back, then resumed; a config that miscounts the sites' clients. Last, as it takes the nodes away
+(``node_loss``): site a's node removed while one of its clients trains, away a round, then a node with the same
+label and directory back; at the end both sites gone.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,17 +28,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import ray
 import torch
-from ray.cluster_utils import Cluster
 from safetensors.torch import load_file
-from sites_data import SITES, make_sites, memory_config, sites_config
+from sites_data import SITES, add_site_node, make_sites, memory_config, site_cluster, sites_config
 
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.drivers.ray_runtime import run_ray
 from fedrod_ray.drivers.runner import run_local
+from fedrod_ray.executors.sites import SitesExecutor
+from fedrod_ray.federation_state.setup import prepare_server
 from fedrod_ray.outputs.storage import RunStorage
+from fedrod_ray.round_loop.federation import Federation, RoundFailedError
 
 KEYS = ("round", "clients", "clients_done", "clients_failed", "train_loss", "personal_loss", "gfl_gm", "pfl_gm",
         "pfl_pm", "pfl_pm_global", "pm_eval_failed", "gfl_at", "pfl_at")
+LOSS_KEYS = ("round", "clients", "clients_done", "clients_failed", "clients_unavailable", "unavailable_ids",
+             "pm_eval_unavailable", "pm_eval_failed")
 
 
 def audit_hook(log: str, roots: tuple[str, ...], who: str):
@@ -89,10 +97,8 @@ def main(root: Path) -> None:
     head_data = root / "head-data"
     os.environ["FEDROD_DATA_DIR"] = str(head_data)
     sys.addaudithook(audit_hook(str(audit), (str(paths["a"]), str(paths["b"])), "driver"))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    try:
-        nodes = {name: cluster.add_node(num_cpus=1, labels={"fedrod.site": name}).node_id for name in SITES}
-        ray.init(address=cluster.address, log_to_driver=False, runtime_env={"worker_process_setup_hook": worker_audit})
+    with site_cluster(runtime_env={"worker_process_setup_hook": worker_audit}) as (cluster, site_nodes):
+        nodes = {name: node.node_id for name, node in site_nodes.items()}
         out["head"] = cluster.head_node.node_id
         out["nodes"] = nodes
         at_sites = {}
@@ -159,10 +165,67 @@ def main(root: Path) -> None:
         out["miscounted"] = [wrong.returncode, [ln for ln in wrong.stderr.splitlines() if "fedrod-ray:" in ln]]
         after = (run / "metrics.jsonl").read_bytes(), (run / "final" / "model.safetensors").read_bytes()
         out["tampered_run_unchanged"] = before == after
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+
+        out["node_loss"] = node_loss(cluster, site_nodes, paths)
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def is_training(pid: int) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().startswith(b"ray::SiteActorImpl.train")
+
+
+def node_loss(cluster, nodes: dict, paths: dict[str, Path]) -> dict:
+    """A site that goes away and comes back (``nodes``: the sites' nodes, which it removes): site a's node removed
+    while its actor trains one of its clients, away a round, then a node with its label back; at the end both
+    sites removed. What tests/test_sites.py checks of it."""
+    cfg = sites_config(paths, "linear", rounds=6, client_fraction=1.0, local_epochs=3)
+    cfg["runtime"]["site_wait_s"] = 2.0
+    cfg = config_from_dict(cfg)
+    out: dict = {}
+    executor = SitesExecutor(prepare_server(cfg), log=lambda s: print(s, flush=True))
+    fed = Federation(executor.setup, executor, log=lambda s: print(s, flush=True))
+    records = [fed.step(0)]
+
+    # Round 2: site a's node goes while its actor trains one of its clients.
+    [actor] = [executor.actors[a] for a in executor.site_actors[0]]
+    pid = ray.get(actor.ready.remote())["pid"]
+    thread = threading.Thread(target=lambda: records.append(fed.step(1)))
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not is_training(pid) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    out["seen_training"] = is_training(pid)
+    cluster.remove_node(nodes["a"])
+    thread.join(240)
+    out["round_2_ended"] = not thread.is_alive()
+    rounds = {cid: fed.clients.rounds_trained(cid) for cid in fed.clients}
+    before = executor.site_versions(rounds)["a"]["clients"]
+    records.append(fed.step(2))  # site a still away
+
+    # A node with site a's label (and its directory) comes back: its clients rejoin with their state.
+    nodes["a"] = add_site_node(cluster, "a")
+    records.append(fed.step(3))
+    rounds = {cid: fed.clients.rounds_trained(cid) for cid in fed.clients}
+    out["before"] = before
+    out["after"] = executor.site_versions(rounds)["a"]["clients"]
+    out["a_node_back"] = nodes["a"].node_id
+    out["a_actor_node"] = ray.get(executor.actors[executor.site_actors[0][0]].ready.remote())["node_id"]
+    out["finite"] = all(bool(torch.isfinite(v).all()) for v in fed.global_shared.values())
+
+    # Both sites go: a round whose sampled clients are all away waits runtime.site_wait_s, then stops.
+    for node in nodes.values():
+        cluster.remove_node(node)
+    t0 = time.monotonic()
+    try:
+        fed.step(4)
+        out["all_away"] = None
+    except RoundFailedError as e:
+        out["all_away"] = str(e)
+    out["waited_s"] = time.monotonic() - t0
+    out["records"] = [{k: r.get(k) for k in LOSS_KEYS} for r in records]
+    executor.close()
+    return out
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ tests of sites (tests/test_sites.py) train on."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -76,3 +78,26 @@ def memory_config(paths: dict[str, Path], head: str, **train) -> dict:
     cfg["data"].update(dataset="folder", path=str(paths["all"]))
     cfg["runtime"]["mode"] = "local"
     return cfg
+
+
+@contextmanager
+def site_cluster(**init) -> Iterator[tuple[object, dict]]:
+    """A real multi-node local Ray cluster for a run at the sites, this process its driver (``ray.init(**init)``):
+    a head with no CPU and no dashboard, and one 1-CPU worker node per site, labelled ``fedrod.site=<name>``.
+    Yields the cluster and the site nodes by name; shuts both down at the end."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        nodes = {name: add_site_node(cluster, name) for name in SITES}
+        ray.init(address=cluster.address, log_to_driver=False, **init)
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def add_site_node(cluster, name: str):
+    """A 1-CPU worker node of site ``name`` (labelled ``fedrod.site=<name>``) added to ``cluster``."""
+    return cluster.add_node(num_cpus=1, labels={"fedrod.site": name})

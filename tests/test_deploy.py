@@ -530,12 +530,71 @@ def _stop_head(head: subprocess.Popen, ray_tmp: str, tracked: dict[int, tuple[in
     return leftover
 
 
+class Head:
+    """A private head node started by ``ray start`` (``_head_command``), shared by the job-submission tests:
+    the ``ray`` CLI, its dashboard's address, the environment it runs with, and every process it started that
+    was seen (``track``), all of which must be gone once it is stopped."""
+
+    def __init__(self, ray_cli: str, tmp: Path):
+        self.ray_cli = ray_cli
+        # Ray's unix socket paths must stay short: a private temp dir directly under /tmp.
+        self.ray_tmp = tempfile.mkdtemp(prefix="frj", dir="/tmp")
+        # The head finds no data and no code but through what a job brings (its --data-dir, its runtime env).
+        base_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith("RAY_") and k not in ("FEDROD_DATA_DIR", "PYTHONPATH")}
+        base_env["PATH"] = f"{Path(ray_cli).parent}{os.pathsep}{base_env.get('PATH', '')}"  # the `ray` beside us
+        self.base_env = base_env
+        # The documented auth setting (docs/ray.md; test_ray_job_submit_to_a_local_head checks the docs say it).
+        self.env = {**base_env, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+                    # SIGTERM otherwise drains the node for up to 30 s before stopping.
+                    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+                    # On a loaded machine the raylet can take longer than the default 60 s to register.
+                    "RAY_raylet_start_wait_time_s": "180"}
+        head_cmd, self.address = _head_command(ray_cli, self.ray_tmp)
+        self.log = tmp / "head.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(head_cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
+                                         start_new_session=True)
+        self.tracked: dict[int, tuple[int, str]] = {}
+
+    def track(self) -> dict[int, tuple[int, str]]:
+        """The head's processes now (``_processes_of``), noted for the check at its stop."""
+        procs = _processes_of(self.proc.pid, self.ray_tmp)
+        self.tracked.update(procs)
+        return procs
+
+    def job(self, *args: str) -> str:
+        """``ray job <args>`` against this head: its output."""
+        r = subprocess.run([self.ray_cli, "job", *args, "--address", self.address], check=False, env=self.env,
+                           capture_output=True, text=True, timeout=60)
+        return r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """One private head node for this module's job submissions, started once (the first test that needs it
+    waits until it answers) and stopped at the end: nothing it started may outlive it."""
+    ray_cli = _ray_cli()
+    if ray_cli is None:
+        pytest.skip("the `ray` CLI is not installed")
+    head = Head(ray_cli, tmp_path_factory.mktemp("head"))
+    t0 = time.monotonic()
+    try:
+        _wait_for_head(ray_cli, head.address, head.env, head.proc, head.log)
+        yield head
+    finally:
+        head.track()
+        leftover = _stop_head(head.proc, head.ray_tmp, head.tracked)
+        print(f"local head started, used and stopped in {time.monotonic() - t0:.1f}s")
+    assert not leftover, f"Ray processes outlived their head: {leftover}"
+
+
 # Lines that must not appear in a healthy job's output (the C++ core's errors read "[... E pid tid] ...").
 ERROR_LINE = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|\bE \d+ \d+\]|Error:")
 
 
 @pytest.mark.slow
-def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
+def test_ray_job_submit_to_a_local_head(ray_head, tmp_path, shared_data_dir):
     """docs/ray.md's "On a cluster" command (README.md's too), run as written against a private head node
     started here.
 
@@ -549,10 +608,7 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
     """
     from safetensors.numpy import load_file
 
-    ray_cli = _ray_cli()
-    if ray_cli is None:
-        pytest.skip("the `ray` CLI is not installed")
-
+    head = ray_head
     section = cluster_section()
     block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
     exports = {}
@@ -565,27 +621,16 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
     command = re.search(r"^ray job submit (?:.*\\\n)*.*$", block, re.MULTILINE).group(0)
     config = load_config(REPO / _arg(command, "--config"))
 
-    # Ray's unix socket paths must stay short: a private temp dir directly under /tmp.
-    ray_tmp = tempfile.mkdtemp(prefix="frj", dir="/tmp")
-    # Neither the head nor the job may find data other than through the command's --data-dir.
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "FEDROD_DATA_DIR"}
-    base_env["PATH"] = f"{Path(ray_cli).parent}{os.pathsep}{base_env.get('PATH', '')}"  # the `ray` beside us
-    env = {
-        **base_env,
-        "RAY_AUTH_MODE": exports["RAY_AUTH_MODE"],
-        "RAY_USAGE_STATS_ENABLED": "0",
-        # SIGTERM otherwise drains the node for up to 30 s before stopping.
-        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-    }
-    head_cmd, address = _head_command(ray_cli, ray_tmp)
-    head_log = tmp_path / "head.log"
+    # The head (``ray_head``) runs with that setting; neither it nor the job may find data other than through
+    # the command's --data-dir.
+    assert head.env["RAY_AUTH_MODE"] == exports["RAY_AUTH_MODE"]
 
     # The documented command, with its substitutions.
-    submit_env = {**base_env, **exports}
+    submit_env = {**head.base_env, **exports}
     if "RAY_ADDRESS" in exports:
-        submit_env["RAY_ADDRESS"] = address
+        submit_env["RAY_ADDRESS"] = head.address
     else:
-        command = _sub(command, "--address http://127.0.0.1:8265", f"--address {address}")
+        command = _sub(command, "--address http://127.0.0.1:8265", f"--address {head.address}")
     runtime_env = _yaml("runtime_env.yaml")
     runtime_env.pop("pip")
     (tmp_path / "runtime_env.yaml").write_text(yaml.safe_dump(runtime_env))
@@ -601,18 +646,9 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
     bad += " --set data.download=false"
     run_dir = Path(_arg(good, "--run-dir"))
 
-    def ray_job(*args: str) -> str:
-        r = subprocess.run([ray_cli, "job", *args, "--address", address], check=False, env=env,
-                           capture_output=True, text=True, timeout=60)
-        return r.stdout + r.stderr
-
-    t0 = time.monotonic()
-    with open(head_log, "w") as log:
-        head = subprocess.Popen(head_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                start_new_session=True)
-    tracked: dict[int, tuple[int, str]] = {}
+    ray_job = head.job
     drivers: dict[int, str] = {}  # pid -> PYTHONPATH of the job's entrypoint process
-    # Every command line seen, apart from ``tracked``'s latest: a process on its way out has an empty one.
+    # Every command line seen, apart from the head's latest: a process on its way out has an empty one.
     titles: set[str] = set()
 
     def submit(cmd: str, name: str, timeout: float) -> tuple[int, str, str]:
@@ -624,7 +660,7 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
                                     stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:
-            tracked.update(procs := _processes_of(head.pid, ray_tmp))
+            procs = head.track()
             titles.update(cmd for _, cmd in procs.values())
             for pid, (_, cmdline) in procs.items():
                 if "fedrod-ray train" in cmdline and pid not in drivers:
@@ -638,76 +674,68 @@ def test_ray_job_submit_to_a_local_head(tmp_path, shared_data_dir):
         assert job_id, text[-5000:]
         return proc.returncode, text, job_id.group(1)
 
-    try:
-        _wait_for_head(ray_cli, address, env, head, head_log)
+    # 1. The documented command trains on this head.
+    rc, out, job = submit(good, "submit", 420)
+    assert rc == 0 and f"Job '{job}' succeeded" in out, out[-5000:]
+    assert f"Job '{job}' succeeded" in ray_job("status", job)
+    logs = ray_job("logs", job)
+    assert "Connecting to existing Ray cluster" in logs, "the driver must join the head, not start a Ray"
+    assert "Started a local Ray instance" not in logs
+    errors = [line for line in logs.splitlines() if ERROR_LINE.search(line)]
+    assert not errors, "error lines in a successful job's output:\n" + "\n".join(errors)
 
-        # 1. The documented command trains on this head.
-        rc, out, job = submit(good, "submit", 420)
-        assert rc == 0 and f"Job '{job}' succeeded" in out, out[-5000:]
-        assert f"Job '{job}' succeeded" in ray_job("status", job)
-        logs = ray_job("logs", job)
-        assert "Connecting to existing Ray cluster" in logs, "the driver must join the head, not start a Ray"
-        assert "Started a local Ray instance" not in logs
-        errors = [line for line in logs.splitlines() if ERROR_LINE.search(line)]
-        assert not errors, "error lines in a successful job's output:\n" + "\n".join(errors)
+    saved = load_config(run_dir / "config.yaml")
+    assert saved.runtime.mode == "ray" and saved.runtime.address is None  # `auto`, resolved in the job
+    assert Path(saved.data.data_dir) == data_dir
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["round"] for rec in records] == list(range(1, config.train.rounds + 1))
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / latest / "global.safetensors").is_file()
+    assert load_file(run_dir / "final" / "model.safetensors")
 
-        saved = load_config(run_dir / "config.yaml")
-        assert saved.runtime.mode == "ray" and saved.runtime.address is None  # `auto`, resolved in the job
-        assert Path(saved.data.data_dir) == data_dir
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [rec["round"] for rec in records] == list(range(1, config.train.rounds + 1))
-        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-        assert (run_dir / "checkpoints" / latest / "global.safetensors").is_file()
-        assert load_file(run_dir / "final" / "model.safetensors")
+    # The uploaded working directory, not an installed copy, comes first on the driver's import path.
+    assert drivers, "the job's driver was not seen running on this head"
+    for pythonpath in drivers.values():
+        first = pythonpath.split(os.pathsep)[0]
+        assert first.startswith(head.ray_tmp) and "working_dir_files" in first, pythonpath
+    for actor in ("ray::CoordinatorImpl", "ray::ClientActorImpl"):
+        assert any(c.startswith(actor) for c in titles), f"no {actor} process was seen on this head"
 
-        # The uploaded working directory, not an installed copy, comes first on the driver's import path.
-        assert drivers, "the job's driver was not seen running on this head"
-        for pythonpath in drivers.values():
-            first = pythonpath.split(os.pathsep)[0]
-            assert first.startswith(ray_tmp) and "working_dir_files" in first, pythonpath
-        for actor in ("ray::CoordinatorImpl", "ray::ClientActorImpl"):
-            assert any(c.startswith(actor) for c in titles), f"no {actor} process was seen on this head"
+    # 2. Without the dataset: the CLI's one-paragraph error, raised in the driver before Ray starts.
+    rc, out, job = submit(bad, "submit-no-data", 120)
+    assert rc != 0 and f"Job '{job}' failed" in out, out[-5000:]
+    assert f"Job '{job}' failed" in ray_job("status", job)
+    logs = ray_job("logs", job)
+    lines = logs.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("fedrod-ray: error:")]
+    assert len(starts) == 1, logs
+    assert lines[starts[0]].startswith(f"fedrod-ray: error: dataset 'mnist' not found: {empty}/mnist "), logs
+    ends = [i for i, line in enumerate(lines) if line.startswith("To run offline")]
+    assert ends and ends[0] > starts[0] and all(lines[starts[0]:ends[0]]), f"not one paragraph:\n{logs}"
+    assert "Traceback (most recent call last)" not in logs and "ActorDiedError" not in logs, logs
+    assert "Connecting to existing Ray cluster" not in logs, logs
 
-        # 2. Without the dataset: the CLI's one-paragraph error, raised in the driver before Ray starts.
-        rc, out, job = submit(bad, "submit-no-data", 120)
-        assert rc != 0 and f"Job '{job}' failed" in out, out[-5000:]
-        assert f"Job '{job}' failed" in ray_job("status", job)
-        logs = ray_job("logs", job)
-        lines = logs.splitlines()
-        starts = [i for i, line in enumerate(lines) if line.startswith("fedrod-ray: error:")]
-        assert len(starts) == 1, logs
-        assert lines[starts[0]].startswith(f"fedrod-ray: error: dataset 'mnist' not found: {empty}/mnist "), logs
-        ends = [i for i, line in enumerate(lines) if line.startswith("To run offline")]
-        assert ends and ends[0] > starts[0] and all(lines[starts[0]:ends[0]]), f"not one paragraph:\n{logs}"
-        assert "Traceback (most recent call last)" not in logs and "ActorDiedError" not in logs, logs
-        assert "Connecting to existing Ray cluster" not in logs, logs
-
-        # 3. `ray job stop` sends the driver SIGTERM (then SIGKILL after a few seconds): the job's log
-        # carries the line that names the resume command.
-        long = _sub(_sub(command, "/mnt/data", shlex.quote(str(data_dir))), "/mnt/runs",
-                    shlex.quote(str(tmp_path / "runs-stop")))
-        long = _sub(long, "ray job submit", "ray job submit --no-wait") + " --set train.rounds=500"
-        stop_dir = Path(_arg(long, "--run-dir"))
-        rc, out, job = submit(long, "submit-stop", 60)
-        assert rc == 0, out[-5000:]
-        deadline = time.monotonic() + 240
-        while not (stop_dir / "checkpoints" / "latest").is_file():
-            tracked.update(_processes_of(head.pid, ray_tmp))
-            assert time.monotonic() < deadline, ray_job("logs", job)[-5000:]
-            time.sleep(0.5)
-        ray_job("stop", job)
-        deadline = time.monotonic() + 60
-        while f"Job '{job}' was stopped" not in (status := ray_job("status", job)):
-            assert time.monotonic() < deadline, status
-            time.sleep(0.5)
-        logs = ray_job("logs", job)
-        said = [line for line in logs.splitlines() if line.startswith("fedrod-ray:")]
-        assert said == [f"fedrod-ray: stopped by SIGTERM; continue it with: fedrod-ray train --resume {stop_dir}"], logs
-    finally:
-        tracked.update(_processes_of(head.pid, ray_tmp))
-        leftover = _stop_head(head, ray_tmp, tracked)
-        print(f"local head started, used and stopped in {time.monotonic() - t0:.1f}s")
-    assert not leftover, f"Ray processes outlived their head: {leftover}"
+    # 3. `ray job stop` sends the driver SIGTERM (then SIGKILL after a few seconds): the job's log
+    # carries the line that names the resume command.
+    long = _sub(_sub(command, "/mnt/data", shlex.quote(str(data_dir))), "/mnt/runs",
+                shlex.quote(str(tmp_path / "runs-stop")))
+    long = _sub(long, "ray job submit", "ray job submit --no-wait") + " --set train.rounds=500"
+    stop_dir = Path(_arg(long, "--run-dir"))
+    rc, out, job = submit(long, "submit-stop", 60)
+    assert rc == 0, out[-5000:]
+    deadline = time.monotonic() + 240
+    while not (stop_dir / "checkpoints" / "latest").is_file():
+        head.track()
+        assert time.monotonic() < deadline, ray_job("logs", job)[-5000:]
+        time.sleep(0.5)
+    ray_job("stop", job)
+    deadline = time.monotonic() + 60
+    while f"Job '{job}' was stopped" not in (status := ray_job("status", job)):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+    logs = ray_job("logs", job)
+    said = [line for line in logs.splitlines() if line.startswith("fedrod-ray:")]
+    assert said == [f"fedrod-ray: stopped by SIGTERM; continue it with: fedrod-ray train --resume {stop_dir}"], logs
 
 
 def _example_submit() -> str:
@@ -719,74 +747,54 @@ def _example_submit() -> str:
 
 
 @pytest.mark.slow
-def test_ray_job_submit_of_the_example_package(tmp_path):
+def test_ray_job_submit_of_the_example_package(ray_head, tmp_path):
     """docs/data.md's example job, run as written from a copy of examples/ against a private head node: the
     user's factory and data travel with the job's working_dir, the driver and the client actors import the
     factory, and the run's final/ names it. The only changes: the dashboard address, /mnt/runs, and this
     checkout's fedrod_ray in the runtime env's py_modules."""
-    ray_cli = _ray_cli()
-    if ray_cli is None:
-        pytest.skip("the `ray` CLI is not installed")
+    head = ray_head
     example = tmp_path / "examples"
     shutil.copytree(REPO / "examples", example, ignore=shutil.ignore_patterns("__pycache__", "data", "runs"))
     gen = subprocess.run([sys.executable, "-m", "fedrod_example.data", "data/example"], cwd=example,
                          capture_output=True, text=True, timeout=120, check=False)
     assert gen.returncode == 0, gen.stderr
 
-    ray_tmp = tempfile.mkdtemp(prefix="frx", dir="/tmp")
-    base_env = {k: v for k, v in os.environ.items()
-                if not k.startswith("RAY_") and k not in ("FEDROD_DATA_DIR", "PYTHONPATH")}
-    base_env["PATH"] = f"{Path(ray_cli).parent}{os.pathsep}{base_env.get('PATH', '')}"
-    env = {**base_env, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-           # On a loaded machine the raylet can take longer than the default 60 s to register.
-           "RAY_raylet_start_wait_time_s": "180"}
     # The job uploads only examples/, and runs the fedrod-ray the cluster has installed; here that must be
     # this checkout, shipped with the job as a py_modules entry of the copy's runtime env.
     runtime_env = yaml.safe_load((example / "runtime_env.yaml").read_text())
     runtime_env["py_modules"] = [str(REPO / "fedrod_ray")]
     (example / "runtime_env.yaml").write_text(yaml.safe_dump(runtime_env))
-    head_cmd, address = _head_command(ray_cli, ray_tmp)
-    command = _sub(_example_submit(), "--address http://127.0.0.1:8265", f"--address {address}")
+    command = _sub(_example_submit(), "--address http://127.0.0.1:8265", f"--address {head.address}")
     command = _sub(command, "/mnt/runs", shlex.quote(str(tmp_path / "runs")))
     run_dir = Path(_arg(command, "--run-dir"))
-    head_log = tmp_path / "head.log"
-    with open(head_log, "w") as log:
-        head = subprocess.Popen(head_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                start_new_session=True)
-    tracked: dict[int, tuple[int, str]] = {}
-    try:
-        _wait_for_head(ray_cli, address, env, head, head_log)
-        for _ in range(5):
-            proc = subprocess.Popen(["bash", "-c", command], cwd=example, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-            deadline = time.monotonic() + 420
-            while proc.poll() is None and time.monotonic() < deadline:
-                tracked.update(_processes_of(head.pid, ray_tmp))
-                time.sleep(0.5)
-            if proc.poll() is None:
-                proc.kill()
-            out = proc.communicate()[0]
-            # The head answers `ray job list` before its job agent is up (slow on a loaded machine): the
-            # submission was refused, nothing ran, and it is tried again.
-            if "No available agent to submit job" not in out:
-                break
-            time.sleep(5)
-        job = re.search(r"Job '(\w+)' submitted successfully", out)
-        assert proc.returncode == 0 and job and f"Job '{job.group(1)}' succeeded" in out, out[-5000:]
-        assert "Connecting to existing Ray cluster" in out and "Started a local Ray instance" not in out
-        errors = [line for line in out.splitlines() if ERROR_LINE.search(line)]
-        assert not errors, "error lines in a successful job's output:\n" + "\n".join(errors)
-        cmds = [cmd for _, cmd in tracked.values()]
-        assert any(c.startswith("ray::ClientActorImpl") for c in cmds), "no client actor ran on this head"
+    seen: dict[int, tuple[int, str]] = {}  # the head's processes while this job ran
+    for _ in range(5):
+        proc = subprocess.Popen(["bash", "-c", command], cwd=example, env=head.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 420
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen.update(head.track())
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.kill()
+        out = proc.communicate()[0]
+        # The head answers `ray job list` before its job agent is up (slow on a loaded machine): the
+        # submission was refused, nothing ran, and it is tried again.
+        if "No available agent to submit job" not in out:
+            break
+        time.sleep(5)
+    job = re.search(r"Job '(\w+)' submitted successfully", out)
+    assert proc.returncode == 0 and job and f"Job '{job.group(1)}' succeeded" in out, out[-5000:]
+    assert "Connecting to existing Ray cluster" in out and "Started a local Ray instance" not in out
+    errors = [line for line in out.splitlines() if ERROR_LINE.search(line)]
+    assert not errors, "error lines in a successful job's output:\n" + "\n".join(errors)
+    cmds = [cmd for _, cmd in seen.values()]
+    assert any(c.startswith("ray::ClientActorImpl") for c in cmds), "no client actor ran on this head"
 
-        saved = load_config(run_dir / "config.yaml")
-        assert saved.runtime.mode == "ray" and saved.model.arch == "fedrod_example.model:small_cnn"
-        assert saved.data.dataset == "folder" and saved.data.partition == "natural"
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [r["round"] for r in records] == list(range(1, saved.train.rounds + 1))
-        meta = json.loads((run_dir / "final" / "meta.json").read_text())
-        assert meta["arch"] == "fedrod_example.model:small_cnn" and meta["class_names"][0] == "class_a"
-    finally:
-        leftover = _stop_head(head, ray_tmp, tracked)
-    assert not leftover, f"Ray processes outlived their head: {leftover}"
+    saved = load_config(run_dir / "config.yaml")
+    assert saved.runtime.mode == "ray" and saved.model.arch == "fedrod_example.model:small_cnn"
+    assert saved.data.dataset == "folder" and saved.data.partition == "natural"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == list(range(1, saved.train.rounds + 1))
+    meta = json.loads((run_dir / "final" / "meta.json").read_text())
+    assert meta["arch"] == "fedrod_example.model:small_cnn" and meta["class_names"][0] == "class_a"

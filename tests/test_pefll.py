@@ -9,14 +9,11 @@ import math
 
 import pytest
 import torch
+from hypernets import assert_config_error_names, assert_pms_and_gm, assert_trains_and_resumes_bitwise
 from test_federation import _same, make_federation
-from test_personalization import untimed
 from test_personalization_updates import CID, ROUND, close, plain_sgd
 
 from fedrod_ray.client_update.local import LocalResult, RoundInput
-from fedrod_ray.config import ConfigError, config_from_dict
-from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
-from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.personalization import build_method, mean_state
 from fedrod_ray.personalization.finetune import fine_tune
 from fedrod_ray.personalization.pefll import (
@@ -211,14 +208,9 @@ def test_the_client_trains_from_the_model_made_from_its_descriptor_and_returns_t
 def test_the_pm_is_the_hypernetworks_model_of_the_clients_descriptor_and_the_gm_their_mean():
     fed = make_federation(*PEFLL)
     fed.step(0)
-    m = fed.setup.num_clients
     table = fed.method_state[DESCRIPTORS]
     assert table.abs().sum(1).gt(0).all()  # every training client was described, sampled or not
-    pms = [fed.method.model_from(fed.method_state, table[c]) for c in range(m)]
-    assert _same(fed.global_shared, mean_state(pms))
-    for cid in (0, m - 1):
-        state = fed.evaluation._pm_state(fed.clients, cid, fed.global_shared, 1, fed.method_state)
-        assert _same(state.local_model, pms[cid]) and state.rounds_trained == 1
+    assert_pms_and_gm(fed, [fed.method.model_from(fed.method_state, table[c]) for c in range(fed.setup.num_clients)])
 
 
 @pytest.mark.parametrize("extra, field", [
@@ -231,9 +223,7 @@ def test_the_pm_is_the_hypernetworks_model_of_the_clients_descriptor_and_the_gm_
     ((*PEFLL, "eval.finetune_epochs=1", "eval.finetune_train=true"), "eval.finetune_train"),
 ])
 def test_a_pefll_setting_that_makes_no_sense_names_the_field(extra, field):
-    with pytest.raises(ConfigError) as e:
-        config_from_dict({}, list(extra))
-    assert str(e.value).startswith(field), str(e.value)
+    assert_config_error_names(extra, field)
 
 
 # --- end to end --------------------------------------------------------------------------------------------------
@@ -243,27 +233,8 @@ def test_a_pefll_setting_that_makes_no_sense_names_the_field(extra, field):
 def test_pefll_trains_and_resumes_bitwise_from_its_checkpoint(tmp_path):
     """The checkpoint holds the whole server: the hypernetwork, the embedding network, Adam's moments and step
     and every client's descriptor; a federation restored from it trains on to the uninterrupted one's bits."""
-    extra = (*PEFLL, "train.rounds=4")
-    a = make_federation(*extra)
-    before = dict(a.method_state)
-    for r in (0, 1):
-        record = a.step(r)
-    assert record["clients_failed"] == 0 and math.isfinite(record["train_loss"]) and 0 <= record["pfl_pm"] <= 1
-    assert all(not torch.equal(before[k], a.method_state[k]) for k in a.method_state)  # every part has moved
-    storage = RunStorage(str(tmp_path))
-    save_checkpoint(storage, a.snapshot())
-    snap = load_checkpoint(storage)
-    assert _same(snap.method_state, a.method_state)
-    assert {k.split("/")[0] for k in snap.method_state} == {"hnet", "enet", "adam_avg", "adam_sq", ADAM_STEP,
-                                                            DESCRIPTORS}
-    b = make_federation(*extra)
-    b.restore(snap)
-    for r in (2, 3):
-        assert untimed(a.step(r)) == untimed(b.step(r))
-    assert _same(a.global_shared, b.global_shared) and _same(a.method_state, b.method_state)
-    for cid, st in a.clients.items():
-        assert st.rounds_trained == b.clients[cid].rounds_trained
-        assert _same(st.tensors(), b.clients[cid].tensors()), cid
+    assert_trains_and_resumes_bitwise(PEFLL, tmp_path, {"hnet", "enet", "adam_avg", "adam_sq", ADAM_STEP,
+                                                        DESCRIPTORS})
 
 
 # --- a client that never trained --------------------------------------------------------------------------------

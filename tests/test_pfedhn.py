@@ -12,15 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from fedrod_ray_tune.space import load_sweep
+from hypernets import assert_config_error_names, assert_pms_and_gm, assert_trains_and_resumes_bitwise
 from test_federation import _same, make_federation
-from test_personalization import untimed
 from test_personalization_updates import CID, ROUND, close, plain_sgd
 
 from fedrod_ray.client_update.local import LocalResult, RoundInput
 from fedrod_ray.clients.client import ClientState
-from fedrod_ray.config import ConfigError, config_from_dict
-from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
-from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.personalization import build_method, mean_state
 from fedrod_ray.personalization.pfedhn import (
     CLIP_NORM,
@@ -215,12 +212,8 @@ def test_the_client_trains_from_the_model_the_server_generated_for_it():
 def test_the_pm_is_the_hypernetworks_model_of_the_client_and_the_gm_the_mean_of_the_pms():
     fed = make_federation(*PFEDHN)
     fed.step(0)
-    m = fed.setup.num_clients
-    pms = [fed.method.model_of(fed.method_state, c) for c in range(m)]
-    assert _same(fed.global_shared, mean_state(pms))
-    for cid in (0, m - 1):  # one that trained or not: its PM is H(v_m; phi) with the current phi
-        state = fed.evaluation._pm_state(fed.clients, cid, fed.global_shared, 1, fed.method_state)
-        assert _same(state.local_model, pms[cid]) and state.rounds_trained == 1 and state.personal is None
+    # One that trained or not: its PM is H(v_m; phi) with the current phi.
+    assert_pms_and_gm(fed, [fed.method.model_of(fed.method_state, c) for c in range(fed.setup.num_clients)])
 
 
 @pytest.mark.parametrize("extra, field", [
@@ -232,9 +225,7 @@ def test_the_pm_is_the_hypernetworks_model_of_the_client_and_the_gm_the_mean_of_
     ((*PFEDHN, "privacy.enabled=true", "privacy.noise_multiplier=1"), "train.head"),
 ])
 def test_a_pfedhn_setting_that_makes_no_sense_names_the_field(extra, field):
-    with pytest.raises(ConfigError) as e:
-        config_from_dict({}, list(extra))
-    assert str(e.value).startswith(field), str(e.value)
+    assert_config_error_names(extra, field)
 
 
 # --- end to end --------------------------------------------------------------------------------------------------
@@ -244,26 +235,7 @@ def test_a_pfedhn_setting_that_makes_no_sense_names_the_field(extra, field):
 def test_pfedhn_trains_and_resumes_bitwise_from_its_checkpoint(tmp_path):
     """The checkpoint holds the whole server: the embeddings, the hypernetwork and the momentum buffers of
     both; a federation restored from it trains on to the bits of the uninterrupted one."""
-    extra = (*PFEDHN, "train.rounds=4")
-    a = make_federation(*extra)
-    before = dict(a.method_state)
-    for r in (0, 1):
-        record = a.step(r)
-    assert record["clients_failed"] == 0 and math.isfinite(record["train_loss"]) and 0 <= record["pfl_pm"] <= 1
-    assert all(not torch.equal(before[k], a.method_state[k]) for k in a.method_state)  # every part has moved
-    storage = RunStorage(str(tmp_path))
-    save_checkpoint(storage, a.snapshot())
-    snap = load_checkpoint(storage)
-    assert set(snap.method_state) == set(a.method_state) and _same(snap.method_state, a.method_state)
-    assert {k.split("/")[0] for k in snap.method_state} == {EMBEDDINGS, "hnet", "momentum"}
-    b = make_federation(*extra)
-    b.restore(snap)
-    for r in (2, 3):
-        assert untimed(a.step(r)) == untimed(b.step(r))
-    assert _same(a.global_shared, b.global_shared) and _same(a.method_state, b.method_state)
-    for cid, st in a.clients.items():
-        assert st.rounds_trained == b.clients[cid].rounds_trained
-        assert _same(st.tensors(), b.clients[cid].tensors()), cid
+    assert_trains_and_resumes_bitwise(PFEDHN, tmp_path, {EMBEDDINGS, "hnet", "momentum"})
 
 
 # --- a client that never trained --------------------------------------------------------------------------------

@@ -236,16 +236,24 @@ def test_a_site_store_prunes_the_versions_no_checkpoint_can_name(tmp_path):
 PFL = ("pfl_gm", "pfl_pm", "pfl_pm_global")
 
 
-@pytest.mark.slow
-def test_two_sites_on_a_cluster(tmp_path, private_ray_env, shared_data_dir):
-    """A head with no CPU and no data, one labelled worker node per site (tests/sites_cluster.py)."""
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "sites_cluster.py"), str(tmp_path / "run")],
-                          check=False, cwd=REPO, env={**private_ray_env, "FEDROD_TEST_DATA": str(shared_data_dir)},
-                          capture_output=True, text=True, timeout=900)
+@pytest.fixture(scope="module")
+def on_a_cluster(module_private_ray_env, tmp_path_factory, shared_data_dir) -> dict:
+    """tests/sites_cluster.py, run once for the tests of this section (one cluster for all): what its RESULT line
+    says."""
+    run = tmp_path_factory.mktemp("sites-cluster") / "run"
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "sites_cluster.py"), str(run)], check=False, cwd=REPO,
+                          env={**module_private_ray_env, "FEDROD_TEST_DATA": str(shared_data_dir)},
+                          capture_output=True, text=True, timeout=1500)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    res = json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.slow
+def test_two_sites_on_a_cluster(on_a_cluster):
+    """A head with no CPU and no data, one labelled worker node per site (tests/sites_cluster.py)."""
+    res = on_a_cluster
 
     # The same final weights as the federation in one process over the same clients and seed; the same records
     # but for P-FL means, which the sites send as sums (the order of the float additions differs).
@@ -311,18 +319,12 @@ def test_two_sites_on_a_cluster(tmp_path, private_ray_env, shared_data_dir):
 
 
 @pytest.mark.slow
-def test_a_site_that_goes_away_and_comes_back(tmp_path, private_ray_env, shared_data_dir):
-    """Site a's node is removed while its actor trains (tests/sites_node_loss.py): its clients are unavailable,
-    not failed, and the rounds go on with site b's; a node with its label and directory comes back and its
-    clients rejoin from the very states they had (the site checks each one's sha256 before it trains); a round
+def test_a_site_that_goes_away_and_comes_back(on_a_cluster):
+    """Site a's node is removed while its actor trains (``node_loss`` in tests/sites_cluster.py): its clients are
+    unavailable, not failed, and the rounds go on with site b's; a node with its label and directory comes back and
+    its clients rejoin from the very states they had (the site checks each one's sha256 before it trains); a round
     whose clients are all away waits runtime.site_wait_s, then stops with a clear message."""
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "sites_node_loss.py"), str(tmp_path / "run")],
-                          check=False, cwd=REPO, env={**private_ray_env, "FEDROD_TEST_DATA": str(shared_data_dir)},
-                          capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-5000:]
-    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    res = json.loads(line[len("RESULT "):])
+    res = on_a_cluster["node_loss"]
     assert res["seen_training"] is True and res["round_2_ended"] is True
     r1, r2, r3, r4 = res["records"]
     everyone = {"clients": 6, "clients_done": 6, "clients_failed": 0, "clients_unavailable": 0,

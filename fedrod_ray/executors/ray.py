@@ -154,15 +154,25 @@ class RayExecutor:
         args = self._attach_args[0 if self.layout.pooled else a]
         return self.actors[a].attach.remote(*args)
 
+    # How long one look at a restarting actor waits for its answer (``_revive``).
+    revive_poll_s = RESTART_TIMEOUT_S
+
+    def _may_come_back(self, a: int) -> bool:
+        """Whether actor ``a`` is worth waiting for (``_revive`` asks before each look)."""
+        return True
+
     def _revive(self, a: int) -> bool:
         """Wait until actor ``a`` answers again and attach it if it restarted; False once it is given up
-        as dead: it has no restarts left, or did not come back within RESTART_TIMEOUT_S."""
+        as dead: it has no restarts left, or did not come back within RESTART_TIMEOUT_S. False, without
+        giving it up, as soon as ``_may_come_back`` says it is not worth waiting for."""
         if a in self.dead:
             return False
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         while time.monotonic() < deadline:
+            if not self._may_come_back(a):
+                return False
             try:
-                if not ray.get(self.actors[a].ready.remote(), timeout=RESTART_TIMEOUT_S)["attached"]:
+                if not ray.get(self.actors[a].ready.remote(), timeout=self.revive_poll_s)["attached"]:
                     ray.get(self._attach(a))
                 return True
             except ActorDiedError:

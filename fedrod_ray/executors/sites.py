@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 
 from ..client_update.local import RoundInput
 from ..clients import faults
@@ -153,24 +153,13 @@ class SitesExecutor(RayExecutor):
     def _away(self, cid: int) -> ClientUnavailable:
         return ClientUnavailable(cid, f"site {self.setup.sites[self.site_index[cid]].name} has no live node")
 
-    def _revive(self, a: int) -> bool:
-        """``RayExecutor._revive``, except that an actor whose site has no live node is not waited for: its
-        site is away (``available``), which its clients' calls report."""
+    revive_poll_s = SITE_POLL_S
+
+    def _may_come_back(self, a: int) -> bool:
+        """An actor whose site has no live node is not waited for (``RayExecutor._revive``): its site is away
+        (``available``), which its clients' calls report."""
         name = next(self.setup.sites[i].name for i, actors in enumerate(self.site_actors) if a in actors)
-        deadline = time.monotonic() + RESTART_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if name not in live_sites():
-                return False
-            try:
-                if not ray.get(self.actors[a].ready.remote(), timeout=SITE_POLL_S)["attached"]:
-                    ray.get(self._attach(a))
-                return True
-            except ActorDiedError:
-                break
-            except (RayActorError, GetTimeoutError):
-                time.sleep(0.2)
-        self.dead.add(a)
-        return False
+        return name in live_sites()
 
     def train(self, round_idx: int, jobs: list[Job], message: RoundInput):
         message_ref = ray.put(message)
