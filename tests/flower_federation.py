@@ -5,6 +5,7 @@ clients (``fedrod_ray_flower.split``), and ``flwr run`` of the repository's Flow
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import ipaddress
 import os
 import signal
@@ -13,11 +14,29 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "flower" / "app"
 BIN = Path(sys.executable).parent
+NOT_INSTALLED = 'fedrod-ray[flower] is not installed (pip install -e ".[dev]" installs it)'
+
+
+def require_flower() -> None:
+    """Skip the calling test or module where Flower (``fedrod-ray[flower]``) is missing, saying how to install
+    it; fail instead in CI (``CI`` set), whose ``.[dev]`` installs it: a CI run never passes without running
+    Flower. Flower's executables must be beside this Python, where ``pip install`` puts them."""
+    missing = None
+    if importlib.util.find_spec("flwr") is None:
+        missing = NOT_INSTALLED
+    elif not all((BIN / name).is_file() for name in ("flower-superlink", "flower-supernode", "flwr")):
+        missing = f"flwr is importable but Flower's executables are not in {BIN}: {NOT_INSTALLED}"
+    if missing is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(missing, pytrace=False)
+    pytest.skip(missing, allow_module_level=True)
 
 
 def write_certificates(folder: Path) -> dict[str, Path]:

@@ -18,12 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-pytest.importorskip("flwr", reason="fedrod-ray[flower] is not installed")
-
 from fedrod_ray_flower.node import NodeData
 from fedrod_ray_flower.split import split
-from flower_federation import FlowerFederation, kill_tree, write_certificates
+from flower_federation import FlowerFederation, kill_tree, require_flower, write_certificates
 from safetensors.torch import load_file
 from served import uvicorn_server
 
@@ -32,6 +29,7 @@ from fedrod_ray.drivers.runner import run_local
 from fedrod_ray.outputs.storage import RunStorage
 
 pytestmark = pytest.mark.slow
+require_flower()
 
 TIMING = {"seconds", "train_seconds"}  # wall-clock keys, the only ones allowed to differ
 
