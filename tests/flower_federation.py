@@ -112,7 +112,9 @@ class FlowerFederation:
         self.port = free_port()
         self.home = root / "flwr-home"
         self.home.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
+        # SuperExec looks for a ServerApp or ClientApp to start every 0.25 s rather than every second.
+        self.env = {**os.environ, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
+                    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.25"}
         self.database = root / "superlink.db"
         security = (["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile",
                      str(tls["key"])] if tls else ["--insecure"])
@@ -153,13 +155,14 @@ class FlowerFederation:
         kill_tree(self.supernodes[i])
         self.supernodes[i] = None
 
-    def run(self, config: Path, run_dir: Path, timeout: float = 600, node_timeout: float = 300,
-            wait: bool = True) -> subprocess.Popen:
-        """``flwr run`` of the app on ``config``, writing ``run_dir``; waits for it unless ``wait`` is False."""
+    def run(self, config: Path, run_dir: Path, timeout: float = 1800, node_timeout: float = 300,
+            wait: bool = True, app: Path = APP, extra: str = "") -> subprocess.Popen:
+        """``flwr run`` of ``app`` (the repository's, by default) on ``config``, writing ``run_dir``, with the
+        run config keys in ``extra`` too; waits for it unless ``wait`` is False."""
         settings = (f'config="{config}" run-dir="{run_dir}" min-nodes={len(self.nodes)} '
-                    f'timeout={float(node_timeout)}')
+                    f'timeout={float(node_timeout)} {extra}').strip()
         with open(self.root / f"flwr-run-{run_dir.name}.log", "ab") as out:
-            proc = subprocess.Popen([str(BIN / "flwr"), "run", str(APP), "test", "--stream", "--run-config",
+            proc = subprocess.Popen([str(BIN / "flwr"), "run", str(app), "test", "--stream", "--run-config",
                                      settings], stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                     start_new_session=True, cwd=self.root)
         if wait:
