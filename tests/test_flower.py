@@ -190,7 +190,7 @@ def test_a_supernode_killed_mid_round_fails_only_its_clients(federation, configs
     logs = [federation.root / f"supernode{i}.log" for i in range(3)]
     before = [log.read_text(errors="replace").count("Receiving: train message") for log in logs]
     # Round 1 only (the same clients as round 1 of "hyper"): the round waits `timeout` for the lost node.
-    proc = federation.run(configs["hyper-round1"], run_dir, node_timeout=30, wait=False)
+    proc = federation.run(configs["hyper-round1"], run_dir, node_timeout=45, wait=False)
     victim, deadline = None, time.monotonic() + 600
     while victim is None:
         assert time.monotonic() < deadline and proc.poll() is None, "no SuperNode received round 1"
