@@ -77,7 +77,7 @@ def main() -> None:
         for levels in args.levels:
             run_dir = root / f"secagg-{levels}"
             t0 = time.perf_counter()
-            fed.run(config, run_dir, timeout=3600, run_config=(
+            fed.run(config, run_dir, timeout=3600, extra=(
                 f"secure-aggregation=true secagg-num-shares=3 secagg-reconstruction-threshold=2 "
                 f"secagg-clipping-range={args.clipping} secagg-quantization-range={levels}"))
             got = last_record(run_dir)

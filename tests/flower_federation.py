@@ -5,6 +5,7 @@ clients (``fedrod_ray_flower.split``), and ``flwr run`` of the repository's Flow
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import ipaddress
 import os
 import signal
@@ -13,11 +14,29 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "flower" / "app"
 BIN = Path(sys.executable).parent
+NOT_INSTALLED = 'fedrod-ray[flower] is not installed (pip install -e ".[dev]" installs it)'
+
+
+def require_flower() -> None:
+    """Skip the calling test or module where Flower (``fedrod-ray[flower]``) is missing, saying how to install
+    it; fail instead in CI (``CI`` set), whose ``.[dev]`` installs it: a CI run never passes without running
+    Flower. Flower's executables must be beside this Python, where ``pip install`` puts them."""
+    missing = None
+    if importlib.util.find_spec("flwr") is None:
+        missing = NOT_INSTALLED
+    elif not all((BIN / name).is_file() for name in ("flower-superlink", "flower-supernode", "flwr")):
+        missing = f"flwr is importable but Flower's executables are not in {BIN}: {NOT_INSTALLED}"
+    if missing is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(missing, pytrace=False)
+    pytest.skip(missing, allow_module_level=True)
 
 
 def write_certificates(folder: Path) -> dict[str, Path]:
@@ -93,7 +112,9 @@ class FlowerFederation:
         self.port = free_port()
         self.home = root / "flwr-home"
         self.home.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
+        # SuperExec looks for a ServerApp or ClientApp to start every 0.25 s rather than every second.
+        self.env = {**os.environ, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
+                    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.25"}
         self.database = root / "superlink.db"
         security = (["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile",
                      str(tls["key"])] if tls else ["--insecure"])
@@ -134,14 +155,14 @@ class FlowerFederation:
         kill_tree(self.supernodes[i])
         self.supernodes[i] = None
 
-    def run(self, config: Path, run_dir: Path, timeout: float = 600, node_timeout: float = 300,
-            wait: bool = True, run_config: str = "") -> subprocess.Popen:
-        """``flwr run`` of the app on ``config``, writing ``run_dir`` (``run_config``: more of the app's settings);
-        waits for it unless ``wait`` is False."""
+    def run(self, config: Path, run_dir: Path, timeout: float = 1800, node_timeout: float = 300,
+            wait: bool = True, app: Path = APP, extra: str = "") -> subprocess.Popen:
+        """``flwr run`` of ``app`` (the repository's, by default) on ``config``, writing ``run_dir``, with the
+        run config keys in ``extra`` too; waits for it unless ``wait`` is False."""
         settings = (f'config="{config}" run-dir="{run_dir}" min-nodes={len(self.nodes)} '
-                    f'timeout={float(node_timeout)} {run_config}')
+                    f'timeout={float(node_timeout)} {extra}').strip()
         with open(self.root / f"flwr-run-{run_dir.name}.log", "ab") as out:
-            proc = subprocess.Popen([str(BIN / "flwr"), "run", str(APP), "test", "--stream", "--run-config",
+            proc = subprocess.Popen([str(BIN / "flwr"), "run", str(app), "test", "--stream", "--run-config",
                                      settings], stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                     start_new_session=True, cwd=self.root)
         if wait:

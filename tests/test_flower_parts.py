@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fedrod_ray_flower.node import NodeData, NodeStates
+from flower_federation import require_flower
 from tiny import make_data
 
 from fedrod_ray.client_update.local import LocalResult, RoundInput
@@ -65,7 +66,8 @@ def test_node_data_round_trips_and_hosts_only_its_clients(tmp_path):
 
 
 def test_what_crosses_the_wire_is_exact_and_holds_nothing_the_client_keeps():
-    wire = pytest.importorskip("fedrod_ray_flower.wire", reason="fedrod-ray[flower] is not installed")
+    require_flower()
+    from fedrod_ray_flower import wire
     from flwr.app import RecordDict
 
     data = make_data()
@@ -112,7 +114,7 @@ def test_what_crosses_the_wire_is_exact_and_holds_nothing_the_client_keeps():
     ({"rounds": {"mode": "fedbuff"}}, "rounds.mode"),
 ])
 def test_the_server_app_refuses_what_it_cannot_run_on_flower(changes, field):
-    pytest.importorskip("flwr", reason="fedrod-ray[flower] is not installed")
+    require_flower()
     from fedrod_ray_flower.server_app import check_flower
 
     data = {"data": {"dataset": "synthetic", "num_clients": 4}, "train": {"rounds": 1}}
@@ -123,7 +125,7 @@ def test_the_server_app_refuses_what_it_cannot_run_on_flower(changes, field):
 
 
 def test_the_server_app_runs_hyper_ditto_and_every_rule():
-    pytest.importorskip("flwr", reason="fedrod-ray[flower] is not installed")
+    require_flower()
     from fedrod_ray_flower.server_app import check_flower
 
     for train in ({"head": "hyper", "generic_rule": "scaffold"}, {"head": "ditto", "balanced_loss": "ce"},
