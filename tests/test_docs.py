@@ -345,3 +345,15 @@ def test_a_pair_run_alone_takes_its_place_in_the_privacy_table(tmp_path, monkeyp
         "Rows run as jobs of their own (each job's table is below): ¶1 `privacy_eps8` (commit `eps8123`)."]
     (tmp_path / "privacy_eps8" / "table.md").unlink()
     assert publisher.with_rows_from(table, "privacy") == table
+
+
+def test_the_setup_command_installs_the_flower_extra_as_pyproject_states_it():
+    """README's, the getting-started page's and the docs home's one-line setup install Flower before ``.[dev]``
+    (.ci/run reads the same requirement from pyproject.toml): a changed pin must change all of them."""
+    import tomllib
+
+    flower = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["flower"]
+    setup = f'pip install torch==2.13.0 "{flower[0]}" && pip install -e ".[dev]"'
+    assert len(flower) == 1
+    for page in ("README.md", "docs/getting-started.md", "docs/index.md"):
+        assert setup in (REPO / page).read_text(), page
