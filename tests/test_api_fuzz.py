@@ -10,6 +10,11 @@ import io
 
 import pytest
 import schemathesis
+
+# What schemathesis imports on its first schema, imported here at collection instead: CPython 3.11's ast.parse
+# (hypothesis reads lambdas' source) can fail with "AST constructor recursion depth mismatch" when another
+# thread changes the recursion limit meanwhile, and in the fixture other tests' threads may still run.
+import schemathesis.specs.openapi.schemas
 from fedrod_ray_api.app import create_app
 from fedrod_ray_api.settings import Settings
 from hypothesis import HealthCheck, settings
