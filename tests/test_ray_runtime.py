@@ -557,7 +557,8 @@ def test_an_actor_out_of_restarts_is_given_up_and_the_rest_carry_on(ray_session,
                                                                     monkeypatch):
     ray = ray_session
     setup = prepare(tiny_config("data.num_clients=8", "data.new_clients=0", "train.client_fraction=1.0",
-                                "train.rounds=2", "runtime.max_restarts=0", "runtime.max_failed_fraction=0.5"))
+                                "train.rounds=2", "runtime.mode=ray", "runtime.max_restarts=0",
+                                "runtime.max_failed_fraction=0.5"))
     victim, marker = 0, tmp_path / "fault"
     arm_fault(monkeypatch, marker, "train", victim, round_idx=0)
     logs: list[str] = []
@@ -872,7 +873,7 @@ def test_a_coordinator_dying_past_its_restarts_stops_the_run(ray_session, one_to
     ``RunLostError`` naming the round and the restarts, and the checkpoint a resume needs is there."""
     ray = ray_session
     run_dir = tmp_path / "run"
-    running, logs = run_ray_until_round_3_hangs(tiny_config("train.rounds=4", "runtime.coordinator_restarts=1"),
+    running, logs = run_ray_until_round_3_hangs(tiny_config("train.rounds=4", "runtime.mode=ray", "runtime.coordinator_restarts=1"),
                                                 run_dir, tmp_path, monkeypatch)
     [first] = coordinators(ray, run_dir)
     ray.kill(ray.get_actor(first))
