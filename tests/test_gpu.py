@@ -1,5 +1,6 @@
-"""The fractional-GPU path: clients on a quarter of a GPU each, their tensors on CUDA, the result close
-to the CPU run's. Skipped, saying why, where there is no CUDA device (CI runs on CPU only)."""
+"""Client updates on CUDA: the fractional-GPU path (Ray actors on a quarter of a GPU each) and the in-process
+runtime's host on the GPU, each round close to the CPU round from the same state. Skipped, saying why, where
+there is no CUDA device (CI runs on CPU only)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fedrod_ray.round_loop.federation import Federation
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the fractional-GPU path needs one"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: these runs train on one"),
 ]
 
 
@@ -94,3 +95,57 @@ def test_clients_on_a_quarter_gpu_each_match_the_cpu_run(ray_session, one_torch_
                 assert abs(a[key] - b[key]) <= most + 1e-12, (r + 1, key, a[key], b[key], most)
     finally:
         executor.close()
+
+
+# The in-process runtime with its client host on CUDA (runtime.device=cuda, what deploy/reproduce_local.py runs
+# on a GPU machine): each method whose PM or server model lives outside the shared weights, and the rules with
+# state of their own.
+IN_PROCESS_METHODS = {
+    "linear": (), "hyper": (), "ditto": ("train.balanced_loss=ce",), "fedrep": ("train.balanced_loss=ce",),
+    "fedbabu": ("train.balanced_loss=ce",), "pfedhn": ("train.balanced_loss=ce",),
+    "pefll": ("train.balanced_loss=ce",), "scaffold": ("train.generic_rule=scaffold",),
+}
+
+
+@pytest.fixture
+def full_fp32():
+    """No TF32 in this process (cuDNN's convolutions use it by default on Ampere and later): the GPU computes
+    in float32 as the CPU does."""
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("method", IN_PROCESS_METHODS)
+def test_an_in_process_round_on_cuda_matches_the_cpu_round(method, one_torch_thread, full_fp32):
+    """Each round of the in-process runtime with its clients on CUDA against a CPU round from the same state
+    (as the Ray test above, and with the same bounds): the shared weights and the method's server state (a
+    hypernetwork, embeddings, optimiser moments) within 1e-5 of each tensor's largest value, the metrics within
+    one test prediction."""
+    overrides = IN_PROCESS_METHODS[method]
+    if method != "scaffold":
+        overrides = (f"train.head={method}", *overrides)
+    setup = prepare(short_config(*overrides, "runtime.device=cuda"))
+    host = make_host(setup, setup.cfg.runtime.device)
+    assert {p.device.type for p in host.model.parameters()} == {"cuda"}
+    gpu = Federation(setup, InProcessExecutor(host), log=lambda s: None)
+    cpu_setup = prepare(short_config(*overrides))
+    cpu = Federation(cpu_setup, InProcessExecutor(make_host(cpu_setup)), log=lambda s: None)
+    tolerance = one_prediction(cpu_setup)
+    for r in range(2):
+        cpu.restore(gpu.snapshot())
+        a, b = gpu.step(r), cpu.step(r)
+        assert a["clients_done"] == b["clients_done"] == a["clients"] and a["clients_failed"] == 0
+        for name, ours, theirs in (("shared", gpu.global_shared, cpu.global_shared),
+                                   ("method", gpu.method_state, cpu.method_state),
+                                   ("server", gpu.server_state, cpu.server_state)):
+            assert set(ours) == set(theirs), name
+            for k, v in theirs.items():
+                if not torch.is_floating_point(v):
+                    assert torch.equal(ours[k].cpu(), v), (name, k)
+                    continue
+                torch.testing.assert_close(ours[k].cpu(), v, rtol=1e-5, atol=1e-5 * float(v.abs().max()),
+                                           msg=lambda m, k=k, r=r, name=name: f"round {r + 1}, {name} {k}: {m}")
+        for key, most in tolerance.items():
+            assert abs(a[key] - b[key]) <= most + 1e-12, (r + 1, key, a[key], b[key], most)
