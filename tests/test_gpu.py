@@ -121,8 +121,8 @@ def full_fp32():
 def test_an_in_process_round_on_cuda_matches_the_cpu_round(method, one_torch_thread, full_fp32):
     """Each round of the in-process runtime with its clients on CUDA against a CPU round from the same state
     (as the Ray test above, and with the same bounds): the shared weights and the method's server state (a
-    hypernetwork, embeddings, optimiser moments) within 1e-5 of each tensor's largest value, the metrics within
-    one test prediction."""
+    hypernetwork, embeddings, optimiser moments) within 1e-5 of each tensor's largest value plus 1e-5 of the
+    value, but for a few entries of PeFLL's Adam-trained server (below); the metrics within one test prediction."""
     overrides = IN_PROCESS_METHODS[method]
     if method != "scaffold":
         overrides = (f"train.head={method}", *overrides)
@@ -133,6 +133,8 @@ def test_an_in_process_round_on_cuda_matches_the_cpu_round(method, one_torch_thr
     cpu_setup = prepare(short_config(*overrides))
     cpu = Federation(cpu_setup, InProcessExecutor(make_host(cpu_setup)), log=lambda s: None)
     tolerance = one_prediction(cpu_setup)
+    # Two Adam steps' most apart: each at most lr (1 - beta1) / sqrt(1 - beta2) with PyTorch's betas.
+    adam_most = 2 * setup.cfg.train.head_params["server_lr"] * 0.1 / 0.001 ** 0.5 if method == "pefll" else 0.0
     for r in range(2):
         cpu.restore(gpu.snapshot())
         a, b = gpu.step(r), cpu.step(r)
@@ -145,7 +147,12 @@ def test_an_in_process_round_on_cuda_matches_the_cpu_round(method, one_torch_thr
                 if not torch.is_floating_point(v):
                     assert torch.equal(ours[k].cpu(), v), (name, k)
                     continue
-                torch.testing.assert_close(ours[k].cpu(), v, rtol=1e-5, atol=1e-5 * float(v.abs().max()),
-                                           msg=lambda m, k=k, r=r, name=name: f"round {r + 1}, {name} {k}: {m}")
+                diff = (ours[k].cpu() - v).abs()
+                off = diff > 1e-5 * (v.abs().max() + v.abs())
+                # Adam (PeFLL's server) divides each entry's first moment by the root of its second: for an entry
+                # whose gradient is rounding noise both are noise, and its step anything an Adam step can be.
+                assert int(off.sum()) <= 1e-4 * v.numel(), (r + 1, name, k, int(off.sum()), float(diff.max()))
+                if off.any():
+                    assert name == "method" and float(diff[off].max()) <= adam_most, (r + 1, k, float(diff.max()))
         for key, most in tolerance.items():
             assert abs(a[key] - b[key]) <= most + 1e-12, (r + 1, key, a[key], b[key], most)

@@ -1,0 +1,271 @@
+"""Sweeps and reproduction trials as in-process runs on one machine without Ray (a borrowed GPU box, say),
+in parallel processes, then read back into the folders ``fedrod-ray tune`` and ``fedrod-ray reproduce`` write.
+
+The sweeps of the methods built for new clients (tune/pfl_*.yaml) choose values their table rows then use,
+and a machine lent for minutes cannot wait for a human in between: ``run`` trains the sweeps' trials, takes
+each sweep's best (its ``metric`` at its last round, as ``fedrod-ray tune`` ranks them), and trains the table
+jobs with it, until a deadline; a run stopped there keeps its checkpoints and metrics, and its row says the
+round it reached. Three steps, the first and last where Ray is installed (they build and read the specs):
+
+    python deploy/reproduce_local.py plan PLAN.json --sweep tune/pfl_fedbabu.yaml ... --job fedbabu_a0.3 ...
+    python deploy/reproduce_local.py run PLAN.json OUT --device cuda --workers 16 --deadline 480
+    python deploy/reproduce_local.py collect PLAN.json OUT DEST
+
+``collect`` writes ``DEST/<job>/`` as ``fedrod-ray reproduce --out`` would (reproduce.yaml, trials/, its
+results from ``fedrod-ray reproduce --status``'s reading of the trials' own files) and ``DEST/<sweep>.csv``,
+one line per trial. The runs are in-process runs (``runtime.mode=local``) on ``--device``: on a GPU their
+numbers are not bitwise those of a CPU run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BASE = ROOT / "configs" / "fmnist_paper.yaml"
+# deploy/reproduce_fmnist.sh's jobs that this runs: the new-client split and the main tables' two alphas.
+NEW_CLIENT_SPLIT = {"data.alpha": 0.3, "data.num_clients": 50, "data.new_clients": 50, "train.client_fraction": 0.4}
+ROW_OF = {"fedbabu": "FedBABU", "pfedhn": "pFedHN", "pefll": "PeFLL", "hyper": "Fed-RoD (hyper)"}
+
+
+def job_spec(job: str, seeds: list[int]):
+    """``fedrod-ray reproduce``'s spec of one of reproduce_fmnist.sh's jobs: <head>_a0.3, <head>_a0.1,
+    <head>_new_clients (<head>: a key of ROW_OF)."""
+    from fedrod_ray_tune.repro_spec import build_spec
+
+    head, _, table = job.partition("_")
+    if table == "new_clients":
+        return build_spec("new-clients", BASE, seeds, overrides=dict(NEW_CLIENT_SPLIT), rows=[ROW_OF[head]])
+    alpha = {"a0.3": 0.3, "a0.1": None}[table]
+    return build_spec("main", BASE, seeds, overrides={"data.alpha": alpha} if alpha else {}, rows=[ROW_OF[head]])
+
+
+def local_config(cfg, device: str) -> dict:
+    """A trial's config as an in-process run on ``device``, checked: the trial's Ray placement dropped."""
+    from fedrod_ray.config import config_from_dict
+
+    data = cfg.to_dict()
+    data["runtime"] = {"mode": "local", "device": device, "torch_threads": 1,
+                       "checkpoint_every": data["runtime"]["checkpoint_every"]}
+    data.pop("run_dir", None)
+    config_from_dict(data)
+    return data
+
+
+def plan(args) -> None:
+    from fedrod_ray_tune.space import load_sweep
+
+    sweeps, jobs = [], []
+    for path in args.sweep:
+        spec = load_sweep(ROOT / path)
+        keys = list(spec.search)
+        for i, values in enumerate(itertools.product(*(spec.search[k]["grid"] for k in keys))):
+            params = dict(zip(keys, values))
+            sweeps.append({"sweep": spec.name, "metric": spec.metric, "name": f"{spec.name}_{i:02d}",
+                           "params": params, "config": local_config(spec.trial_config(params), "DEVICE")})
+    for job in args.job:
+        head = job.partition("_")[0]
+        seeds = [int(s) for s in args.seeds.get(job, "0").split(",")]
+        spec = job_spec(job, seeds)
+        for seed in seeds:
+            row = ROW_OF[head]
+            jobs.append({"job": job, "head": head, "row": row, "seed": seed, "name": f"{job}_s{seed}",
+                         "config": local_config(spec.row_config(row, seed), "DEVICE")})
+    Path(args.plan).write_text(json.dumps({"sweeps": sweeps, "jobs": jobs}, indent=1))
+    print(f"{len(sweeps)} sweep trials, {len(jobs)} table runs -> {args.plan}")
+
+
+def last_record(run_dir: Path) -> dict:
+    """The run's last evaluated round's record (metrics.jsonl), {} if none."""
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    evaluated = [r for r in records if "gfl_gm" in r]
+    return evaluated[-1] if evaluated else {}
+
+
+class Runs:
+    """Runs in their own processes, ``workers`` at a time, each in ``out/<entry's dir>/<entry's name>``: a
+    finished one (final/ written) is skipped, one with a checkpoint resumed."""
+
+    def __init__(self, out: Path, device: str, workers: int):
+        self.out, self.device, self.workers = out, device, workers
+        self.running: dict[str, tuple[dict, subprocess.Popen]] = {}
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+    def start(self, e: dict) -> None:
+        import yaml
+
+        run_dir = self.out / e["dir"] / e["name"]
+        if (run_dir / "final").is_dir():
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = json.loads(json.dumps(e["config"]).replace('"DEVICE"', json.dumps(self.device)))
+        config_file = run_dir.parent / f"{e['name']}.yaml"
+        config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+        cmd = [sys.executable, "-c", "from fedrod_ray.cli import main; raise SystemExit(main())", "train"]
+        cmd += (["--resume", str(run_dir)] if (run_dir / "checkpoints").is_dir() else
+                ["--config", str(config_file), "--run-dir", str(run_dir)])
+        with open(run_dir.parent / f"{e['name']}.log", "a") as log:
+            self.running[e["name"]] = (e, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env))
+        print(f"{time.strftime('%H:%M:%S')} start {e['name']}", flush=True)
+
+    def reap(self) -> None:
+        for name, (e, p) in list(self.running.items()):
+            if p.poll() is not None:
+                rec = last_record(self.out / e["dir"] / name)
+                print(f"{time.strftime('%H:%M:%S')} end {name} rc={p.returncode} round {rec.get('round')} "
+                      f"gfl_gm {rec.get('gfl_gm')} pfl_pm {rec.get('pfl_pm')}", flush=True)
+                del self.running[name]
+
+    def stop(self, names) -> None:
+        """SIGINT, once: a run stops after its round in flight (fedrod-ray train's Ctrl-C)."""
+        for name in names:
+            self.running[name][1].send_signal(signal.SIGINT)
+
+
+def best_values(sweeps: list[dict], out: Path) -> dict[str, dict]:
+    """Each sweep's best trial's values, by its metric at the trial's last evaluated round, among the
+    trials that finished (final/ written); a sweep without one keeps the table's values ({})."""
+    best: dict[str, tuple[float, dict]] = {}
+    for e in sweeps:
+        rec = last_record(out / e["name"])
+        if not (out / e["name"] / "final").is_dir() or e["metric"] not in rec:
+            continue
+        if e["sweep"] not in best or rec[e["metric"]] > best[e["sweep"]][0]:
+            best[e["sweep"]] = (rec[e["metric"]], e["params"])
+    return {sweep: params for sweep, (_, params) in best.items()}
+
+
+def with_values(config: dict, params: dict) -> dict:
+    """``config`` with the dotted keys of ``params`` set."""
+    config = json.loads(json.dumps(config))
+    for key, value in params.items():
+        *path, last = key.split(".")
+        node = config
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return config
+
+
+def run(args) -> None:
+    """The sweeps and the table runs that wait for none of them; once the sweeps are done (or at
+    --sweep-deadline, stopped), the other table runs with each sweep's best values; at --deadline, all stop."""
+    started = time.time()
+    # A handler of our own, not an inherited SIG_IGN (a shell's `&`): the runs start with SIGINT at its
+    # default, so that stop() reaches them.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    doc = json.loads(Path(args.plan).read_text())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = Runs(out, args.device, args.workers)
+    sweeps = [{**e, "dir": "sweeps"} for e in doc["sweeps"]]
+    swept = {e["sweep"] for e in sweeps}
+    waiting = [{**e, "dir": "jobs"} for e in doc["jobs"] if f"pfl_{e['head']}" in swept]
+    # The longest first: the table runs that wait for no sweep, then the sweeps' (shorter) trials.
+    queue = [{**e, "dir": "jobs"} for e in doc["jobs"] if f"pfl_{e['head']}" not in swept] + sweeps
+    names = {e["name"] for e in sweeps}
+    sweeps_done = stopped = False
+    while queue or runs.running or waiting:
+        now = time.time() - started
+        if not sweeps_done and (now >= args.sweep_deadline or not (names & ({e["name"] for e in queue}
+                                                                    | set(runs.running)))):
+            late = names & set(runs.running)
+            if late:
+                print(f"{time.strftime('%H:%M:%S')} sweep deadline: stopping {sorted(late)}", flush=True)
+            runs.stop(late)
+            queue = [e for e in queue if e["name"] not in names]
+            while names & set(runs.running):
+                time.sleep(1)
+                runs.reap()
+            chosen = best_values(sweeps, out / "sweeps")
+            (out / "chosen.json").write_text(json.dumps(chosen, indent=1))
+            print(f"{time.strftime('%H:%M:%S')} chosen: {chosen}", flush=True)
+            queue += [{**e, "config": with_values(e["config"], chosen.get(f"pfl_{e['head']}", {}))} for e in waiting]
+            waiting, sweeps_done = [], True
+        if now >= args.deadline:
+            if not stopped:
+                print(f"deadline: not started {[e['name'] for e in queue]}", flush=True)
+                runs.stop(list(runs.running))
+                queue, stopped = [], True
+            if now >= args.deadline + 120:
+                for _, p in runs.running.values():
+                    p.kill()
+        while queue and len(runs.running) < runs.workers and not stopped:
+            runs.start(queue.pop(0))
+        time.sleep(2)
+        runs.reap()
+
+
+def collect(args) -> None:
+    """The runs in OUT as a reproduction's folders (and each sweep's trials as one CSV) under DEST."""
+    from fedrod_ray_tune.repro_spec import SPEC_FILE
+    from fedrod_ray_tune.reproduce import status
+    from fedrod_ray_tune.sweep import TRIALS, start_dir
+    from fedrod_ray_tune.trial import PARAMS_FILE
+
+    doc = json.loads(Path(args.plan).read_text())
+    out, dest = Path(args.out), Path(args.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for sweep in sorted({e["sweep"] for e in doc["sweeps"]}):
+        entries = [e for e in doc["sweeps"] if e["sweep"] == sweep]
+        lines = ["trial," + ",".join(entries[0]["params"]) + ",round,gfl_gm,pfl_pm,finished"]
+        for e in entries:
+            rec = last_record(out / "sweeps" / e["name"])
+            lines.append(",".join(map(str, [e["name"], *e["params"].values(), rec.get("round"), rec.get("gfl_gm"),
+                                            rec.get("pfl_pm"), (out / "sweeps" / e["name"] / "final").is_dir()])))
+        (dest / f"{sweep}.csv").write_text("\n".join(lines) + "\n")
+    for job in sorted({e["job"] for e in doc["jobs"]}):
+        entries = [e for e in doc["jobs"] if e["job"] == job]
+        spec = job_spec(job, [e["seed"] for e in entries])
+        target = dest / job
+        start_dir(target, SPEC_FILE, spec.to_dict(), "a reproduction", "DEST")
+        for e in entries:
+            folder = target / TRIALS / e["name"]
+            if folder.exists():
+                shutil.rmtree(folder)
+            shutil.copytree(out / "jobs" / e["name"], folder)
+            (folder / PARAMS_FILE).write_text(json.dumps({"row": e["row"], "seed": e["seed"]}))
+        status(target)
+        print(f"{job}: {(target / 'results.md').read_text() if (target / 'results.md').is_file() else 'written'}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("plan")
+    a.add_argument("plan")
+    a.add_argument("--sweep", action="append", default=[])
+    a.add_argument("--job", action="append", default=[])
+    a.add_argument("--seeds", type=json.loads, default={}, help='JSON: job -> "0,1,2" (default "0")')
+    a.set_defaults(fn=plan)
+    b = sub.add_parser("run")
+    b.add_argument("plan")
+    b.add_argument("out")
+    b.add_argument("--device", default="cuda")
+    b.add_argument("--workers", type=int, default=os.cpu_count())
+    b.add_argument("--sweep-deadline", type=float, default=240, help="seconds from the start for the sweeps")
+    b.add_argument("--deadline", type=float, default=540, help="seconds from the start for everything")
+    b.set_defaults(fn=run)
+    c = sub.add_parser("collect")
+    c.add_argument("plan")
+    c.add_argument("out")
+    c.add_argument("dest")
+    c.set_defaults(fn=collect)
+    args = p.parse_args()
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()
