@@ -231,14 +231,17 @@ def collect(args) -> None:
         spec = job_spec(job, [e["seed"] for e in entries])
         target = dest / job
         start_dir(target, SPEC_FILE, spec.to_dict(), "a reproduction", "DEST")
+        (target / TRIALS).mkdir(exist_ok=True)
         for e in entries:
+            if not (out / "jobs" / e["name"]).is_dir():  # not started: the table says so
+                continue
             folder = target / TRIALS / e["name"]
             if folder.exists():
                 shutil.rmtree(folder)
             shutil.copytree(out / "jobs" / e["name"], folder)
             (folder / PARAMS_FILE).write_text(json.dumps({"row": e["row"], "seed": e["seed"]}))
         status(target)
-        print(f"{job}: {(target / 'results.md').read_text() if (target / 'results.md').is_file() else 'written'}")
+        print((target / "table.md").read_text(), flush=True)
 
 
 def main() -> None:
