@@ -101,7 +101,8 @@ class Runs:
     def __init__(self, out: Path, device: str, workers: int):
         self.out, self.device, self.workers = out, device, workers
         self.running: dict[str, tuple[dict, subprocess.Popen]] = {}
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
 
     def start(self, e: dict) -> None:
         import yaml
