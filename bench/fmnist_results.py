@@ -72,7 +72,8 @@ ALONE_JOBS = {f"{row}_a{alpha}": f"Main table, Dir({alpha}): one personalized-FL
 ALONE_JOBS |= {f"privacy_eps{eps}": "Client-level DP: the privacy table's two methods at one ε alone"
                for eps in ("inf", *DP_EPSILONS)}
 # The new-clients table's rows of the methods built for new clients (`<method>_new_clients`), a job each.
-NEW_CLIENT_JOBS = {"fedbabu_new_clients": "New clients: FedBABU alone",
+NEW_CLIENT_JOBS = {"hyper_new_clients": "New clients: Fed-RoD (hyper), seeds 1 and 2",
+                   "fedbabu_new_clients": "New clients: FedBABU alone",
                    "pfedhn_new_clients": "New clients: pFedHN alone", "pefll_new_clients": "New clients: PeFLL alone"}
 ALONE_JOBS |= NEW_CLIENT_JOBS
 JOBS.update(ALONE_JOBS)

@@ -9,11 +9,11 @@ round it reached. Three steps, the first and last where Ray is installed (they b
 
     python deploy/reproduce_local.py plan PLAN.json --sweep tune/pfl_fedbabu.yaml ... --job fedbabu_a0.3 ...
     python deploy/reproduce_local.py run PLAN.json OUT --device cuda --workers 16 --deadline 480
-    python deploy/reproduce_local.py collect PLAN.json OUT DEST
+    python deploy/reproduce_local.py collect PLAN.json OUT DEST --commit SHA
 
 ``collect`` writes ``DEST/<job>/`` as ``fedrod-ray reproduce --out`` would (reproduce.yaml, trials/, its
-results from ``fedrod-ray reproduce --status``'s reading of the trials' own files) and ``DEST/<sweep>.csv``,
-one line per trial. The runs are in-process runs (``runtime.mode=local``) on ``--device``: on a GPU their
+results from ``fedrod-ray reproduce --status``'s reading of the trials' own files) with the log line that
+bench/fmnist_results.py reads its commit from, and ``DEST/<sweep>.csv``, one line per trial. The runs are in-process runs (``runtime.mode=local``) on ``--device``: on a GPU their
 numbers are not bitwise those of a CPU run.
 """
 
@@ -242,6 +242,9 @@ def collect(args) -> None:
             shutil.copytree(out / "jobs" / e["name"], folder)
             (folder / PARAMS_FILE).write_text(json.dumps({"row": e["row"], "seed": e["seed"]}))
         status(target)
+        # What bench/fmnist_results.py reads as the job's commit (reproduce_fmnist.sh's log line).
+        (dest / f"{job}.log").write_text(f"=== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {job} "
+                                         f"(commit {args.commit}) deploy/reproduce_local.py\n")
         print((target / "table.md").read_text(), flush=True)
 
 
@@ -266,6 +269,7 @@ def main() -> None:
     c.add_argument("plan")
     c.add_argument("out")
     c.add_argument("dest")
+    c.add_argument("--commit", required=True, help="the commit the runs ran from")
     c.set_defaults(fn=collect)
     args = p.parse_args()
     args.fn(args)

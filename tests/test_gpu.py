@@ -76,7 +76,11 @@ def test_clients_on_a_quarter_gpu_each_match_the_cpu_run(ray_session, one_torch_
         def full_fp32(actor) -> tuple[bool, bool]:
             """No TF32 on the actor (cuDNN's convolutions use it by default on Ampere and later, rounding
             their inputs to 10-bit mantissas): the GPU computes in float32 as the CPU does. Defined in the
-            test so that Ray sends it by value: an actor cannot import this module."""
+            test so that Ray sends it by value: an actor cannot import this module. It imports torch itself:
+            cloudpickle cannot send torch's module global by value ("cannot pickle 'CudnnModule'", seen on an
+            H200)."""
+            import torch
+
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cuda.matmul.allow_tf32 = False
             return torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
@@ -108,7 +112,7 @@ IN_PROCESS_METHODS = {
 
 
 @pytest.fixture
-def full_fp32():
+def no_tf32():
     """No TF32 in this process (cuDNN's convolutions use it by default on Ampere and later): the GPU computes
     in float32 as the CPU does."""
     before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
@@ -118,7 +122,7 @@ def full_fp32():
 
 
 @pytest.mark.parametrize("method", IN_PROCESS_METHODS)
-def test_an_in_process_round_on_cuda_matches_the_cpu_round(method, one_torch_thread, full_fp32):
+def test_an_in_process_round_on_cuda_matches_the_cpu_round(method, one_torch_thread, no_tf32):
     """Each round of the in-process runtime with its clients on CUDA against a CPU round from the same state
     (as the Ray test above, and with the same bounds): the shared weights and the method's server state (a
     hypernetwork, embeddings, optimiser moments) within 1e-5 of each tensor's largest value plus 1e-5 of the

@@ -94,11 +94,13 @@ def test_the_rows_say_what_the_contract_says():
     # FedBABU: cross-entropy, its fine-tuning epochs as its sweep chose, and in the new-clients table the same
     # method fine-tuned for the protocol's epochs.
     assert main["FedBABU"] == {"train.head": "fedbabu", "train.balanced_loss": "ce", "train.generic_rule": "fedavg",
-                               "train.rule_params": {}, "train.head_params": {"finetune_epochs": 5}}
+                               "train.rule_params": {}, "train.head_params": {"finetune_epochs": 2}}
     assert TABLES["new-clients"]["FedBABU"] == {**main["FedBABU"], "eval.finetune_epochs": FINETUNE_EPOCHS}
     assert main["local-only"]["train.generic_rule"] == "local" and main["local-only"]["train.head"] == "none"
-    for label, head in (("pFedHN", "pfedhn"), ("PeFLL", "pefll")):
+    # pFedHN and PeFLL: their server learning rate and embedding size as their sweeps chose.
+    for label, head, lr, dim in (("pFedHN", "pfedhn", 1e-3, 13), ("PeFLL", "pefll", 1e-4, 52)):
         assert (main[label]["train.head"], main[label]["train.balanced_loss"]) == (head, "ce")
+        assert main[label]["train.head_params"] == {"server_lr": lr, "embed_dim": dim}
         assert TABLES["new-clients"][label] == {**main[label], "eval.finetune_epochs": FINETUNE_EPOCHS}
     assert main["Fed-RoD (hyper) + FedDyn"]["train.generic_rule"] == "feddyn"
     assert (main["Fed-RoD (Meta-BSM)"]["train.head"], main["Fed-RoD (Meta-BSM)"]["train.balanced_loss"]) == (
