@@ -136,8 +136,9 @@ def test_the_server_app_runs_hyper_ditto_and_every_rule():
 
 def test_a_deployed_supernode_never_takes_its_paths_from_the_servers_run_config(tmp_path):
     require_flower()
-    from fedrod_ray_flower.node import node_paths
+    from fedrod_ray_flower.node import node_paths, simulated
 
+    assert not simulated()  # no Ray actor here, whether or not this process drives a Ray (ray_session)
     # A server's run config naming folders of its choosing for the simulated SuperNodes' data and states.
     steer = {"sim-data-path": str(tmp_path / "theirs"), "sim-state-path": str(tmp_path / "theirs-states")}
     (tmp_path / "theirs" / "node0").mkdir(parents=True)
