@@ -3,13 +3,15 @@
 Its node config names ``data-path`` (what ``split`` wrote: this participant's clients and the test set) and
 ``state-path`` (where their state stays, ``NodeStates``), and may set ``secure-aggregation=true``: the node then
 trains only within Flower's SecAgg+ (``secure``), and refuses a round that would send its clients' updates in
-the clear. The server's messages carry the run's config, the round and the clients to train or evaluate; the
-replies carry what ``ClientHost.train`` gives the server (under SecAgg+: the node's sums, masked) and nothing
-the client keeps."""
+the clear. On Flower's simulation engine the run config places each simulated node instead (``node_paths``).
+The server's messages carry the run's config, the round and the clients to train or evaluate; the replies carry
+what ``ClientHost.train`` gives the server (under SecAgg+: the node's sums, masked) and nothing the client
+keeps."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import yaml
 from flwr.app import Context, Message, RecordDict
@@ -24,7 +26,7 @@ from fedrod_ray.clients.client import ClientFailure, ClientHost, ClientState
 from fedrod_ray.config import config_from_dict
 
 from . import secure, wire
-from .node import NodeData, NodeStates
+from .node import NodeData, NodeStates, node_paths, simulated
 
 
 def secagg_where_asked(msg: Message, context: Context, call_next):
@@ -37,11 +39,16 @@ def secagg_where_asked(msg: Message, context: Context, call_next):
 app = ClientApp(mods=[secagg_where_asked])
 
 
+def _paths(context: Context) -> tuple[Path, Path]:
+    """This node's data folder and its clients' states folder (``node.node_paths``)."""
+    return node_paths(context.node_config, context.run_config, simulated())
+
+
 def _node(context: Context, head: dict) -> tuple[NodeData, NodeStates, ClientHost | None]:
     """This node's data, its clients' states and, where the server's message ``head`` names the run's config,
     fedrod-ray's client host over its clients."""
-    data = NodeData.load(context.node_config["data-path"])
-    states = NodeStates(context.node_config["state-path"])
+    data_path, state_path = _paths(context)
+    data, states = NodeData.load(data_path), NodeStates(state_path)
     host = None
     if "config" in head:
         cfg = config_from_dict(yaml.safe_load(head["config"]))
@@ -55,7 +62,7 @@ def _node(context: Context, head: dict) -> tuple[NodeData, NodeStates, ClientHos
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """The clients this node hosts."""
-    data = NodeData.load(context.node_config["data-path"])
+    data = NodeData.load(_paths(context)[0])
     reply = RecordDict()
     wire.put_header(reply, clients=data.client_ids)
     return Message(reply, reply_to=msg)

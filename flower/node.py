@@ -1,11 +1,13 @@
 """A SuperNode's side: its clients' data (``NodeData``, what ``split`` writes to each participant) and their
-state on its own disk (``NodeStates``), which never leaves it."""
+state on its own disk (``NodeStates``), which never leaves it, and where both are (``node_paths``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,41 @@ from fedrod_ray.federation_state.setup import Setup
 from fedrod_ray.models.metrics import TestSet
 
 DATA_FILE, META_FILE = "node.safetensors", "node.json"
+# The run config keys that place the simulated SuperNodes of Flower's simulation engine (``node_paths``).
+SIM_DATA, SIM_STATE = "sim-data-path", "sim-state-path"
+_NODE_DIR = re.compile(r"^node\d+$")
+
+
+def simulated() -> bool:
+    """Whether this ClientApp runs on Flower's simulation engine: inside one of its Ray actors (a deployed
+    SuperNode runs its ClientApps in processes of its own, without Ray)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+def node_paths(node_config: Mapping, run_config: Mapping, in_simulation: bool) -> tuple[Path, Path]:
+    """This SuperNode's data folder and the folder of its clients' states.
+
+    A deployed SuperNode names both in its node config (``data-path``, ``state-path``), and never takes them
+    from the server's run config. Flower's simulation engine gives its SuperNodes no node config but their
+    ``partition-id`` and ``num-partitions``: simulated SuperNode i reads ``node<i>`` of the run config's
+    ``sim-data-path`` (what ``split`` wrote, one folder per simulated node) and keeps its clients' states
+    under ``node<i>`` of its ``sim-state-path``."""
+    if "data-path" in node_config:
+        return Path(str(node_config["data-path"])), Path(str(node_config["state-path"]))
+    if not in_simulation:
+        raise ValueError("this SuperNode's node config names no data-path: start it with --node-config "
+                         "'data-path=\"...\" state-path=\"...\"' (docs/flower.md)")
+    data, state = str(run_config.get(SIM_DATA, "")), str(run_config.get(SIM_STATE, ""))
+    if not data or not state:
+        raise ValueError(f"run config {SIM_DATA} and {SIM_STATE} must name the simulated SuperNodes' data "
+                         "(python -m fedrod_ray_flower.split) and their clients' states")
+    nodes = sum(1 for f in os.listdir(data) if _NODE_DIR.match(f)) if os.path.isdir(data) else 0
+    if nodes != int(node_config["num-partitions"]):
+        raise ValueError(f"run config {SIM_DATA}={data!r} holds {nodes} SuperNodes' data, the simulation has "
+                         f"{node_config['num-partitions']} (federation config num-supernodes)")
+    i = int(node_config["partition-id"])
+    return Path(data) / f"node{i}", Path(state) / f"node{i}"
 
 
 @dataclass

@@ -5,14 +5,20 @@ Its run config (``flwr run ... --run-config``): ``config``, the fedrod-ray confi
 ``run-dir``, the run directory, which ``fedrod-ray serve`` serves from once it has a ``final/`` and from whose
 newest checkpoint a restarted ServerApp resumes; ``min-nodes``, the SuperNodes to wait for before the first
 round; ``timeout``, the seconds a SuperNode has to answer a message; ``secure-aggregation`` and the
-``secagg-*`` settings, SecAgg+ of the shared part (``secure``). The server reads the config's test set and the
-clients' class counts (the partition), never their training images.
+``secagg-*`` settings, SecAgg+ of the shared part (``secure``); on Flower's simulation engine only,
+``sim-data-path`` and ``sim-state-path``, where the simulated SuperNodes' data and states are
+(``node.node_paths``). The server reads the config's test set and the clients' class counts (the partition),
+never their training images.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid import InMemoryGrid
 
 from fedrod_ray.config import ConfigError, check_resume, load_config
 from fedrod_ray.drivers.console import format_record
@@ -26,6 +32,7 @@ from fedrod_ray.personalization import build_method
 from fedrod_ray.round_loop.federation import Federation
 
 from .executor import FlowerExecutor
+from .node import SIM_DATA, SIM_STATE
 from .secure import SecureFederation, settings_from
 
 app = ServerApp()
@@ -48,9 +55,31 @@ def check_flower(setup: Setup) -> None:
                           "SuperNodes")
 
 
+def check_simulation(run_config: Mapping, simulation: bool) -> None:
+    """``sim-data-path`` and ``sim-state-path`` are set on Flower's simulation engine (whose grid is in memory)
+    and nowhere else: a deployed SuperNode's node config names its own paths. The states stay out of the run
+    directory, which holds nothing personal."""
+    given = [key for key in (SIM_DATA, SIM_STATE) if run_config.get(key, "")]
+    if not simulation:
+        if given:
+            raise ConfigError(f"run config {given[0]}: has no effect on Flower's deployment engine (each "
+                              "SuperNode's node config names its data-path and state-path)")
+        return
+    for key in (SIM_DATA, SIM_STATE):
+        if key not in given:
+            raise ConfigError(f"run config {key}: Flower's simulation engine needs {SIM_DATA} (the folder "
+                              f"python -m fedrod_ray_flower.split wrote) and {SIM_STATE} (where the simulated "
+                              "SuperNodes keep their clients' states)")
+    state, run_dir = Path(str(run_config[SIM_STATE])).resolve(), Path(str(run_config["run-dir"])).resolve()
+    if state == run_dir or run_dir in state.parents:
+        raise ConfigError(f"run config {SIM_STATE}: must be outside run-dir ({run_dir}), which holds nothing "
+                          "personal")
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
+    check_simulation(rc, isinstance(grid, InMemoryGrid))
     secagg = settings_from(rc)
     storage = RunStorage(str(rc["run-dir"]))
     # One writer per run directory, as for `fedrod-ray train`: a second ServerApp on it stops at once.

@@ -1,6 +1,7 @@
 """A Flower federation on loopback for tests/test_flower.py: a SuperLink and SuperNodes as separate processes
 (Flower's own executables, insecure or with TLS), each SuperNode serving one share of a fedrod-ray config's
-clients (``fedrod_ray_flower.split``), and ``flwr run`` of the repository's Flower app (flower/app)."""
+clients (``fedrod_ray_flower.split``), and ``flwr run`` of the repository's Flower app (flower/app); or a
+SuperLink of Flower's simulation engine, whose simulated SuperNodes serve those shares."""
 
 from __future__ import annotations
 
@@ -105,16 +106,22 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 class FlowerFederation:
-    """A SuperLink and one SuperNode per folder of ``nodes`` (each its own session, stopped by ``close``)."""
+    """A SuperLink and one SuperNode per folder of ``nodes`` (each its own session, stopped by ``close``).
 
-    def __init__(self, root: Path, nodes: list[Path], tls: dict[str, Path] | None = None):
-        self.root, self.nodes, self.tls = root, nodes, tls
+    With ``simulation`` (the environment of a private Ray: conftest's ``private_ray_env``), a SuperLink of
+    Flower's simulation engine instead: ``run`` simulates one SuperNode per folder of ``nodes`` (all in one
+    folder, as ``split`` writes them), in the actors of a Ray that Flower's simulation process starts with
+    2 CPUs from that environment and stops at the end."""
+
+    def __init__(self, root: Path, nodes: list[Path], tls: dict[str, Path] | None = None,
+                 simulation: dict[str, str] | None = None):
+        self.root, self.nodes, self.tls, self.simulation = root, nodes, tls, simulation is not None
         self.port = free_port()
         self.home = root / "flwr-home"
         self.home.mkdir(parents=True, exist_ok=True)
         # SuperExec looks for a ServerApp or ClientApp to start every 0.25 s rather than every second.
-        self.env = {**os.environ, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
-                    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.25"}
+        self.env = {**(os.environ if simulation is None else simulation), "FLWR_HOME": str(self.home),
+                    "PYTHONUNBUFFERED": "1", "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.25"}
         self.database = root / "superlink.db"
         security = (["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile",
                      str(tls["key"])] if tls else ["--insecure"])
@@ -123,10 +130,11 @@ class FlowerFederation:
             f'[superlink]\ndefault = "test"\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\n{connection}\n')
         self.superlink = self._start("superlink", [str(BIN / "flower-superlink"), *security, "--isolation",
                                                    "subprocess", "--port", str(self.port), "--database",
-                                                   str(self.database), "--disable-runtime-dependency-installation"])
+                                                   str(self.database), "--disable-runtime-dependency-installation",
+                                                   *(["--simulation"] if self.simulation else [])])
         self._wait_for("superlink", "Uvicorn running")
         self.supernodes: list[subprocess.Popen | None] = [None] * len(nodes)
-        for i in range(len(nodes)):
+        for i in range(0 if self.simulation else len(nodes)):
             self.start_node(i)
 
     def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
@@ -141,7 +149,7 @@ class FlowerFederation:
             time.sleep(0.25)
 
     def state_path(self, i: int) -> Path:
-        return self.root / f"state{i}"
+        return self.root / "states" / f"node{i}"  # in simulation, node<i> of run config sim-state-path
 
     def start_node(self, i: int) -> None:
         security = ["--root-certificates", str(self.tls["ca"])] if self.tls else ["--insecure"]
@@ -161,9 +169,15 @@ class FlowerFederation:
         run config keys in ``extra`` too; waits for it unless ``wait`` is False."""
         settings = (f'config="{config}" run-dir="{run_dir}" min-nodes={len(self.nodes)} '
                     f'timeout={float(node_timeout)} {extra}').strip()
+        simulation = []
+        if self.simulation:
+            settings += f' sim-data-path="{self.nodes[0].parent}" sim-state-path="{self.state_path(0).parent}"'
+            # The simulation's own Ray: 2 CPUs, one per simulated ClientApp actor.
+            resources = f"num-supernodes={len(self.nodes)} init-args-num-cpus=2 client-resources-num-cpus=1"
+            simulation = ["--federation-config", resources]
         with open(self.root / f"flwr-run-{run_dir.name}.log", "ab") as out:
             proc = subprocess.Popen([str(BIN / "flwr"), "run", str(app), "test", "--stream", "--run-config",
-                                     settings], stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                     settings, *simulation], stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                     start_new_session=True, cwd=self.root)
         if wait:
             proc.wait(timeout=timeout)

@@ -236,3 +236,25 @@ def test_fedrod_hyper_over_tls_equals_in_process_and_is_served(tmp_path_factory,
                                                                               timeout=30) as response:
         info = json.load(response)
     assert info["round"] == 3 and info["head"] == "hyper", info
+
+
+def test_ditto_on_flowers_simulation_engine_equals_in_process(tmp_path, configs, nodes, in_process,
+                                                              private_ray_env):
+    """The same app on Flower's simulation engine (a SuperLink with ``--simulation``), whose simulated
+    SuperNodes run the ClientApp in the actors of a private Ray of the project's version: the in-process run,
+    bitwise, with each simulated node's clients' states in its own folder of run config sim-state-path."""
+    sim = FlowerFederation(tmp_path, nodes, simulation=private_ray_env)
+    try:
+        run_dir = tmp_path / "run"
+        sim.run(configs["ditto"], run_dir, timeout=600)
+    finally:
+        sim.close()
+    assert_same_run(run_dir, in_process("ditto"))
+    trained = set()
+    for i, node in enumerate(nodes):
+        kept = {int(p.name.removeprefix("client_")) for p in sim.state_path(i).iterdir()}
+        assert kept <= set(NodeData.load(node).client_ids)  # node i kept only its own clients' states
+        for path in sim.state_path(i).rglob("*.safetensors"):
+            assert any(k.startswith("personal/") for k in load_file(str(path)))  # Ditto's v_m, on the node
+        trained |= kept
+    assert trained and not list(run_dir.rglob("client_*"))

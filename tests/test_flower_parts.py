@@ -132,3 +132,44 @@ def test_the_server_app_runs_hyper_ditto_and_every_rule():
                   {"head": "none", "generic_rule": "feddyn"}, {"head": "perfedavg", "balanced_loss": "ce", "momentum": 0, "weight_decay": 0}):
         check_flower(prepare(config_from_dict({"data": {"dataset": "synthetic", "num_clients": 4},
                                                "train": {"rounds": 1, **train}})))
+
+
+def test_a_deployed_supernode_never_takes_its_paths_from_the_servers_run_config(tmp_path):
+    require_flower()
+    from fedrod_ray_flower.node import node_paths, simulated
+
+    assert not simulated()  # no Ray actor here, whether or not this process drives a Ray (ray_session)
+    # A server's run config naming folders of its choosing for the simulated SuperNodes' data and states.
+    steer = {"sim-data-path": str(tmp_path / "theirs"), "sim-state-path": str(tmp_path / "theirs-states")}
+    (tmp_path / "theirs" / "node0").mkdir(parents=True)
+    own = {"data-path": str(tmp_path / "mine"), "state-path": str(tmp_path / "my-states")}
+    assert node_paths(own, steer, in_simulation=False) == (tmp_path / "mine", tmp_path / "my-states")
+    # A deployed SuperNode whose node config names no data-path (Flower's own examples give deployed nodes a
+    # partition-id) refuses rather than read and write where the server says.
+    for config in ({}, {"partition-id": 0, "num-partitions": 1}):
+        with pytest.raises(ValueError, match="names no data-path"):
+            node_paths(config, steer, in_simulation=False)
+    # Simulated SuperNode i (Flower's simulation engine gives it only these two keys): node<i> of each folder.
+    assert node_paths({"partition-id": 0, "num-partitions": 1}, steer, in_simulation=True) == (
+        tmp_path / "theirs" / "node0", tmp_path / "theirs-states" / "node0")
+    with pytest.raises(ValueError, match="holds 1 SuperNodes' data, the simulation has 3"):
+        node_paths({"partition-id": 0, "num-partitions": 3}, steer, in_simulation=True)
+    with pytest.raises(ValueError, match="sim-data-path and sim-state-path"):
+        node_paths({"partition-id": 0, "num-partitions": 1}, {}, in_simulation=True)
+
+
+def test_the_server_app_asks_for_the_simulation_paths_only_on_the_simulation_engine(tmp_path):
+    require_flower()
+    from fedrod_ray_flower.server_app import check_simulation
+
+    run = {"run-dir": str(tmp_path / "run")}
+    sim = {**run, "sim-data-path": str(tmp_path / "nodes"), "sim-state-path": str(tmp_path / "states")}
+    check_simulation(sim, simulation=True)
+    check_simulation({**run, "sim-data-path": "", "sim-state-path": ""}, simulation=False)
+    with pytest.raises(ConfigError, match="run config sim-data-path: has no effect on Flower's deployment"):
+        check_simulation(sim, simulation=False)
+    with pytest.raises(ConfigError, match="run config sim-state-path: Flower's simulation engine needs"):
+        check_simulation({**sim, "sim-state-path": ""}, simulation=True)
+    # The run directory holds nothing personal: the simulated nodes' states may not go inside it.
+    with pytest.raises(ConfigError, match="run config sim-state-path: must be outside run-dir"):
+        check_simulation({**sim, "sim-state-path": str(tmp_path / "run" / "states")}, simulation=True)
