@@ -20,10 +20,12 @@ serializes it, transport framing (gRPC, HTTP/2, TLS) left out:
 - Ray: the round's message pickled (protocol 5, as Ray serializes it) once per client actor (each reads it from
   the object store once), and each client's job (its id and the state the coordinator hands it) and result.
 
-``--secagg KEYS``: the run config keys that turn SecAgg+ on in flower/app (issue 51); with them, one more row,
-Flower's deployment engine with SecAgg+.
+``--secagg KEYS``: the run config keys that turn SecAgg+ on in flower/app (docs/flower.md); with them, one more
+row, Flower's deployment engine with SecAgg+ (its bytes: the protocol's four exchanges a round).
 
-    FEDROD_DATA_DIR=/work/shared/data python bench/flower_deploy.py --rounds 3
+    FEDROD_DATA_DIR=/work/shared/data python bench/flower_deploy.py --rounds 3 --secagg "secure-aggregation=true \
+        secagg-num-shares=3 secagg-reconstruction-threshold=2 secagg-clipping-range=8.0 \
+        secagg-quantization-range=4194304"
 """
 
 from __future__ import annotations
@@ -145,7 +147,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="rounds per run; the first is a warm-up, not timed")
     p.add_argument("--secagg", metavar="KEYS", help='run config keys that turn SecAgg+ on in flower/app, e.g. '
-                                                    '"secagg=true": adds the row of Flower with SecAgg+')
+                                                    '"secure-aggregation=true secagg-num-shares=3 '
+                                                    'secagg-reconstruction-threshold=2 secagg-clipping-range=8.0 '
+                                                    'secagg-quantization-range=4194304" (docs/flower.md): adds '
+                                                    'the row of Flower with SecAgg+')
     args = p.parse_args()
     if args.rounds < 2:
         p.error("--rounds: at least 2 (round 1 is a warm-up)")
