@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from starlette.requests import Request
+
 from .errors import error_response
 
 # A refusal closes the connection (but see BodyLimit's ``proxied``): the rest of the body may still come, and
@@ -21,6 +23,8 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 class BodyLimit:
     """Buffers the whole body (every endpoint needs all of its JSON anyway) and refuses it once it grows
     past ``max_bytes``, or when it has not all arrived ``timeout_s`` seconds after the request's headers.
+    Each read is appended to one bytearray as it comes: the body is never copied whole on the event loop
+    (joining a 16 MiB body's reads held it for tens of ms; the route takes it through ``buffered_body``).
 
     A declared Content-Length over the limit is refused without reading a byte; counting what arrives
     catches a chunked body, or one whose Content-Length lies. The time limit is for the whole body, not
@@ -67,7 +71,7 @@ class BodyLimit:
         try:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.timeout_s
-            chunks, size = [], 0
+            body, size = bytearray(), 0
             while True:
                 try:
                     message = await asyncio.wait_for(receive(), deadline - loop.time())
@@ -84,11 +88,9 @@ class BodyLimit:
                 if not self._take(size - held):
                     return await self._over_budget(size, declared, scope, receive, send, close=not keep)
                 held = size
-                chunks.append(chunk)
+                body += chunk
                 if not message.get("more_body", False):
                     break
-            body = b"".join(chunks)
-            del chunks  # one copy of the body, not two, while the request is handled
             await self.app(scope, _replay(body, receive), send)
         finally:
             self.held_bytes -= held
@@ -116,7 +118,7 @@ class BodyLimit:
         await error_response(503, "body", detail, headers)(scope, receive, send)
 
 
-def _replay(body: bytes, receive):
+def _replay(body: bytearray, receive):
     """The ``receive`` a route sees: the whole body at once, then whatever comes (only a disconnect can)."""
     replayed = False
 
@@ -128,3 +130,10 @@ def _replay(body: bytes, receive):
         return {"type": "http.request", "body": body, "more_body": False}
 
     return replay
+
+
+async def buffered_body(request: Request) -> bytearray | bytes:
+    """The body BodyLimit buffered, itself: Starlette's ``request.body()`` would join it with the empty
+    chunk that ends its stream, a copy of the whole body on the event loop."""
+    chunks = [chunk async for chunk in request.stream() if chunk]
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from .body_limit import buffered_body
 from .errors import ApiError, TooLarge, UnsupportedMediaType
 
 MEDIA_TYPE = "application/json"
@@ -126,7 +127,7 @@ def json_body(model: type[BaseModel], bound: Callable[[Any], tuple[int, str]] | 
     it sends back is quick to receive (the predict route's images as one array, not a float per pixel)."""
 
     async def dependency(request: Request):
-        body = await request.body()  # already buffered by BodyLimit
+        body = await buffered_body(request)
         if not body:
             if optional:
                 return None

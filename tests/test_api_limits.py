@@ -522,6 +522,42 @@ def test_large_bodies_are_parsed_outside_the_serving_process(server):
     assert answer[0].status_code == 422, answer[0].text[:300]
 
 
+def test_complete_bodies_waiting_for_a_parse_worker_are_held_once(server):
+    """As many bodies of the largest size as the budget holds, complete and waiting for a parse worker (the
+    workers held stopped): the serving process holds each one once, so its memory grows by at most 1.5 x
+    their size (issue 49: their reads were joined into one copy, and that into another by Starlette, each a
+    copy of the whole body on the event loop, which every other request waited for)."""
+    n = BUDGET // LIMIT
+    serving = _serving_pid(server)
+    workers = _parse_workers(serving)
+    assert workers, "no parse worker process beside the serving one"
+    _healthy(server)
+    before, peak, socks = _rss(server), 0, []
+    for w in workers:
+        os.kill(w, signal.SIGSTOP)
+    try:
+        for _ in range(n):
+            socks.append(_connect(server))
+            socks[-1].sendall(b"POST /v1/predict HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n" % LIMIT + PAYLOAD)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # the server may still be reading what was sent
+            peak = max(peak, _rss(server))
+            time.sleep(0.1)
+    finally:
+        for w in workers:
+            os.kill(w, signal.SIGCONT)
+    try:
+        answers = [_one_answer(sock, head_only=False) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    for answer in answers:  # each was parsed once the workers went on: spaces are no JSON
+        assert answer.startswith(b"HTTP/1.1 422 ") and b'"field":"body"' in answer, answer[:300]
+    grown = (peak - before) / MIB
+    assert grown <= 1.5 * n * LIMIT / MIB, f"memory grew by {grown:.0f} MiB with {n} bodies of {LIMIT // MIB} MiB"
+
+
 # --- answers ----------------------------------------------------------------------------------------------
 
 
