@@ -138,10 +138,10 @@ def test_a_full_queue_is_503_with_retry_after():
     async def scenario(pool: ParseWorkers):
         resume = _stopped(pool.pids())
         try:
-            held = [asyncio.ensure_future(pool.run(len, b"x" * n)) for n in (1, 2)]
+            held = [asyncio.ensure_future(pool.run(len, [b"x" * n])) for n in (1, 2)]
             await asyncio.sleep(0)  # both admitted: one in the worker, one waiting for it
             with pytest.raises(Unavailable) as refused:
-                await pool.run(len, b"xyz")
+                await pool.run(len, [b"xyz"])
             assert not any(t.done() for t in held)
         finally:
             resume()
@@ -160,10 +160,10 @@ def test_a_body_over_the_cpu_limit_is_413_and_its_worker_replaced():
     with _pool(1, 0, 1) as pool:
         first = pool.pids()
         with pytest.raises(TooLarge) as refused:
-            asyncio.run(pool.run(re.fullmatch, b"(a+)+b", b"a" * 64))
+            asyncio.run(pool.run(re.fullmatch, [b"(a+)+b"], b"a" * 64))
         assert refused.value.status == 413 and "more than 1 s of CPU" in refused.value.detail
         assert "parse_cpu_s" in refused.value.detail
-        assert asyncio.run(pool.run(len, b"abcd")) == 4
+        assert asyncio.run(pool.run(len, [b"ab", b"cd"])) == 4
         assert pool.pids() and pool.pids() != first
 
 
@@ -173,7 +173,7 @@ def test_a_worker_killed_meanwhile_is_503_and_replaced():
         resume = _stopped([pid])
 
         async def scenario():
-            job = asyncio.ensure_future(pool.run(len, b"abc"))
+            job = asyncio.ensure_future(pool.run(len, [b"abc"]))
             await asyncio.sleep(0)
             os.kill(pid, signal.SIGKILL)
             resume()
@@ -182,7 +182,7 @@ def test_a_worker_killed_meanwhile_is_503_and_replaced():
         with pytest.raises(Unavailable) as refused:
             asyncio.run(scenario())
         assert refused.value.headers == {"Retry-After": "1"} and "-9" in refused.value.detail
-        assert asyncio.run(pool.run(len, b"ab")) == 2
+        assert asyncio.run(pool.run(len, [b"ab"])) == 2
 
 
 def test_the_workers_exit_when_the_server_goes():
