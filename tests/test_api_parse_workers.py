@@ -5,7 +5,9 @@ tests/test_api_limits.py checks from outside, on both servers, that the serving 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import io
 import json
 import os
 import pickle
@@ -21,6 +23,7 @@ from fedrod_ray_api.errors import ApiError, TooLarge, Unauthorized, Unavailable
 from fedrod_ray_api.parse_workers import ParseWorkers
 from fedrod_ray_api.schemas import EXAMPLE_PNG
 from fedrod_ray_api.settings import Settings
+from PIL import Image
 from served import make_final
 
 JSON = {"content-type": "application/json"}
@@ -53,6 +56,12 @@ def _images(n: int, normalized: bool = False) -> list:
     return x.tolist()  # full-precision floats: rounding them to float32 is part of what must match
 
 
+def _png(w: int, h: int) -> str:
+    out = io.BytesIO()
+    Image.new("L", (w, h)).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
 BODIES = {
     "raw": {"images": _images(64)},
     "normalized": {"images": _images(64, normalized=True), "pixels": "normalized", "top_k": 5},
@@ -65,6 +74,9 @@ BODIES = {
     "top_k": {"images": _images(40), "top_k": 11},
     "invalid item": {"images": _images(30) + [[[["a"] * 28] * 28]]},
     "client head, no token": {"images": _images(257), "client_id": 0},
+    "png not base64": {"images_png": [EXAMPLE_PNG] * 100 + ["not base64!"]},
+    "png too many": {"images_png": [EXAMPLE_PNG] * 257},
+    "png of another size": {"images_png": [EXAMPLE_PNG] * 100 + [_png(27, 28)]},
     "duplicate key": None,  # below: json.dumps cannot write one
 }
 
