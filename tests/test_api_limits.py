@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import gc
 import json
 import math
 import os
@@ -477,6 +478,19 @@ def _parse_workers(pid: int) -> list[int]:
     return [c for c in children if WORKER_MODULE.encode() in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
+def _parse_cost(parse, model, body: bytes) -> float:
+    """The CPU seconds of parsing ``body`` in this thread, without garbage collection (this process's, a Ray
+    driver's, is not the parse's cost): measured once, after the memory tests, it came out at 0.33 s, not
+    0.04 s, and the test failed."""
+    gc.disable()
+    try:
+        start = time.thread_time()
+        parse(model, body, None, "")
+        return time.thread_time() - start
+    finally:
+        gc.enable()
+
+
 def test_large_bodies_are_parsed_outside_the_serving_process(server):
     """Issue 49: parsing the largest legal body held the serving process's interpreter lock 0.2-0.7 s, so
     every other request waited. Measured in CPU time, not latency: while 8 such bodies are answered, the
@@ -486,9 +500,7 @@ def test_large_bodies_are_parsed_outside_the_serving_process(server):
     from fedrod_ray_api.schemas import PredictRequest
 
     body, n = _most_values_legal_body(), 8
-    start = time.thread_time()
-    parse(PredictRequest, body, None, "")
-    parse_cost = time.thread_time() - start
+    parse_cost = min(_parse_cost(parse, PredictRequest, body) for _ in range(3))
     serving = _serving_pid(server)
     workers = _parse_workers(serving)
     assert workers, "no parse worker process beside the serving one"
