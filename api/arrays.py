@@ -1,6 +1,6 @@
-"""A request's nested-list images as one float32 array, their count and shape checked: numpy only, so that a
-parse worker (parse_workers.py) can run it without torch and send back one array, not a Python float per
-pixel."""
+"""A request's images as one array, their count and shape checked: nested lists as float32, base64 PNGs as
+their uint8 pixels. numpy (and Pillow) only, so that a parse worker (parse_workers.py) can run it without
+torch and send back one array, not a Python float per pixel or the PNGs' base64."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from . import png
 from .errors import ApiError
 
 
@@ -49,6 +50,11 @@ def as_array(images, shape: Sequence[int]) -> np.ndarray:
     return x
 
 
+def from_pngs(pngs: Sequence[str], shape: Sequence[int]) -> np.ndarray:
+    """The N x C x H x W uint8 pixels of base64 PNGs (``png.decode``: each must be an image of ``shape``)."""
+    return np.stack([png.decode(s, shape, f"images_png[{i}]") for i, s in enumerate(pngs)])
+
+
 class Deferred:
     """Images that a parse worker could not make into an array: ``images.decode`` raises their error, after
     the request's checks that come before the images'."""
@@ -61,14 +67,16 @@ class Deferred:
 
 
 def convert(request, shape: Sequence[int], max_batch: int):
-    """``request`` (a parsed PredictRequest) with its ``images`` as one array, or Deferred with their error."""
-    if request.images is None:
+    """``request`` (a parsed PredictRequest) with its ``images`` or ``images_png`` as one array (the float32
+    values, or the PNGs' uint8 pixels), or Deferred with their error."""
+    field, given = ("images", request.images) if request.images is not None else ("images_png", request.images_png)
+    if given is None:
         return request
     try:
-        error = count_error("images", len(request.images), max_batch)
+        error = count_error(field, len(given), max_batch)
         if error:
             raise error
-        images = as_array(request.images, shape)
+        converted = as_array(given, shape) if field == "images" else from_pngs(given, shape)
     except ApiError as e:
-        images = Deferred(e)
-    return request.model_copy(update={"images": images})
+        converted = Deferred(e)
+    return request.model_copy(update={field: converted})

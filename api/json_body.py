@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from .body_limit import body_chunks
 from .errors import ApiError, TooLarge, UnsupportedMediaType
 
 MEDIA_TYPE = "application/json"
@@ -111,6 +112,10 @@ def _refuse_duplicate_keys(body: bytes) -> None:
             seen.add(key)
 
 
+def _parse_chunks(model: type[BaseModel], chunks: list[bytes], max_values: int | None, what: str) -> BaseModel:
+    return parse(model, b"".join(chunks), max_values, what)  # joined here, off the event loop
+
+
 def parse_converted(body: bytes, model: type[BaseModel], max_values: int | None, what: str,
                     convert: Callable[[BaseModel], BaseModel] | None) -> BaseModel:
     """``parse``, then ``convert``: what a parse worker runs."""
@@ -126,19 +131,20 @@ def json_body(model: type[BaseModel], bound: Callable[[Any], tuple[int, str]] | 
     it sends back is quick to receive (the predict route's images as one array, not a float per pixel)."""
 
     async def dependency(request: Request):
-        body = await request.body()  # already buffered by BodyLimit
-        if not body:
+        chunks = await body_chunks(request)
+        size = sum(map(len, chunks))
+        if not size:
             if optional:
                 return None
             raise ApiError("body", f"is empty: send a JSON object ({MEDIA_TYPE})")
         _check_headers(request)
         max_values, what = bound(request.app) if bound else (None, "")
-        if len(body) <= INLINE_BYTES:
-            return parse(model, body, max_values, what)
-        if len(body) > request.app.state.settings.parse_process_bytes:
-            return await request.app.state.parse_workers.run(parse_converted, body, model, max_values, what,
+        if size <= INLINE_BYTES:
+            return parse(model, b"".join(chunks), max_values, what)
+        if size > request.app.state.settings.parse_process_bytes:
+            return await request.app.state.parse_workers.run(parse_converted, chunks, model, max_values, what,
                                                              convert(request.app) if convert else None)
-        return await run_in_threadpool(parse, model, body, max_values, what)
+        return await run_in_threadpool(_parse_chunks, model, chunks, max_values, what)
 
     return Depends(dependency)
 

@@ -26,6 +26,7 @@ import signal
 import struct
 import subprocess
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .errors import ApiError, TooLarge, Unavailable
@@ -74,11 +75,11 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(cpu_s)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, start_new_session=True)
 
-    def call(self, fn, body: bytes, args: tuple):
-        """``fn(body, *args)`` in the worker: its result, or the exception it raised, raised here."""
+    def call(self, fn, body: Sequence[bytes], args: tuple):
+        """``fn(b"".join(body), *args)`` in the worker: its result, or the exception it raised, raised here."""
         job = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            _write_all(self.proc.stdin.fileno(), JOB.pack(len(job), len(body)), job, body)
+            _write_all(self.proc.stdin.fileno(), JOB.pack(len(job), sum(map(len, body))), job, *body)
             head = _read_exactly(self.proc.stdout.fileno(), REPLY.size)
             ok, size = REPLY.unpack(head) if head else (0, 0)
             payload = _read_exactly(self.proc.stdout.fileno(), size) if head else None
@@ -103,7 +104,9 @@ class _Worker:
 
 
 class ParseWorkers:
-    """The pool: ``await run(fn, body, *args)`` runs ``fn(body, *args)`` in a worker process (see the module)."""
+    """The pool: ``await run(fn, body, *args)`` runs ``fn(b"".join(body), *args)`` in a worker process (see the
+    module): ``body`` is its reads as they came (body_limit.body_chunks), written down the pipe one by one,
+    never joined in the serving process."""
 
     def __init__(self, workers: int, queue_size: int, cpu_s: int):
         self.workers, self.queue_size, self.cpu_s = workers, queue_size, cpu_s
@@ -124,7 +127,7 @@ class ParseWorkers:
         """The worker processes' ids (for a test or a benchmark to find them)."""
         return [w.proc.pid for w in list(self._all)]
 
-    async def run(self, fn, body: bytes, *args):
+    async def run(self, fn, body: Sequence[bytes], *args):
         if self._admitted >= self.workers + self.queue_size:
             raise Unavailable("body", f"{self.workers} bodies are being parsed and {self.queue_size} wait, "
                                       f"this server's limit (parse_workers, parse_queue); retry in "
@@ -135,7 +138,7 @@ class ParseWorkers:
         finally:
             self._admitted -= 1
 
-    def _call(self, fn, body: bytes, args: tuple):
+    def _call(self, fn, body: Sequence[bytes], args: tuple):
         # At most ``workers`` threads run this, each holding one worker: an idle one or a new one.
         try:
             worker = self._idle.get_nowait()

@@ -39,13 +39,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
-import ray
 from _common import machine_note, md_table
+from _served import build_run, start_server
 from fedrod_ray_api.schemas import EXAMPLE_PNG
-from fedrod_ray_api.serve import LOCAL_RAY_ENV, haproxy_env, http_options
-from fedrod_ray_api.settings import Connections
-from ray import serve
-from serve_latency import SERVE_PORT, build_run, fixed_options, start_serve, start_server
 
 MIB = 2**20
 LIMIT, BUDGET = 16 * MIB, 256 * MIB  # the default body limit and budget
@@ -207,7 +203,14 @@ def measure(address, pids: Callable[[], list[int]], name: str, seconds: float) -
 @contextlib.contextmanager
 def serve_running() -> Iterator[None]:
     """A private local Ray with Ray Serve as ``fedrod-ray serve --ray`` starts it (HAProxy's limits from the
-    default Connections), listening on SERVE_PORT."""
+    default Connections), listening on SERVE_PORT; Ray is imported here, so that --servers uvicorn runs
+    without it."""
+    import ray
+    from fedrod_ray_api.serve import LOCAL_RAY_ENV, haproxy_env, http_options
+    from fedrod_ray_api.settings import Connections
+    from ray import serve
+    from serve_latency import SERVE_PORT
+
     env = {**LOCAL_RAY_ENV, **haproxy_env(Connections()), "RAY_AUTH_MODE": "disabled"}
     with mock.patch.dict("os.environ", env):
         try:
@@ -245,6 +248,8 @@ def main() -> None:
                         proc.wait(30)
             else:
                 with serve_running():
+                    from serve_latency import fixed_options, start_serve
+
                     host, port, pids = start_serve(run_dir, fixed_options(1))
                     for name in args.attacks:
                         rows.append(measure((host, port), with_workers(pids), name, args.seconds))

@@ -5,7 +5,9 @@ tests/test_api_limits.py checks from outside, on both servers, that the serving 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import io
 import json
 import os
 import pickle
@@ -21,6 +23,7 @@ from fedrod_ray_api.errors import ApiError, TooLarge, Unauthorized, Unavailable
 from fedrod_ray_api.parse_workers import ParseWorkers
 from fedrod_ray_api.schemas import EXAMPLE_PNG
 from fedrod_ray_api.settings import Settings
+from PIL import Image
 from served import make_final
 
 JSON = {"content-type": "application/json"}
@@ -53,6 +56,12 @@ def _images(n: int, normalized: bool = False) -> list:
     return x.tolist()  # full-precision floats: rounding them to float32 is part of what must match
 
 
+def _png(w: int, h: int) -> str:
+    out = io.BytesIO()
+    Image.new("L", (w, h)).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
 BODIES = {
     "raw": {"images": _images(64)},
     "normalized": {"images": _images(64, normalized=True), "pixels": "normalized", "top_k": 5},
@@ -65,6 +74,9 @@ BODIES = {
     "top_k": {"images": _images(40), "top_k": 11},
     "invalid item": {"images": _images(30) + [[[["a"] * 28] * 28]]},
     "client head, no token": {"images": _images(257), "client_id": 0},
+    "png not base64": {"images_png": [EXAMPLE_PNG] * 100 + ["not base64!"]},
+    "png too many": {"images_png": [EXAMPLE_PNG] * 257},
+    "png of another size": {"images_png": [EXAMPLE_PNG] * 100 + [_png(27, 28)]},
     "duplicate key": None,  # below: json.dumps cannot write one
 }
 
@@ -138,10 +150,10 @@ def test_a_full_queue_is_503_with_retry_after():
     async def scenario(pool: ParseWorkers):
         resume = _stopped(pool.pids())
         try:
-            held = [asyncio.ensure_future(pool.run(len, b"x" * n)) for n in (1, 2)]
+            held = [asyncio.ensure_future(pool.run(len, [b"x" * n])) for n in (1, 2)]
             await asyncio.sleep(0)  # both admitted: one in the worker, one waiting for it
             with pytest.raises(Unavailable) as refused:
-                await pool.run(len, b"xyz")
+                await pool.run(len, [b"xyz"])
             assert not any(t.done() for t in held)
         finally:
             resume()
@@ -160,10 +172,10 @@ def test_a_body_over_the_cpu_limit_is_413_and_its_worker_replaced():
     with _pool(1, 0, 1) as pool:
         first = pool.pids()
         with pytest.raises(TooLarge) as refused:
-            asyncio.run(pool.run(re.fullmatch, b"(a+)+b", b"a" * 64))
+            asyncio.run(pool.run(re.fullmatch, [b"(a+)+b"], b"a" * 64))
         assert refused.value.status == 413 and "more than 1 s of CPU" in refused.value.detail
         assert "parse_cpu_s" in refused.value.detail
-        assert asyncio.run(pool.run(len, b"abcd")) == 4
+        assert asyncio.run(pool.run(len, [b"ab", b"cd"])) == 4
         assert pool.pids() and pool.pids() != first
 
 
@@ -173,7 +185,7 @@ def test_a_worker_killed_meanwhile_is_503_and_replaced():
         resume = _stopped([pid])
 
         async def scenario():
-            job = asyncio.ensure_future(pool.run(len, b"abc"))
+            job = asyncio.ensure_future(pool.run(len, [b"abc"]))
             await asyncio.sleep(0)
             os.kill(pid, signal.SIGKILL)
             resume()
@@ -182,7 +194,7 @@ def test_a_worker_killed_meanwhile_is_503_and_replaced():
         with pytest.raises(Unavailable) as refused:
             asyncio.run(scenario())
         assert refused.value.headers == {"Retry-After": "1"} and "-9" in refused.value.detail
-        assert asyncio.run(pool.run(len, b"ab")) == 2
+        assert asyncio.run(pool.run(len, [b"ab"])) == 2
 
 
 def test_the_workers_exit_when_the_server_goes():
