@@ -7,8 +7,8 @@ state with the same seeds, averaged in the same order, so records and final weig
 each SuperNode keeps of its clients must never reach anything the server side writes.
 
 What a test costs is Flower's processes (a ClientApp process per message, a ServerApp per run), not training:
-the data is a slice of MNIST, the insecure federation is started once for the module, and the runs that only
-need round 1 stop there."""
+the data is a slice of MNIST, the federation (over TLS) is started once for the module and serves every test,
+Fed-RoD (hyper)'s one run is the killed and resumed one, and the runs that only need round 1 stop there."""
 
 from __future__ import annotations
 
@@ -90,7 +90,9 @@ def nodes(tmp_path_factory, configs) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory, nodes):
-    fed = FlowerFederation(tmp_path_factory.mktemp("flower"), nodes)
+    """The module's SuperLink and SuperNodes, over TLS with generated certificates (as docs/flower.md deploys)."""
+    root = tmp_path_factory.mktemp("flower")
+    fed = FlowerFederation(root, nodes, tls=write_certificates(root / "certs"))
     try:
         yield fed
     finally:
@@ -167,7 +169,10 @@ def test_ditto_on_flower_equals_in_process_and_keeps_personal_state_home(federat
     assert all(_bytes_of(v.flatten()[:8]) in written for v in final.values() if v.numel() >= 8)
 
 
-def test_a_killed_serverapp_resumes_from_its_checkpoint(federation, configs, in_process, tmp_path):
+def test_a_killed_serverapp_resumes_from_its_checkpoint_over_tls_and_is_served(federation, configs, in_process,
+                                                                             tmp_path):
+    """Fed-RoD (hyper) over TLS: its ServerApp killed after round 1, the run started again resumes and ends
+    bitwise as the in-process run, and is served."""
     run_dir = tmp_path / "run"
     proc = federation.run(configs["hyper"], run_dir, wait=False)
     deadline = time.monotonic() + 600
@@ -181,8 +186,22 @@ def test_a_killed_serverapp_resumes_from_its_checkpoint(federation, configs, in_
         os.kill(pid, signal.SIGKILL)
     kill_tree(proc)  # the `flwr run` that streamed its log
     assert len(records(run_dir)) < 3 and not (run_dir / "final").exists()
+    # The SuperLink speaks only TLS, under the generated CA's certificate.
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{federation.port}/", timeout=10)
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        urllib.request.urlopen(f"https://127.0.0.1:{federation.port}/", timeout=10)
+    try:
+        urllib.request.urlopen(f"https://127.0.0.1:{federation.port}/", timeout=10,
+                               context=ssl.create_default_context(cafile=str(federation.tls["ca"])))
+    except urllib.error.HTTPError:
+        pass  # an HTTP answer over the verified TLS connection, whatever its status
     federation.run(configs["hyper"], run_dir)
     assert_same_run(run_dir, in_process("hyper"))
+    with uvicorn_server(run_dir) as (_, base, _lines), urllib.request.urlopen(f"{base}/v1/model",
+                                                                              timeout=30) as response:
+        info = json.load(response)
+    assert info["round"] == 3 and info["head"] == "hyper", info
 
 
 def test_a_supernode_killed_mid_round_fails_only_its_clients(federation, configs, in_process, tmp_path):
@@ -211,31 +230,6 @@ def test_a_supernode_killed_mid_round_fails_only_its_clients(federation, configs
     assert first["clients_failed"] >= 1 and set(first["failed_ids"]) <= hosted
     assert first["clients_done"] == want[0]["clients"] - first["clients_failed"]
     assert (run_dir / "final").is_dir()
-
-
-def test_fedrod_hyper_over_tls_equals_in_process_and_is_served(tmp_path_factory, configs, nodes, in_process):
-    root = tmp_path_factory.mktemp("flower-tls")
-    fed = FlowerFederation(root, nodes, tls=write_certificates(root / "certs"))
-    try:
-        run_dir = root / "run"
-        fed.run(configs["hyper"], run_dir)
-        # The SuperLink speaks only TLS, under the generated CA's certificate.
-        with pytest.raises((urllib.error.URLError, ConnectionError)):
-            urllib.request.urlopen(f"http://127.0.0.1:{fed.port}/", timeout=10)
-        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
-            urllib.request.urlopen(f"https://127.0.0.1:{fed.port}/", timeout=10)
-        try:
-            urllib.request.urlopen(f"https://127.0.0.1:{fed.port}/", timeout=10,
-                                   context=ssl.create_default_context(cafile=str(fed.tls["ca"])))
-        except urllib.error.HTTPError:
-            pass  # an HTTP answer over the verified TLS connection, whatever its status
-    finally:
-        fed.close()
-    assert_same_run(run_dir, in_process("hyper"))
-    with uvicorn_server(run_dir) as (_, base, _lines), urllib.request.urlopen(f"{base}/v1/model",
-                                                                              timeout=30) as response:
-        info = json.load(response)
-    assert info["round"] == 3 and info["head"] == "hyper", info
 
 
 def test_ditto_on_flowers_simulation_engine_equals_in_process(tmp_path, configs, nodes, in_process,
