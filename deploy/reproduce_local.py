@@ -51,12 +51,13 @@ def job_spec(job: str, seeds: list[int]):
     return build_spec("main", BASE, seeds, overrides={"data.alpha": alpha} if alpha else {}, rows=[ROW_OF[head]])
 
 
-def local_config(cfg, device: str) -> dict:
-    """A trial's config as an in-process run on ``device``, checked: the trial's Ray placement dropped."""
+def local_config(cfg) -> dict:
+    """A trial's config as an in-process run, checked: the trial's Ray placement dropped (``run`` names the
+    device)."""
     from fedrod_ray.config import config_from_dict
 
     data = cfg.to_dict()
-    data["runtime"] = {"mode": "local", "device": device, "torch_threads": 1,
+    data["runtime"] = {"mode": "local", "torch_threads": 1,
                        "checkpoint_every": data["runtime"]["checkpoint_every"]}
     data.pop("run_dir", None)
     config_from_dict(data)
@@ -73,7 +74,7 @@ def plan(args) -> None:
         for i, values in enumerate(itertools.product(*(spec.search[k]["grid"] for k in keys))):
             params = dict(zip(keys, values))
             sweeps.append({"sweep": spec.name, "metric": spec.metric, "name": f"{spec.name}_{i:02d}",
-                           "params": params, "config": local_config(spec.trial_config(params), "DEVICE")})
+                           "params": params, "config": local_config(spec.trial_config(params))})
     for job in args.job:
         head = job.partition("_")[0]
         seeds = [int(s) for s in args.seeds.get(job, "0").split(",")]
@@ -81,16 +82,17 @@ def plan(args) -> None:
         for seed in seeds:
             row = ROW_OF[head]
             jobs.append({"job": job, "head": head, "row": row, "seed": seed, "name": f"{job}_s{seed}",
-                         "config": local_config(spec.row_config(row, seed), "DEVICE")})
+                         "config": local_config(spec.row_config(row, seed))})
     Path(args.plan).write_text(json.dumps({"sweeps": sweeps, "jobs": jobs}, indent=1))
     print(f"{len(sweeps)} sweep trials, {len(jobs)} table runs -> {args.plan}")
 
 
 def last_record(run_dir: Path) -> dict:
     """The run's last evaluated round's record (metrics.jsonl), {} if none."""
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    evaluated = [r for r in records if "gfl_gm" in r]
+    from fedrod_ray.outputs.results import read_records
+    from fedrod_ray.outputs.storage import RunStorage
+
+    evaluated = [r for r in read_records(RunStorage(str(run_dir))) if "gfl_gm" in r]
     return evaluated[-1] if evaluated else {}
 
 
@@ -111,7 +113,7 @@ class Runs:
         if (run_dir / "final").is_dir():
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        config = json.loads(json.dumps(e["config"]).replace('"DEVICE"', json.dumps(self.device)))
+        config = with_values(e["config"], {"runtime.device": self.device})
         config_file = run_dir.parent / f"{e['name']}.yaml"
         config_file.write_text(yaml.safe_dump(config, sort_keys=False))
         cmd = [sys.executable, "-c", "from fedrod_ray.cli import main; raise SystemExit(main())", "train"]
