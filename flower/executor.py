@@ -254,5 +254,8 @@ class FlowerExecutor:
     def zero_shot(self, jobs: list[Job], message: RoundInput, round_idx: int) -> EvalCounts:
         return self._counts(jobs, {"action": "zero_shot", "round_idx": round_idx}, message)
 
+    def cancel(self) -> None:
+        """Nothing: a call in flight waits on the SuperNodes' replies for at most ``timeout`` seconds."""
+
     def close(self) -> None:
         pass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 
 import pytest
 import torch
@@ -72,6 +73,38 @@ def test_evaluation_reports_train_and_new_clients(tmp_path):
     # A new client never trains; with a zero-initialised linear head its PM is exactly the GM.
     assert metrics["pfl_new_before"] == pytest.approx(metrics["pfl_gm_new"])
     assert "pfl_new_after" not in metrics and "pfl_ft" not in metrics
+
+
+def test_ctrl_c_in_an_evaluation_waits_for_the_client_in_hand_not_for_every_client():
+    """Ctrl-C while the executor's thread fine-tunes the new clients (a last round's evaluation) raises
+    KeyboardInterrupt in the main thread, which scores the GM meanwhile: the evaluation ends once the client in
+    hand is done, and the other clients never start."""
+    fed = make_federation("data.new_clients=4", "eval.finetune_epochs=1")
+    fed.step(0)
+    host, evaluation = fed.executor.host, fed.evaluation
+    adapted, started, cancelled = [], threading.Event(), threading.Event()
+    adapt, cancel, generic_model = host.method.adapt, host.cancel, evaluation.generic_model
+
+    def adapt_until_cancelled(*args, **kwargs):
+        adapted.append(threading.current_thread())
+        if len(adapted) == 1:
+            started.set()
+            assert cancelled.wait(30), "the evaluation's calls were never cancelled"
+        return adapt(*args, **kwargs)
+
+    def cancel_and_say_so():
+        cancel()
+        cancelled.set()
+
+    def ctrl_c_once_the_first_new_client_adapts(*args):
+        assert started.wait(30)
+        raise KeyboardInterrupt
+
+    host.method.adapt, host.cancel = adapt_until_cancelled, cancel_and_say_so
+    evaluation.generic_model = ctrl_c_once_the_first_new_client_adapts
+    with pytest.raises(KeyboardInterrupt):
+        fed.evaluate(final=True)
+    assert len(adapted) == 1 and not adapted[0].is_alive()
 
 
 class CountingExecutor(InProcessExecutor):

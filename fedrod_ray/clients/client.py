@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import traceback
 from dataclasses import dataclass, field
 
@@ -144,6 +145,10 @@ class ClientUnavailable:
     reason: str
 
 
+class Cancelled(Exception):
+    """A host's evaluation calls were cancelled (``ClientHost.cancel``): the run is stopping."""
+
+
 @dataclass
 class EvalCounts:
     correct: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -202,6 +207,19 @@ class ClientHost:
         # A client that never trained starts from these (the methods whose clients keep whole models).
         self.initial = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         self._estimate_test: TestSet | None = None
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop the evaluation calls in flight from another thread (Ctrl-C in the thread that waits on them):
+        each raises Cancelled before its next client, and so does every later one."""
+        self._cancelled.set()
+
+    def _clients(self, jobs: list[tuple[int, ClientState]]):
+        """``jobs`` one at a time, until ``cancel``."""
+        for job in jobs:
+            if self._cancelled.is_set():
+                raise Cancelled("the evaluation was cancelled")
+            yield job
 
     def data(self, client_id: int) -> ClientData:
         ctx = self.context
@@ -254,7 +272,7 @@ class ClientHost:
             if self._estimate_test is None:
                 self._estimate_test = estimate_test_set(self.cfg, test)
             test = self._estimate_test
-        for cid, state in jobs:
+        for cid, state in self._clients(jobs):
             try:
                 if state.local_model is None:
                     raise ValueError("the client's state has no local model to evaluate")
@@ -286,7 +304,7 @@ class ClientHost:
         """Per-class test counts of the model ``make_model(client id, state, data)`` gives each client of
         ``jobs``, weighted by its class distribution; a client whose model fails is counted as failed."""
         out = EvalCounts()
-        for cid, state in jobs:
+        for cid, state in self._clients(jobs):
             try:
                 data = self.data(cid)
                 model = make_model(cid, state, data)

@@ -33,4 +33,8 @@ class Executor(Protocol):
     def zero_shot(self, jobs: list[Job], message: RoundInput, round_idx: int) -> EvalCounts:
         """Test counts of the zero-shot models of clients that never trained (``ClientHost.zero_shot``)."""
 
+    def cancel(self) -> None:
+        """Make the evaluation calls in flight in another thread of this process end soon (they raise); the
+        executor is not used again. Called when the thread that waits on them is stopped (Ctrl-C)."""
+
     def close(self) -> None: ...

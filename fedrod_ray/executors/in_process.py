@@ -27,5 +27,8 @@ class InProcessExecutor:
     def zero_shot(self, jobs, message, round_idx):
         return self.host.zero_shot(jobs, message, round_idx)
 
+    def cancel(self) -> None:
+        self.host.cancel()
+
     def close(self) -> None:
         pass

@@ -297,6 +297,10 @@ class RayExecutor:
                 merged.merge(value)
         return merged
 
+    def cancel(self) -> None:
+        """Nothing: this executor lives in the coordinator actor, which no Ctrl-C reaches (the driver's
+        stop ends the actor)."""
+
     def close(self) -> None:
         for actor in self.actors:
             ray.kill(actor)

@@ -15,8 +15,9 @@ the sample was from the exact figures at the last exact evaluation (``anchored``
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -42,6 +43,18 @@ from ..server_math.aggregate import StateDict
 EVAL_SAMPLE_TAG = 5  # seeds eval.clients' sample of the training clients
 PM_BATCH = 64  # clients whose global-reading PM is scored at once: (64, test size, classes) logits
 PM_JOBS = 256  # clients whose PM one executor call evaluates (their states in memory at once)
+
+
+@contextlib.contextmanager
+def _cancelled_on_error(executor: Executor) -> Iterator[ThreadPoolExecutor]:
+    """A thread for the executor's calls while this one scores the GM; should this one stop (Ctrl-C), the
+    executor's calls are cancelled, so that the stop waits for one client's call, not for all of them."""
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            yield pool
+        except BaseException:
+            executor.cancel()
+            raise
 
 
 class Evaluation:
@@ -98,7 +111,7 @@ class Evaluation:
         zs_jobs = [] if self.method.zero_shot_is_reading else [(cid, clients[cid]) for cid in new]
         # The executor (on Ray, the client actors) evaluates the PMs that changed, the zero-shot models and
         # fine-tunes, while this thread scores the GM and every client's global-reading PM from one pass of the GM.
-        with ThreadPoolExecutor(1) as pool:
+        with _cancelled_on_error(executor) as pool:
             pending = (pool.submit(self._executor_evaluation, executor, clients, stale, global_shared,
                                    round_idx + 1, ft_jobs, zs_jobs, message, round_idx, method_state)
                        if stale or ft_jobs or zs_jobs else None)
@@ -162,7 +175,7 @@ class Evaluation:
         m = self.setup.num_clients
         pm, stale, fresh_clients = self._pm_jobs(clients, range(m), global_shared, rounds_done, self._pm_estimates,
                                                  method_state)
-        with ThreadPoolExecutor(1) as pool:
+        with _cancelled_on_error(executor) as pool:
             pending = (pool.submit(self._evaluate_pms, executor, clients, stale, global_shared, rounds_done,
                                    method_state, True)
                        if stale else None)
