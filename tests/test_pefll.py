@@ -164,6 +164,38 @@ def test_a_round_describes_sends_models_trains_then_runs_the_backward_pass_on_th
     assert _same(gm, mean_state(method.model_from(new, table[m]) for m in range(6)))
 
 
+def test_a_client_that_does_not_answer_the_backward_question_is_left_out_of_psis_mean_not_phis():
+    """Two clients trained; client 3 does not answer BACKWARD. phi's gradient is the mean of both clients'
+    (dw_m/dphi)^T c_m (the server computes those), psi's the mean over the one answer: client 1's answer
+    itself, not half of it (the old code divided psi's sum by the round's two results)."""
+    fed = make_federation(*PEFLL, "train.head_params={reg_hyper: 0.0, reg_embed: 0.0}")
+    host, method, state = fed.executor.host, fed.method, fed.method_state
+    ids = [1, 3]
+    sent = method.messages(state, ids, {}, 0, 0, host_ask(host, 0, []))
+    trained = {cid: {k[len(MODEL):]: t * 0.9 for k, t in sent[cid].items() if k.startswith(MODEL)} for cid in ids}
+    results = {cid: LocalResult(trained[cid], 5, 0.0, None, 1, 0.0, method_upload={DESCRIPTOR: sent[cid][DESCRIPTOR]})
+               for cid in ids}
+    answered = host_ask(host, 0, [])
+
+    def ask_without_3(phase, common, questions):
+        return answered(phase, common, {c: q for c, q in questions.items() if not (phase == BACKWARD and c == 3)})
+
+    _, new = method.server_update(dict(fed.global_shared), results, {}, state, fed.initial, 6, ask_without_3)
+    grads, answer_1 = {}, None
+    for cid in ids:
+        v = sent[cid][DESCRIPTOR]
+        w = method.model_from(state, v)
+        phi_g, gv = hyper_vjp(method.net, state, v, {k: w[k] - trained[cid][k] for k in w})
+        for k, t in phi_g.items():
+            grads[k] = grads.get(k, 0) + t / 2
+        if cid == 1:
+            answer_1 = host.answer(cid, BACKWARD, psi(state), {GRAD: gv}, 0)
+    expected = server_step(state, {**grads, **answer_1}, method.params)
+    # Adam's first step is lr * sign(g) per weight: compare the moments, which carry g's scale (m_1 = 0.1 g).
+    for k in grads.keys() | answer_1.keys():
+        assert torch.allclose(new["adam_avg/" + k], expected["adam_avg/" + k], rtol=1e-5, atol=1e-9), k
+
+
 def test_a_client_that_cannot_describe_itself_gets_no_model_and_its_update_says_why():
     fed = make_federation(*PEFLL)
     host = fed.executor.host

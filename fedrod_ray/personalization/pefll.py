@@ -217,8 +217,8 @@ class PeFLL(Personalization):
 
     def server_update(self, averaged, results, uploads, server_state, initial, num_clients, ask):
         """The round's backward pass (through H here, through E on each client), one Adam step on the mean of
-        its gradients, then every training client's new descriptor: the PMs, whose mean is the new global
-        weights."""
+        its gradients (phi's over the round's results, psi's over the clients that answered), then every
+        training client's new descriptor: the PMs, whose mean is the new global weights."""
         if not results:  # every client of the round failed: nothing to step on
             return self.refresh(server_state, num_clients, ask)
         lam = self.params.reg_model
@@ -231,13 +231,12 @@ class PeFLL(Personalization):
             phi_grads, grad_v[cid] = hyper_vjp(self.net, server_state, v, cotangent)
             grads = {k: grads[k] + g if k in grads else g for k, g in phi_grads.items()}
             grad_v[cid] = {GRAD: grad_v[cid]}
+        grads = {k: g / len(results) for k, g in grads.items()}
         psi_ = psi(server_state)
-        for cid, answer in sorted(ask(BACKWARD, psi_, grad_v).items()):
-            for k in psi_:
-                grads[k] = grads[k] + answer[k] if k in grads else answer[k]
-        for k in psi_:  # no client answered: psi's gradient is its regulariser's alone
-            grads.setdefault(k, torch.zeros_like(psi_[k]))
-        state = server_step(server_state, {k: g / len(results) for k, g in grads.items()}, self.params)
+        answers = ask(BACKWARD, psi_, grad_v)
+        for k in psi_:  # the mean over the clients that answered; none: psi's gradient is its regulariser's
+            grads[k] = sum((answers[c][k] for c in sorted(answers)), torch.zeros_like(psi_[k])) / max(len(answers), 1)
+        state = server_step(server_state, grads, self.params)
         return self.refresh(state, num_clients, ask)
 
     def refresh(self, state: StateDict, num_clients: int, ask) -> tuple[StateDict, StateDict]:
