@@ -68,7 +68,8 @@ DESCRIPTOR, GRAD, MODEL = "descriptor", "grad", "model/"
 class EmbeddingNetwork(nn.Module):
     """E(x, y; psi): the official code's CNN embedding, the labels one-hot as extra image channels; an
     adaptive 4 x 4 pool before the first fully connected layer fits it to any image size (on 28 x 28 images
-    the maps are 4 x 4 already, so it is the official network)."""
+    the maps are 4 x 4 already and the pool does nothing: the official layers, fc1 taking 512 inputs where
+    the official one, sized for 32 x 32 images, takes 800)."""
 
     def __init__(self, in_channels: int, num_classes: int, embed_dim: int, kernels: int = 16):
         super().__init__()
