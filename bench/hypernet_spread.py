@@ -8,7 +8,8 @@ they differ only as much as H's inputs do. For each row of the main table (tune/
 clients: the inputs' spread (the mean over coordinates of their standard deviation across clients, over
 the mean within-vector standard deviation) and the models' (the mean over clients of ||w_m - mean w|| over
 the mean ||w_m||). PeFLL's inputs are also taken as the official code rescales them, (v - m) / s with m and
-s the first descriptor's mean and standard deviation over its coordinates (docs/method.md: we do not).
+s the first descriptor's mean and standard deviation over its coordinates (docs/method.md: we do not), and
+as ``train.head_params.standardize`` makes them, each standardized over its own coordinates.
 
     FEDROD_DATA_DIR=../shared/data python bench/hypernet_spread.py     # about 30 s on one core
 """
@@ -41,8 +42,10 @@ def input_spread(v: torch.Tensor) -> float:
     return (v.std(0).mean() / v.std(1).mean()).item()
 
 
-def federation(label: str, alpha: float) -> Federation:
+def federation(label: str, alpha: float, **head_params) -> Federation:
+    """The row's federation before training, ``head_params`` over the row's ``train.head_params``."""
     cfg = build_spec("main", BASE, [0], rows=[label], overrides={"data.alpha": alpha}).row_config(label, 0)
+    cfg.train.head_params = {**cfg.train.head_params, **head_params}
     setup = prepare(cfg)
     return Federation(setup, InProcessExecutor(make_host(setup)), log=lambda s: None)
 
@@ -52,6 +55,13 @@ def models(fed: Federation, inputs: torch.Tensor) -> torch.Tensor:
     """H's model of each input, flattened: one client a row."""
     state, net = fed.method_state, fed.method.net
     return torch.stack([torch.cat([t.flatten() for t in generate(net, state, v).values()]) for v in inputs])
+
+
+def descriptors(fed: Federation) -> torch.Tensor:
+    """Every training client's descriptor under the initial psi, as a round-0 exchange gets it: one a row."""
+    ids = range(fed.setup.num_clients)
+    answers = fed._asker(0)(DESCRIBE, psi(fed.method_state), {m: {} for m in ids})
+    return torch.stack([answers[m][DESCRIPTOR] for m in ids])
 
 
 def main() -> None:
@@ -64,13 +74,15 @@ def main() -> None:
     v = fed.method_state[EMBEDDINGS]
     out.append(["pFedHN", "learned embedding (N(0, 1))", v.shape[1], input_spread(v), spread(models(fed, v))])
     fed = federation("PeFLL", args.alpha)
-    ids = range(fed.setup.num_clients)
-    answers = fed._asker(0)(DESCRIBE, psi(fed.method_state), {m: {} for m in ids})
-    v = torch.stack([answers[m][DESCRIPTOR] for m in ids])
+    v = descriptors(fed)
     out.append(["PeFLL", "descriptor (ours: the batch mean)", v.shape[1], input_spread(v), spread(models(fed, v))])
     m, s = v[0].mean().item(), v[0].std().item()
     v = (v - m) / s
     out.append(["PeFLL", "descriptor rescaled as the official code", v.shape[1], input_spread(v),
+                spread(models(fed, v))])
+    fed = federation("PeFLL", args.alpha, standardize=True)
+    v = descriptors(fed)
+    out.append(["PeFLL", "descriptor standardized (`standardize: true`)", v.shape[1], input_spread(v),
                 spread(models(fed, v))])
     print(f"Dir({args.alpha}), seed 0, before training, {fed.setup.num_clients} clients; the official rescaling's "
           f"m = {m:.4f}, s = {s:.4f} (1/s = {1 / s:.1f})")

@@ -14,6 +14,7 @@ from test_federation import _same, make_federation
 from test_personalization_updates import CID, ROUND, close, plain_sgd
 
 from fedrod_ray.client_update.local import LocalResult, RoundInput
+from fedrod_ray.config.values import ConfigError
 from fedrod_ray.personalization import build_method, mean_state
 from fedrod_ray.personalization.finetune import fine_tune
 from fedrod_ray.personalization.pefll import (
@@ -99,10 +100,34 @@ def test_the_embedding_network_reads_the_labels_as_channels_and_the_descriptor_i
     assert EmbeddingNetwork(3, 3, 4)(torch.randn(2, 3, 32, 32), torch.tensor([0, 1])).shape == (2, 4)  # any size
 
 
-def test_the_backward_pass_split_between_server_and_client_is_the_gradient_of_the_whole_map():
-    """psi -> v = mean E(x, y; psi) -> w = H(v; phi): the server's (dw/dphi)^T c and (dw/dv)^T c, then the client's
-    answer (dv/dpsi)^T (dw/dv)^T c on the same batch, are torch.autograd.functional.vjp of the whole map."""
-    fed = make_federation(*PEFLL)
+def test_a_standardized_descriptor_is_the_batch_mean_less_its_mean_over_its_standard_deviation():
+    class Scale(torch.nn.Module):  # E(x, y; w) = w * x: the batch mean is w times x's
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x, y):
+            return self.w * x
+
+    x, y = torch.tensor([[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]]), torch.tensor([0, 1])
+    psi_ = {ENET + "w": torch.tensor(2.0)}
+    assert torch.equal(descriptor(Scale(), psi_, x, y), torch.tensor([4.0, 6.0, 8.0]))
+    # (4, 6, 8): mean 6, standard deviation (unbiased) 2.
+    assert torch.equal(descriptor(Scale(), psi_, x, y, standardize=True), torch.tensor([-1.0, 0.0, 1.0]))
+
+
+def test_standardizing_needs_a_descriptor_of_two_coordinates_or_more():
+    with pytest.raises(ConfigError) as e:
+        make_federation(*PEFLL, "train.head_params={standardize: true, embed_dim: 1}")
+    assert str(e.value).startswith("train.head_params.standardize"), str(e.value)
+
+
+@pytest.mark.parametrize("standardize", [False, True])
+def test_the_backward_pass_split_between_server_and_client_is_the_gradient_of_the_whole_map(standardize):
+    """psi -> v = mean E(x, y; psi) (standardized or not) -> w = H(v; phi): the server's (dw/dphi)^T c and
+    (dw/dv)^T c, then the client's answer (dv/dpsi)^T (dw/dv)^T c on the same batch, are
+    torch.autograd.functional.vjp of the whole map."""
+    fed = make_federation(*PEFLL, f"train.head_params={{standardize: {str(standardize).lower()}}}")
     host, method, state = fed.executor.host, fed.method, fed.method_state
     v = host.answer(CID, DESCRIBE, psi(state), {}, ROUND)[DESCRIPTOR]
     g = torch.Generator().manual_seed(2)
@@ -117,7 +142,8 @@ def test_the_backward_pass_split_between_server_and_client_is_the_gradient_of_th
 
     def whole(*tensors):
         s = dict(zip(keys, tensors))
-        out = generate(method.net, s, descriptor(enet, {k: t for k, t in s.items() if k.startswith(ENET)}, xb, yb))
+        v = descriptor(enet, {k: t for k, t in s.items() if k.startswith(ENET)}, xb, yb, standardize)
+        out = generate(method.net, s, v)
         return tuple(out.values())
 
     _, expected = torch.autograd.functional.vjp(whole, tuple(state[k] for k in keys), tuple(cot[k] for k in w))

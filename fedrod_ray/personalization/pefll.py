@@ -5,7 +5,8 @@ The server holds both: the embedding network E(x, y; psi) and the hypernetwork H
 descriptor instead of a learned embedding). A round, with the two-way exchange of the paper's algorithm:
 
 1. each sampled client, sent psi, answers with its descriptor v_m = the mean of E over one mini-batch of its
-   own examples (a seeded draw of the round); the server sends it w_m = H(v_m; phi);
+   own examples (a seeded draw of the round; ``standardize``: then standardized over its coordinates); the
+   server sends it w_m = H(v_m; phi);
 2. the client runs E epochs of SGD from w_m and returns w~_m;
 3. the server takes c_m = Delta_m + lam_theta w_m (Delta_m = w_m - w~_m) and back-propagates it through H:
    g_phi += (dw_m/dphi)^T c_m, and each client is sent (dw_m/dv_m)^T c_m, from which it answers with
@@ -33,6 +34,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..client_update.local import derived_seed
+from ..config.values import ConfigError
 from ..server_math.aggregate import StateDict
 from ..specs.methods import PeFLLParams
 from .base import Personalization, mean_state
@@ -89,9 +91,12 @@ class EmbeddingNetwork(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(h)))))
 
 
-def descriptor(enet: EmbeddingNetwork, psi: StateDict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """v = the mean of E(x_i, y_i; psi) over the batch."""
-    return functional_call(enet, {k[len(ENET):]: t for k, t in psi.items()}, (x, y)).mean(0)
+def descriptor(enet: EmbeddingNetwork, psi: StateDict, x: torch.Tensor, y: torch.Tensor,
+               standardize: bool = False) -> torch.Tensor:
+    """v = the mean of E(x_i, y_i; psi) over the batch; ``standardize``: (v - mean v) / std v over its
+    coordinates (a part of the map the backward pass differentiates)."""
+    v = functional_call(enet, {k[len(ENET):]: t for k, t in psi.items()}, (x, y)).mean(0)
+    return (v - v.mean()) / v.std() if standardize else v
 
 
 def adam_step(param: torch.Tensor, grad: torch.Tensor, avg: torch.Tensor, sq: torch.Tensor, step: int,
@@ -109,6 +114,9 @@ def init_state(params: PeFLLParams, num_clients: int, shapes: dict[str, torch.Si
     """The hypernetwork and the embedding network (PyTorch's default initialisation, from the run's seed),
     Adam's zero moments and step, and zero descriptors: (the hypernetwork's module, the server state)."""
     d = embed_dim(params, num_clients)
+    if params.standardize and d < 2:
+        raise ConfigError(f"train.head_params.standardize: a descriptor of {d} coordinate has no standard deviation "
+                          "to standardize by; set train.head_params.embed_dim to 2 or more, or remove it")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derived_seed(seed, INIT_TAG))
         net = HyperNetwork(d, params.hidden, shapes)
@@ -178,7 +186,7 @@ class PeFLL(Personalization):
         enet = self.embedding_network(psi_, data).to(ctx.device)
         xb, yb = next(client_batches(data, ctx, DESCRIBE_TAG, epochs=1))[0]
         with torch.no_grad():
-            return descriptor(enet, {k: t.to(ctx.device) for k, t in psi_.items()}, xb, yb)
+            return descriptor(enet, {k: t.to(ctx.device) for k, t in psi_.items()}, xb, yb, self.params.standardize)
 
     def answer(self, phase, model, common, question, data, ctx):
         """``describe``: the client's descriptor under psi (``common``); ``backward``: psi's gradient through
@@ -190,7 +198,7 @@ class PeFLL(Personalization):
         enet = self.embedding_network(common, data).to(ctx.device)
         xb, yb = next(client_batches(data, ctx, DESCRIBE_TAG, epochs=1))[0]
         psi_ = {k: t.to(ctx.device).detach().requires_grad_() for k, t in common.items()}
-        grads = torch.autograd.grad(descriptor(enet, psi_, xb, yb), list(psi_.values()),
+        grads = torch.autograd.grad(descriptor(enet, psi_, xb, yb, self.params.standardize), list(psi_.values()),
                                     grad_outputs=question[GRAD].to(ctx.device))
         return {k: g.cpu() for k, g in zip(psi_, grads)}
 
