@@ -42,7 +42,7 @@ FEDBABU_FINETUNE_EPOCHS = 2
 NEWCOMERS = {
     "FedBABU": _method("fedbabu", "ce", finetune_epochs=FEDBABU_FINETUNE_EPOCHS),
     "pFedHN": _method("pfedhn", "ce", server_lr=1e-3, embed_dim=13),
-    "PeFLL": _method("pefll", "ce", server_lr=1e-4, embed_dim=52),
+    "PeFLL": _method("pefll", "ce", server_lr=1e-4, embed_dim=52, standardize=True),
 }
 
 FEDAVG = _method("none", "ce")
