@@ -83,7 +83,7 @@ def test_ctrl_c_in_an_evaluation_waits_for_the_client_in_hand_not_for_every_clie
     fed.step(0)
     host, evaluation = fed.executor.host, fed.evaluation
     adapted, started, cancelled = [], threading.Event(), threading.Event()
-    adapt, cancel, generic_model = host.method.adapt, host.cancel, evaluation.generic_model
+    adapt, cancel = host.method.adapt, host.cancel
 
     def adapt_until_cancelled(*args, **kwargs):
         adapted.append(threading.current_thread())
