@@ -35,14 +35,14 @@ PFL = {
 
 # Methods built for new clients (issue 50; FEDROD.md, "Methods that personalize new clients"), beside the paper's
 # rows, in the main table and the new-clients table, with the values their sweeps chose at seed 1 (the tables run
-# seed 0; tune/pfl_fedbabu.yaml, pfl_pfedhn.yaml, pfl_pefll.yaml, run by deploy/reproduce_local.py at 0a5d1e9:
-# docs/results.md, "Methods built for new clients"): FedBABU's PM fine-tunes for tau_f epochs; pFedHN's and PeFLL's
-# server learning rate and embedding size.
+# seed 0; tune/pfl_fedbabu.yaml, pfl_pfedhn.yaml at 0a5d1e9 and pfl_pefll.yaml at 88fd0bd, run by
+# deploy/reproduce_local.py: docs/results.md, "Methods built for new clients"): FedBABU's PM fine-tunes for tau_f
+# epochs; pFedHN's and PeFLL's server learning rate and embedding size; PeFLL's descriptors standardized.
 FEDBABU_FINETUNE_EPOCHS = 2
 NEWCOMERS = {
     "FedBABU": _method("fedbabu", "ce", finetune_epochs=FEDBABU_FINETUNE_EPOCHS),
     "pFedHN": _method("pfedhn", "ce", server_lr=1e-3, embed_dim=13),
-    "PeFLL": _method("pefll", "ce", server_lr=1e-4, embed_dim=52, standardize=True),
+    "PeFLL": _method("pefll", "ce", server_lr=5e-4, embed_dim=26, standardize=True),
 }
 
 FEDAVG = _method("none", "ce")
