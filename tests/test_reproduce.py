@@ -97,10 +97,12 @@ def test_the_rows_say_what_the_contract_says():
                                "train.rule_params": {}, "train.head_params": {"finetune_epochs": 2}}
     assert TABLES["new-clients"]["FedBABU"] == {**main["FedBABU"], "eval.finetune_epochs": FINETUNE_EPOCHS}
     assert main["local-only"]["train.generic_rule"] == "local" and main["local-only"]["train.head"] == "none"
-    # pFedHN and PeFLL: their server learning rate and embedding size as their sweeps chose.
-    for label, head, lr, dim in (("pFedHN", "pfedhn", 1e-3, 13), ("PeFLL", "pefll", 1e-4, 52)):
+    # pFedHN and PeFLL: their server learning rate and embedding size as their sweeps chose; PeFLL's
+    # descriptors standardized, as its sweep ran.
+    for label, head, params in (("pFedHN", "pfedhn", {"server_lr": 1e-3, "embed_dim": 13}),
+                                ("PeFLL", "pefll", {"server_lr": 5e-4, "embed_dim": 26, "standardize": True})):
         assert (main[label]["train.head"], main[label]["train.balanced_loss"]) == (head, "ce")
-        assert main[label]["train.head_params"] == {"server_lr": lr, "embed_dim": dim}
+        assert main[label]["train.head_params"] == params
         assert TABLES["new-clients"][label] == {**main[label], "eval.finetune_epochs": FINETUNE_EPOCHS}
     assert main["Fed-RoD (hyper) + FedDyn"]["train.generic_rule"] == "feddyn"
     assert (main["Fed-RoD (Meta-BSM)"]["train.head"], main["Fed-RoD (Meta-BSM)"]["train.balanced_loss"]) == (
