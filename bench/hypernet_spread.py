@@ -7,11 +7,12 @@ they differ only as much as H's inputs do. For each row of the main table (tune/
 ``configs/fmnist_paper.yaml``, seed 0, Dir(``--alpha``), before any training), over the 100 training
 clients: the inputs' spread (the mean over coordinates of their standard deviation across clients, over
 the mean within-vector standard deviation) and the models' (the mean over clients of ||w_m - mean w|| over
-the mean ||w_m||). PeFLL's inputs are also taken as the official code rescales them, (v - m) / s with m and
-s the first descriptor's mean and standard deviation over its coordinates (docs/method.md: we do not), and
-as ``train.head_params.standardize`` makes them, each standardized over its own coordinates.
+the mean ||w_m||). PeFLL's inputs are taken three ways: plain (``train.head_params.standardize`` off, the
+paper's batch mean), as the official code rescales those, (v - m) / s with m and s the first descriptor's
+mean and standard deviation over its coordinates (docs/method.md: we do not), and as the table's row makes
+them (``standardize`` on), each standardized over its own coordinates.
 
-    FEDROD_DATA_DIR=../shared/data python bench/hypernet_spread.py     # about 30 s on one core
+    FEDROD_DATA_DIR=../shared/data python bench/hypernet_spread.py     # about 10 s on one core
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def models(fed: Federation, inputs: torch.Tensor) -> torch.Tensor:
 def descriptors(fed: Federation) -> torch.Tensor:
     """Every training client's descriptor under the initial psi, as a round-0 exchange gets it: one a row."""
     ids = range(fed.setup.num_clients)
-    answers = fed._asker(0)(DESCRIBE, psi(fed.method_state), {m: {} for m in ids})
+    answers = fed.executor.ask(0, DESCRIBE, psi(fed.method_state), {m: {} for m in ids})
     return torch.stack([answers[m][DESCRIPTOR] for m in ids])
 
 
@@ -73,7 +74,7 @@ def main() -> None:
     fed = federation("pFedHN", args.alpha)
     v = fed.method_state[EMBEDDINGS]
     out.append(["pFedHN", "learned embedding (N(0, 1))", v.shape[1], input_spread(v), spread(models(fed, v))])
-    fed = federation("PeFLL", args.alpha)
+    fed = federation("PeFLL", args.alpha, standardize=False)
     v = descriptors(fed)
     out.append(["PeFLL", "descriptor (ours: the batch mean)", v.shape[1], input_spread(v), spread(models(fed, v))])
     m, s = v[0].mean().item(), v[0].std().item()
