@@ -3,7 +3,9 @@ small result files into ``bench/results/fmnist/<job>/`` and its tables into docs
 
 Each job in OUT is read as ``fedrod-ray reproduce --status`` reads it (from Tune's trial files, without Ray,
 so a job still running is published as far as it got) and its ``table.md``, ``results.csv``, ``rounds.csv``,
-``curves.png`` and ``reproduce.yaml`` are copied; checkpoints stay in OUT. A job not in OUT keeps what an
+``curves.png`` and ``reproduce.yaml`` are copied with its provenance (``provenance.yaml``, ``runs/``: each
+run's own config.yaml, and the trial tables of the sweeps whose choice it took; tune/provenance.py, written
+here for a job that ``fedrod-ray reproduce`` ran); checkpoints stay in OUT. A job not in OUT keeps what an
 earlier publication committed (a reproduction that had to start again on another machine does not erase the
 rows it has not reached yet), nor does a job in OUT less far along than the committed one (fewer trials
 finished, or as many and fewer rounds trained in all).
@@ -24,8 +26,9 @@ from pathlib import Path
 import yaml
 from fedrod_ray_tune.report import COLUMNS, mean_std, plot_curves
 from fedrod_ray_tune.report import CURVES as CURVE_KEYS
+from fedrod_ray_tune.provenance import PROVENANCE_FILE, RUNS, record
 from fedrod_ray_tune.repro_spec import ReproSpec
-from fedrod_ray_tune.reproduce import status
+from fedrod_ray_tune.reproduce import status, trials_on_disk
 from fedrod_ray_tune.tables import DP_EPSILONS
 
 from fedrod_ray.outputs.metric_schema import title
@@ -134,7 +137,15 @@ def publish(out: Path, job: str, force: bool) -> None:
     folder.mkdir(parents=True)
     for name in FILES:
         shutil.copyfile(out / job / name, folder / name)
-    (folder / "COMMIT").write_text(commit_of(out / f"{job}.log") + "\n")
+    commit = commit_of(out / f"{job}.log")
+    if not (out / job / PROVENANCE_FILE).is_file():  # fedrod-ray reproduce's: its trials are the runs' folders
+        record(out / job, [(trial.config, Path(trial.path)) for trial in trials_on_disk(out / job)], commit,
+               f"deploy/reproduce_fmnist.sh OUT (its job {job})")
+    provenance = yaml.safe_load((out / job / PROVENANCE_FILE).read_text())
+    for name in (PROVENANCE_FILE, *(s["trials"] for s in provenance["sweeps"].values())):
+        shutil.copyfile(out / job / name, folder / name)
+    shutil.copytree(out / job / RUNS, folder / RUNS)
+    (folder / "COMMIT").write_text(commit + "\n")
     print(f"{job}: {folder.relative_to(ROOT)}", flush=True)
 
 

@@ -11,10 +11,12 @@ round it reached. Three steps, the first and last where Ray is installed (they b
     python deploy/reproduce_local.py run PLAN.json OUT --device cuda --workers 16 --deadline 480
     python deploy/reproduce_local.py collect PLAN.json OUT DEST --commit SHA
 
-``collect`` writes ``DEST/<job>/`` as ``fedrod-ray reproduce --out`` would (reproduce.yaml, trials/, its
-results from ``fedrod-ray reproduce --status``'s reading of the trials' own files) with the log line that
-bench/fmnist_results.py reads its commit from, and ``DEST/<sweep>.csv``, one line per trial. The runs are in-process runs (``runtime.mode=local``) on ``--device``: on a GPU their
-numbers are not bitwise those of a CPU run.
+``collect`` writes ``DEST/<job>/`` as ``fedrod-ray reproduce --out`` would (reproduce.yaml: the spec as
+planned, with the sweep's choice where the runs took it; trials/; its results from ``fedrod-ray reproduce
+--status``'s reading of the trials' own files), its provenance (``provenance.yaml`` and ``runs/``: each run's
+own config.yaml, tune/provenance.py) with the log line that bench/fmnist_results.py reads its commit from,
+and ``DEST/<sweep>.csv``, one line per trial. The runs are in-process runs (``runtime.mode=local``) on
+``--device``: on a GPU their numbers are not bitwise those of a CPU run.
 """
 
 from __future__ import annotations
@@ -83,8 +85,17 @@ def plan(args) -> None:
             row = ROW_OF[head]
             jobs.append({"job": job, "head": head, "row": row, "seed": seed, "name": f"{job}_s{seed}",
                          "config": local_config(spec.row_config(row, seed))})
-    Path(args.plan).write_text(json.dumps({"sweeps": sweeps, "jobs": jobs}, indent=1))
+    specs = {job: job_spec(job, [int(s) for s in args.seeds.get(job, "0").split(",")]).to_dict() for job in args.job}
+    Path(args.plan).write_text(json.dumps({"command": command(args), "sweeps": sweeps, "jobs": jobs, "specs": specs},
+                                          indent=1))
     print(f"{len(sweeps)} sweep trials, {len(jobs)} table runs -> {args.plan}")
+
+
+def command(args) -> str:
+    """This command as run, its own files named as the module's docstring names them (PLAN.json, OUT, DEST),
+    not by this machine's paths."""
+    names = {getattr(args, k, None): v for k, v in (("plan", "PLAN.json"), ("out", "OUT"), ("dest", "DEST"))}
+    return " ".join(["python deploy/reproduce_local.py", *(names.get(a, a) for a in sys.argv[1:])])
 
 
 def last_record(run_dir: Path) -> dict:
@@ -172,6 +183,8 @@ def run(args) -> None:
     doc = json.loads(Path(args.plan).read_text())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    with open(out / "commands.txt", "a") as f:  # each start (a resumed run is this command again)
+        f.write(command(args) + "\n")
     runs = Runs(out, args.device, args.workers)
     sweeps = [{**e, "dir": "sweeps"} for e in doc["sweeps"]]
     swept = {e["sweep"] for e in sweeps}
@@ -212,42 +225,84 @@ def run(args) -> None:
 
 
 def collect(args) -> None:
-    """The runs in OUT as a reproduction's folders (and each sweep's trials as one CSV) under DEST."""
+    """The runs in OUT as a reproduction's folders (and each sweep's trials as one CSV) under DEST, each job's
+    folder with its provenance (tune/provenance.py): its runs' own config.yaml, the commands, the commit, the
+    round reached, and for a row that took a sweep's choice, the sweep's trial table and the chosen values."""
+    doc = json.loads(Path(args.plan).read_text())
+    out, dest = Path(args.out), Path(args.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for sweep in sorted({e["sweep"] for e in doc["sweeps"]}):
+        (dest / f"{sweep}.csv").write_text(sweep_table([e for e in doc["sweeps"] if e["sweep"] == sweep], out))
+    chosen = json.loads((out / "chosen.json").read_text()) if (out / "chosen.json").is_file() else {}
+    commands = [doc["command"], *((out / "commands.txt").read_text().splitlines()
+                                  if (out / "commands.txt").is_file() else []), command(args)]
+    for job in sorted({e["job"] for e in doc["jobs"]}):
+        collect_job(job, [e for e in doc["jobs"] if e["job"] == job], doc, chosen, out, dest,
+                    (args.commit, "; ".join(commands)))
+
+
+def sweep_table(entries: list[dict], out: Path) -> str:
+    """A sweep's trials as CSV: its values, the round reached, the metrics there, whether it finished."""
+    metrics = list(dict.fromkeys(["gfl_gm", "pfl_pm", *(e["metric"] for e in entries)]))
+    lines = [",".join(["trial", *entries[0]["params"], "round", *metrics, "finished"])]
+    for e in entries:
+        rec = last_record(out / "sweeps" / e["name"])
+        lines.append(",".join(map(str, [e["name"], *e["params"].values(), rec.get("round"),
+                                        *(rec.get(m) for m in metrics), (out / "sweeps" / e["name"] / "final").is_dir()])))
+    return "\n".join(lines) + "\n"
+
+
+def collect_job(job: str, entries: list[dict], doc: dict, chosen: dict, out: Path, dest: Path,
+                provenance: tuple[str, str]) -> None:
+    """One job's folder: its spec as planned with the sweep's choice the runs took, its trials (the runs'
+    folders), its results, and its provenance; (commit, command)."""
+    from fedrod_ray_tune.provenance import record
     from fedrod_ray_tune.repro_spec import SPEC_FILE
     from fedrod_ray_tune.reproduce import status
     from fedrod_ray_tune.sweep import TRIALS, start_dir
     from fedrod_ray_tune.trial import PARAMS_FILE
 
-    doc = json.loads(Path(args.plan).read_text())
-    out, dest = Path(args.out), Path(args.dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    for sweep in sorted({e["sweep"] for e in doc["sweeps"]}):
-        entries = [e for e in doc["sweeps"] if e["sweep"] == sweep]
-        lines = ["trial," + ",".join(entries[0]["params"]) + ",round,gfl_gm,pfl_pm,finished"]
-        for e in entries:
-            rec = last_record(out / "sweeps" / e["name"])
-            lines.append(",".join(map(str, [e["name"], *e["params"].values(), rec.get("round"), rec.get("gfl_gm"),
-                                            rec.get("pfl_pm"), (out / "sweeps" / e["name"] / "final").is_dir()])))
-        (dest / f"{sweep}.csv").write_text("\n".join(lines) + "\n")
-    for job in sorted({e["job"] for e in doc["jobs"]}):
-        entries = [e for e in doc["jobs"] if e["job"] == job]
-        spec = job_spec(job, [e["seed"] for e in entries])
-        target = dest / job
-        start_dir(target, SPEC_FILE, spec.to_dict(), "a reproduction", "DEST")
-        (target / TRIALS).mkdir(exist_ok=True)
-        for e in entries:
-            if not (out / "jobs" / e["name"]).is_dir():  # not started: the table says so
-                continue
-            folder = target / TRIALS / e["name"]
-            if folder.exists():
-                shutil.rmtree(folder)
-            shutil.copytree(out / "jobs" / e["name"], folder)
-            (folder / PARAMS_FILE).write_text(json.dumps({"row": e["row"], "seed": e["seed"]}))
-        status(target)
-        # What bench/fmnist_results.py reads as the job's commit (reproduce_fmnist.sh's log line).
-        (dest / f"{job}.log").write_text(f"=== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {job} "
-                                         f"(commit {args.commit}) deploy/reproduce_local.py\n")
-        print((target / "table.md").read_text(), flush=True)
+    spec = json.loads(json.dumps(doc["specs"][job]))
+    sweeps = {}
+    for e in entries:
+        sweep = f"pfl_{e['head']}"
+        if chosen.get(sweep):
+            spec["rows"][e["row"]] = unflattened_row(spec["rows"][e["row"]], chosen[sweep])
+            sweeps[e["row"]] = {"sweep": sweep, "trials": f"{sweep}.csv", "chosen": chosen[sweep]}
+    target = dest / job
+    if (target / TRIALS).exists():  # collected before: collected again from OUT
+        shutil.rmtree(target / TRIALS)
+    start_dir(target, SPEC_FILE, spec, "a reproduction", "DEST")
+    (target / TRIALS).mkdir()
+    for info in sweeps.values():
+        shutil.copyfile(dest / info["trials"], target / info["trials"])
+    trials = []
+    for e in entries:
+        if not (out / "jobs" / e["name"]).is_dir():  # not started: the table says so
+            continue
+        folder = target / TRIALS / e["name"]
+        shutil.copytree(out / "jobs" / e["name"], folder)
+        (folder / PARAMS_FILE).write_text(json.dumps({"row": e["row"], "seed": e["seed"]}))
+        trials.append(({"row": e["row"], "seed": e["seed"]}, folder))
+    status(target)
+    record(target, trials, *provenance, sweeps=sweeps)
+    # What bench/fmnist_results.py reads as the job's commit (reproduce_fmnist.sh's log line).
+    (dest / f"{job}.log").write_text(f"=== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {job} "
+                                     f"(commit {provenance[0]}) deploy/reproduce_local.py\n")
+    print((target / "table.md").read_text(), flush=True)
+
+
+def unflattened_row(row: dict, values: dict) -> dict:
+    """A table row's overrides with a sweep's chosen ``values`` (dotted keys) set where the row sets them: a
+    value under a mapping the row sets whole (``train.head_params``) goes into that mapping."""
+    row = json.loads(json.dumps(row))
+    for key, value in values.items():
+        parent = next((k for k in row if key.startswith(k + ".") and isinstance(row[k], dict)), None)
+        if parent is None:
+            row[key] = value
+        else:
+            row[parent] = with_values(row[parent], {key[len(parent) + 1:]: value})
+    return row
 
 
 def main() -> None:

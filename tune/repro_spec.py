@@ -126,12 +126,21 @@ def build_spec(table: str, base: str | Path, seeds: list[int], rounds: int | Non
     base = Path(base)
     if not base.is_file():
         raise ConfigError(f"--config: {base} does not exist")
-    spec = ReproSpec(base=str(base.resolve()), search={}, fixed=fixed, base_config=load_config(base).to_dict(),
+    spec = ReproSpec(base=recorded_path(base), search={}, fixed=fixed, base_config=load_config(base).to_dict(),
                      table=table, rows=_finetuning(table, [r for r in TABLES[table] if not rows or r in rows],
                                                    finetune_epochs),
                      seeds=list(seeds), name=f"{table}_{base.stem}", **_resources(resources or {}))
     check(spec)
     return spec
+
+
+def recorded_path(path: Path) -> str:
+    """How a reproduction records its base config: relative to the git repository that holds it (the path
+    and the commit, which the results record beside it, name it on any machine; no clone's own path), else,
+    outside any repository, as an absolute path."""
+    path = path.resolve()
+    repository = next((d for d in path.parents if (d / ".git").exists()), None)
+    return str(path.relative_to(repository)) if repository else str(path)
 
 
 def _finetuning(table: str, rows: list[str], epochs: int | None) -> dict[str, dict[str, Any]]:
@@ -235,7 +244,11 @@ def load_spec(out_dir: Path) -> ReproSpec:
     path = out_dir / SPEC_FILE
     if not path.is_file() or not (out_dir / TRIALS).is_dir():
         raise ConfigError(f"--resume: {out_dir} holds no reproduction ({SPEC_FILE} and {TRIALS}/ are missing)")
-    doc = yaml.safe_load(path.read_text())
+    return spec_from_doc(yaml.safe_load(path.read_text()))
+
+
+def spec_from_doc(doc: dict) -> ReproSpec:
+    """The reproduction a ``reproduce.yaml`` holds (its rows as they were run), checked."""
     spec = ReproSpec(base=doc["base"], search={}, fixed=doc["set"], base_config=doc["base_config"],
                      table=doc["table"], rows=doc["rows"], seeds=doc["seeds"], name=doc["name"], recorded=True,
                      **_resources(doc["resources"]))
