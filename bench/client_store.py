@@ -16,8 +16,8 @@ freed memory returned to the system at both ends) from right after the data is p
 of the same rounds, checkpoints, evaluation and resume, the resumed federation beside the first; the big
 federation's growth minus the small one's, over the clients it has beyond them.
 
-    FEDROD_DATA_DIR=/work/shared/data python bench/client_store.py --set runtime.torch_threads=1
-    FEDROD_DATA_DIR=/work/shared/data python bench/client_store.py --datasets synthetic --clients 20000
+    FEDROD_DATA_DIR=../shared/data python bench/client_store.py --set runtime.torch_threads=1
+    FEDROD_DATA_DIR=../shared/data python bench/client_store.py --datasets synthetic --clients 20000
 """
 
 from __future__ import annotations

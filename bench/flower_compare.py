@@ -16,7 +16,8 @@ Each system runs in a process of its own with a Ray of its own (its own RAY_TMPD
 /dev/shm file) counted once. Printed: the median seconds per round after the first (warm-up) round, the peak
 memory, and the ratios to Flower's.
 
-    FEDROD_DATA_DIR=/work/shared/data python bench/flower_compare.py --flower-python /work/flower-venv/bin/python
+    FEDROD_DATA_DIR=../shared/data python bench/flower_compare.py   # the folder holding fmnist/; flwr here too
+    ... --flower-python VENV/bin/python   # Flower from another environment (default: this Python)
     ... --before /path/to/older/checkout   # fedrod-ray from that source tree too (before/after a change)
 """
 
@@ -120,8 +121,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=4, help="rounds per run; the first is a warm-up, not timed")
     p.add_argument("--repeats", type=int, default=1, choices=(1, 2), help="2: A B B A, medians over both")
-    p.add_argument("--flower-python", default="/work/flower-venv/bin/python",
-                   help="a Python with flwr[simulation] 1.42 and fedrod-ray (pip install --no-deps -e .)")
+    p.add_argument("--flower-python", default=sys.executable,
+                   help="a Python with flwr[simulation] 1.42 and fedrod-ray (pip install --no-deps -e .); "
+                        "default: this one")
     p.add_argument("--before", help="also run fedrod-ray from this source tree (e.g. a worktree of an older commit)")
     p.add_argument("--side", choices=("fedrod", "flower"), help=argparse.SUPPRESS)  # one system, in its process
     args = p.parse_args()

@@ -23,7 +23,7 @@ serializes it, transport framing (gRPC, HTTP/2, TLS) left out:
 ``--secagg KEYS``: the run config keys that turn SecAgg+ on in flower/app (docs/flower.md); with them, one more
 row, Flower's deployment engine with SecAgg+ (its bytes: the protocol's four exchanges a round).
 
-    FEDROD_DATA_DIR=/work/shared/data python bench/flower_deploy.py --rounds 3 --secagg "secure-aggregation=true \
+    FEDROD_DATA_DIR=../shared/data python bench/flower_deploy.py --rounds 3 --secagg "secure-aggregation=true \
         secagg-num-shares=3 secagg-reconstruction-threshold=2 secagg-clipping-range=8.0 \
         secagg-quantization-range=4194304"
 """

@@ -36,8 +36,8 @@ shape). No step technique can beat that floor; eager / floor is the most any of 
 
 Run by hand, with nothing else heavy running (about 25 minutes on 2 cores; ``--quick`` about 4):
 
-    FEDROD_DATA_DIR=/work/shared/data python bench/local_throughput.py
-    FEDROD_DATA_DIR=/work/shared/data python bench/local_throughput.py --quick
+    FEDROD_DATA_DIR=../shared/data python bench/local_throughput.py
+    FEDROD_DATA_DIR=../shared/data python bench/local_throughput.py --quick
 
 Without real MNIST (``--data-dir``/``$FEDROD_DATA_DIR``) it prints a note and uses synthetic 1x28x28 data.
 """

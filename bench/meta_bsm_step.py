@@ -8,7 +8,7 @@ each with a meta set of 10 examples per class (100 rows, used whole in every ste
 then ``--repeats`` timed pairs, bsm and meta_bsm alternating so that both see the same load; the table gives
 the medians and the median of the pairs' ratios.
 
-    FEDROD_DATA_DIR=/work/shared/data python bench/meta_bsm_step.py
+    FEDROD_DATA_DIR=../shared/data python bench/meta_bsm_step.py
 """
 
 from __future__ import annotations
