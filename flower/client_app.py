@@ -1,12 +1,14 @@
 """The ClientApp each SuperNode runs: fedrod-ray's ``ClientHost`` over the node's own clients.
 
-Its node config names ``data-path`` (what ``split`` wrote: this participant's clients and the test set) and
-``state-path`` (where their state stays, ``NodeStates``), and may set ``secure-aggregation=true``: the node then
-trains only within Flower's SecAgg+ (``secure``), and refuses a round that would send its clients' updates in
-the clear. On Flower's simulation engine the run config places each simulated node instead (``node_paths``).
-The server's messages carry the run's config, the round and the clients to train or evaluate; the replies carry
-what ``ClientHost.train`` gives the server (under SecAgg+: the node's sums, masked) and nothing the client
-keeps."""
+Its node config (set by the organization that runs the node, never by the server) names ``data-path`` (what
+``split`` wrote: this participant's clients and the test set) and ``state-path`` (where their state stays,
+``NodeStates``, in one folder per run: ``node.run_key``), and states the node's own policy (``policy``):
+``secure-aggregation=true`` (its clients' updates leave it only within SecAgg+), ``allowed-methods``,
+``min-nodes``, ``evaluate``, ``answer-asks``. Every message is checked against the policy and the server's
+fedrod-ray version before the node answers; each SecAgg+ stage's inputs too (``secagg_where_asked``). On
+Flower's simulation engine the run config places each simulated node instead (``node_paths``). The server's
+messages carry the run's config, the round and the clients to train or evaluate; the replies carry what
+``ClientHost.train`` gives the server (under SecAgg+: the node's sums, masked) and nothing the client keeps."""
 
 from __future__ import annotations
 
@@ -14,26 +16,43 @@ import json
 from pathlib import Path
 
 import yaml
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Message, MessageType, RecordDict
 from flwr.client.mod import secaggplus_mod
+from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
 from flwr.clientapp import ClientApp
 from flwr.common import Code, FitRes, ndarrays_to_parameters
 from flwr.common import Status as FlowerStatus
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key
 from flwr.compat.common import recorddict_compat as compat
 
 from fedrod_ray.clients.client import ClientFailure, ClientHost, ClientState
 from fedrod_ray.config import config_from_dict
+from fedrod_ray.specs.methods import HEADS
+from fedrod_ray.specs.rules import RULES
 
 from . import secure, wire
-from .node import NodeData, NodeStates, node_paths, simulated
+from .node import NodeData, NodeStates, node_paths, run_key, simulated
+from .policy import NodePolicy, check_secagg_stage
+
+
+def policy(context: Context) -> NodePolicy:
+    """This node's policy, from its node config (an error naming a key whose value is not valid)."""
+    return NodePolicy.from_node_config(context.node_config, HEADS, RULES)
 
 
 def secagg_where_asked(msg: Message, context: Context, call_next):
-    """Flower's ``secaggplus_mod`` on the messages of a SecAgg+ round (its four stages), none on the rest."""
-    if RECORD_KEY_CONFIGS in msg.content.config_records:
-        return secaggplus_mod(msg, context, call_next)
-    return call_next(msg, context)
+    """Flower's ``secaggplus_mod`` on the messages of a SecAgg+ round (its four stages), once this node has
+    checked the stage's inputs against its policy (``policy.check_secagg_stage``: the aggregate's size, and at
+    unmask, active and dropped neighbours disjoint); none on the rest."""
+    if RECORD_KEY_CONFIGS not in msg.content.config_records:
+        return call_next(msg, context)
+    if msg.metadata.message_type == MessageType.TRAIN:
+        configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+        # What secaggplus_mod kept from this node's earlier stages: the share number, its neighbours' keys.
+        kept = SecAggPlusState(**context.state.config_records.get(RECORD_KEY_STATE, {}))
+        check_secagg_stage(str(configs.get(Key.STAGE, "")), configs, policy(context).min_nodes, kept.share_num,
+                           getattr(kept, "public_keys_dict", {}))  # set from its share_keys stage on
+    return secaggplus_mod(msg, context, call_next)
 
 
 app = ClientApp(mods=[secagg_where_asked])
@@ -44,24 +63,25 @@ def _paths(context: Context) -> tuple[Path, Path]:
     return node_paths(context.node_config, context.run_config, simulated())
 
 
-def _node(context: Context, head: dict) -> tuple[NodeData, NodeStates, ClientHost | None]:
-    """This node's data, its clients' states and, where the server's message ``head`` names the run's config,
-    fedrod-ray's client host over its clients."""
+def _node(context: Context, head: dict) -> tuple[NodeData, NodeStates, ClientHost]:
+    """This node's data, its clients' states in the run whose config the server's message ``head`` carries
+    (``node.run_key``) and fedrod-ray's client host over its clients, once the node's policy allows the run's
+    method and rule."""
+    cfg = config_from_dict(yaml.safe_load(head["config"]))
+    policy(context).check_method(cfg.train.head, cfg.train.generic_rule)
     data_path, state_path = _paths(context)
-    data, states = NodeData.load(data_path), NodeStates(state_path)
-    host = None
-    if "config" in head:
-        cfg = config_from_dict(yaml.safe_load(head["config"]))
-        import torch
+    data, states = NodeData.load(data_path), NodeStates(state_path / run_key(cfg))
+    import torch
 
-        torch.set_num_threads(cfg.runtime.torch_threads or 1)
-        host = data.host(cfg)
-    return data, states, host
+    torch.set_num_threads(cfg.runtime.torch_threads or 1)
+    return data, states, data.host(cfg)
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """The clients this node hosts."""
+    """The clients this node hosts, to a server of this node's fedrod-ray version whose policy is valid."""
+    wire.check_version(msg.content["header"])
+    policy(context)
     data = NodeData.load(_paths(context)[0])
     reply = RecordDict()
     wire.put_header(reply, clients=data.client_ids)
@@ -89,9 +109,8 @@ def train(msg: Message, context: Context) -> Message:
     collects the masked vectors: the node's sums, which ``secaggplus_mod`` masks)."""
     if RECORD_KEY_CONFIGS in msg.content.config_records:
         return Message(_train_secure(msg.content, context), reply_to=msg)
-    if context.node_config.get(secure.SECURE, False):
-        raise PermissionError(f"this SuperNode's node config sets {secure.SECURE}=true: it sends its clients' "
-                              "updates only within SecAgg+, and this round is not one")
+    wire.check_version(msg.content["header"])
+    policy(context).check_plain_train()
     head = wire.header(msg.content)
     data, states, host = _node(context, head)
     results = _train_clients(head, data, states, host, wire.round_input(msg.content, head["clients"],
@@ -105,7 +124,9 @@ def train(msg: Message, context: Context) -> Message:
 def _train_secure(content: RecordDict, context: Context) -> RecordDict:
     """SecAgg+'s instructions to this node (``wire.fit_ins``): its clients trained, their sums as one vector
     (``secure.node_vector``), and in the clear only which clients took part or failed."""
-    head, message = wire.from_fit_ins(compat.recorddict_to_fitins(content, keep_input=True))
+    ins = compat.recorddict_to_fitins(content, keep_input=True)
+    wire.check_version(ins.config)
+    head, message = wire.from_fit_ins(ins)
     data, states, host = _node(context, head)
     results = _train_clients(head, data, states, host, message)
     done = {cid: res for cid, res in results.items() if not isinstance(res, ClientFailure)}
@@ -124,9 +145,15 @@ def evaluate(msg: Message, context: Context) -> Message:
     their personalized models (``ClientHost.evaluate``), after their
     adaptation (``ClientHost.finetune``) or of the zero-shot models of those that never trained
     (``ClientHost.zero_shot``), each from its own state after the server's rounds so far."""
+    wire.check_version(msg.content["header"])
     head = wire.header(msg.content)
+    rules, action = policy(context), head["action"]
+    if action == "ask":
+        rules.check_ask()
+    else:
+        rules.check_evaluate(action)
     _, states, host = _node(context, head)
-    done, ids, action = head["rounds_done"], head["clients"], head["action"]
+    done, ids = head["rounds_done"], head["clients"]
     message = wire.round_input(msg.content, ids, None)
     if action == "ask":
         reply = RecordDict()

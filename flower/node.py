@@ -3,6 +3,7 @@ state on its own disk (``NodeStates``), which never leaves it, and where both ar
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from fedrod_ray.clients.client import ClientContext, ClientHost, ClientState
 from fedrod_ray.config import ExperimentConfig
+from fedrod_ray.config.records import fixed_settings
 from fedrod_ray.data.transforms import normalize
 from fedrod_ray.federation_state.setup import Setup
 from fedrod_ray.models.metrics import TestSet
@@ -43,6 +45,9 @@ def node_paths(node_config: Mapping, run_config: Mapping, in_simulation: bool) -
     ``sim-data-path`` (what ``split`` wrote, one folder per simulated node) and keeps its clients' states
     under ``node<i>`` of its ``sim-state-path``."""
     if "data-path" in node_config:
+        if "state-path" not in node_config:
+            raise ValueError("this SuperNode's node config names a data-path but no state-path: add "
+                             "state-path=\"...\", the folder where its clients' states stay (docs/flower.md)")
         return Path(str(node_config["data-path"])), Path(str(node_config["state-path"]))
     if not in_simulation:
         raise ValueError("this SuperNode's node config names no data-path: start it with --node-config "
@@ -119,12 +124,26 @@ class NodeData:
                                              self.std, self.augment, device=device))
 
 
+def run_key(cfg: ExperimentConfig) -> str:
+    """The folder of a run's client states under a node's state-path: a hash of the run's config, less what a
+    resumed run may change (``fixed_settings``), and of its run directory on the server's machine.
+
+    Flower's run id changes when a killed run is started again, so it cannot name the run: the config and the
+    run directory (one ServerApp at a time writes it) do, the same for the resumed run. The node computes the
+    name itself from the whole config it trains with, so a server cannot name another run's folder: to reach
+    run A's states a run must be A (A's config, A's run directory), and then it trains A's clients as A would."""
+    settings = {**fixed_settings(cfg), "run_dir": cfg.run_dir}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+    return f"run-{digest[:24]}"
+
+
 _VERSION = re.compile(r"^r(\d+)\.safetensors$")
 
 
 class NodeStates:
     """Each client's state (``ClientState``: its personal part, its rule's and objective's state, its momentum,
-    its last local model) under ``root``/client_<id>/r<round>.safetensors, one file per round it trained in.
+    its last local model) in one run under ``root``/client_<id>/r<round>.safetensors, one file per round it
+    trained in; ``root`` is the run's own folder (``run_key``), so nothing here reads or drops another run's.
 
     A round reads the newest state from before it. The server may resume from a checkpoint a few rounds back
     (a killed ServerApp): a round ``r`` then drops every state from round ``r`` on, which belonged to the

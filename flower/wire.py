@@ -11,6 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common import FitIns, Parameters
 from safetensors.torch import load, save
 
+from fedrod_ray import __version__
 from fedrod_ray.client_update.local import LocalResult, RoundInput
 from fedrod_ray.clients.client import ClientFailure, EvalCounts
 from fedrod_ray.server_math.aggregate import StateDict
@@ -24,13 +25,32 @@ def tensors(record: ArrayRecord) -> StateDict:
     return {k: torch.from_numpy(a.numpy().copy()) for k, a in record.items()}
 
 
+# The sender's fedrod-ray version, beside every header: a run's results (bitwise equal to the in-process run's)
+# hold only where the server and every SuperNode run the same code.
+VERSION = "fedrod_ray_version"
+
+
+class VersionMismatch(RuntimeError):
+    """A message from a fedrod-ray of another version than this process's."""
+
+
 def put_header(content: RecordDict, **values) -> None:
-    """JSON-encoded values under ``header`` (Flower's ConfigRecord takes no None nor nested lists)."""
-    content["header"] = ConfigRecord({"json": json.dumps(values)})
+    """JSON-encoded values under ``header`` (Flower's ConfigRecord takes no None nor nested lists), with this
+    process's fedrod-ray version."""
+    content["header"] = ConfigRecord({"json": json.dumps(values), VERSION: __version__})
 
 
 def header(content: RecordDict) -> dict:
     return json.loads(content["header"]["json"])
+
+
+def check_version(record) -> None:
+    """Refuse a header (or SecAgg+'s instructions' config, ``fit_ins``) ``record`` sent by another version of
+    fedrod-ray, naming both."""
+    sent = record.get(VERSION)
+    if sent != __version__:
+        raise VersionMismatch(f"the server runs fedrod-ray {sent or '(a version that sends none)'}, this SuperNode "
+                              f"{__version__}: a run needs the same version on every machine")
 
 
 def put_round_input(content: RecordDict, message: RoundInput, ids: list[int]) -> None:
@@ -109,7 +129,8 @@ def fit_ins(values: dict, message: RoundInput, ids: list[int]) -> FitIns:
     for cid in ids:
         tensors.update({f"per_client/{cid}/{k}": v for k, v in message.per_client.get(cid, {}).items()})
     blob = save({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()})
-    return FitIns(Parameters(tensors=[blob], tensor_type="safetensors"), {"json": json.dumps(values)})
+    return FitIns(Parameters(tensors=[blob], tensor_type="safetensors"),
+                  {"json": json.dumps(values), VERSION: __version__})
 
 
 def from_fit_ins(ins: FitIns) -> tuple[dict, RoundInput]:

@@ -151,6 +151,18 @@ class FlowerFederation:
     def state_path(self, i: int) -> Path:
         return self.root / "states" / f"node{i}"  # in simulation, node<i> of run config sim-state-path
 
+    def run_states(self, i: int, config: Path, run_dir: Path) -> Path:
+        """Where SuperNode ``i`` keeps its clients' states in the run of ``config`` writing ``run_dir``: its
+        folder of that run (``node.run_key``, of the config as the ServerApp sends it)."""
+        from fedrod_ray_flower.node import run_key
+
+        from fedrod_ray.config import load_config
+        from fedrod_ray.outputs.storage import RunStorage
+
+        cfg = load_config(config)
+        cfg.run_dir = RunStorage(str(run_dir)).uri
+        return self.state_path(i) / run_key(cfg)
+
     def start_node(self, i: int) -> None:
         security = ["--root-certificates", str(self.tls["ca"])] if self.tls else ["--insecure"]
         config = f'data-path="{self.nodes[i]}" state-path="{self.state_path(i)}"'

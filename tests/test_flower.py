@@ -246,7 +246,8 @@ def test_ditto_on_flowers_simulation_engine_equals_in_process(tmp_path, configs,
     assert_same_run(run_dir, in_process("ditto"))
     trained = set()
     for i, node in enumerate(nodes):
-        kept = {int(p.name.removeprefix("client_")) for p in sim.state_path(i).iterdir()}
+        states = sim.run_states(i, configs["ditto"], run_dir)  # the run's own folder of node i's states
+        kept = {int(p.name.removeprefix("client_")) for p in states.iterdir()}
         assert kept <= set(NodeData.load(node).client_ids)  # node i kept only its own clients' states
         for path in sim.state_path(i).rglob("*.safetensors"):
             assert any(k.startswith("personal/") for k in load_file(str(path)))  # Ditto's v_m, on the node

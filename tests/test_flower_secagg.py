@@ -280,7 +280,8 @@ def test_secagg_is_the_unsecured_run_within_the_quantization_error_and_no_update
     written = b"".join(p.read_bytes() for p in [*run_dir.rglob("*"), federation.database] if p.is_file())
     updates = []
     for cid, node in sampled_hosts(federation, configs["hyper"], 0).items():
-        for state in (federation.state_path(node) / f"client_{cid}").glob("*.safetensors"):
+        states = federation.run_states(node, configs["hyper"], run_dir) / f"client_{cid}"
+        for state in states.glob("*.safetensors"):
             updates += [v for k, v in load_file(str(state)).items()
                         if k.startswith("local_model/") and v.numel() >= 8
                         and not v.flatten()[:8].equal(initial[k.split("/", 1)[1]].flatten()[:8])]

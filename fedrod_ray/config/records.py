@@ -68,6 +68,12 @@ def check_resume(saved: ExperimentConfig, new: ExperimentConfig, rounds_done: in
                           f"more than {new.train.rounds}")
 
 
+def fixed_settings(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The config's settings, flattened, less those a resumed run may change (``check_resume``): what stays the
+    same over a run's restarts (a Flower SuperNode keys its clients' states by them)."""
+    return {k: v for k, v in _flatten(cfg.to_dict()).items() if not k.startswith(RESUMABLE)}
+
+
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
