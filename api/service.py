@@ -81,7 +81,7 @@ def _check_finite(served: ServedModel, where: str) -> None:
     probe = torch.cat([torch.zeros_like(noise), torch.full_like(noise, 255), noise])
     model = served.model
     z = model.features(normalize(probe, meta.mean, meta.std).contiguous(memory_format=torch.channels_last))
-    logits = {"generic head": model.generic_head(z)}
+    logits = {"generic head": model.generic_logits(z)}
     if meta.head == "hyper":
         n = meta.num_classes
         for a, what in [(torch.full((n,), 1 / n), "uniform"), *((row, f"class {i}") for i, row in enumerate(torch.eye(n)))]:
@@ -173,7 +173,7 @@ def probabilities(loaded: Loaded, requests: Sequence[tuple[torch.Tensor, torch.T
     sizes = [len(x) for x, _ in requests]
     x = torch.cat([x for x, _ in requests]) if len(requests) > 1 else requests[0][0]
     z = model.features(x.contiguous(memory_format=torch.channels_last))
-    generic = model.generic_head(z)
+    generic = model.generic_logits(z)
     out = []
     for (_, head), zi, gi in zip(requests, z.split(sizes), generic.split(sizes)):
         # The head comes from the cache or a client's stored phi_m, not the model's own P-head, hence not

@@ -41,7 +41,8 @@ from fedrod_ray.personalization.sgd import frozen, prox_grad_
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-BASELINES = ("fedper", "fedrep", "lg_fedavg", "ditto", "pfedme", "perfedavg", "fedfomo", "mtl", "fedbabu")
+BASELINES = ("fedper", "fedrep", "lg_fedavg", "ditto", "pfedme", "perfedavg", "fedfomo", "mtl", "fedbabu", "gpfl",
+             "fedcp")
 PLAIN = ("train.momentum=0", "train.weight_decay=0")  # pFedMe's and Per-FedAvg's steps are their own formulas
 
 

@@ -129,6 +129,10 @@ VARIANTS = {
     # ... and one that asks its clients questions within the round (their descriptors, their part of the
     # backward pass), on the actors.
     "pefll": ("train.head=pefll", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
+    # Methods whose model carries a readout of their own (GPFL's embeddings and CoV, FedCP's CPN): averaged,
+    # kept and read on the actors; FedCP's Gumbel noise seeded there, in training and at evaluation.
+    "gpfl": ("train.head=gpfl", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
+    "fedcp": ("train.head=fedcp", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
 }
 _baselines: dict[str, tuple] = {}
 
@@ -151,10 +155,10 @@ ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources
     [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ()),
      ("hyper_scaffold", ()), ("linear_compiled", ()), ("linear_keep", ()), ("fedfomo", ()),
      ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ()), ("hyper", ("runtime.client_cache=1",)),
-     ("fedbabu", ()), ("pfedhn", ()), ("pefll", ())],
+     ("fedbabu", ()), ("pfedhn", ()), ("pefll", ()), ("gpfl", ()), ("fedcp", ())],
     ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold", "linear-compiled",
          "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1", "fedbabu",
-         "pfedhn", "pefll"],
+         "pfedhn", "pefll", "gpfl", "fedcp"],
 )
 def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
                                                      variant, layout_overrides):
@@ -207,7 +211,8 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
     for rec in records:
         assert {"gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before"} <= set(rec)
         assert rec["clients_failed"] == 0
-    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn", "fedbabu", "pfedhn", "pefll"))
+    assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn", "fedbabu", "pfedhn", "pefll",
+                                                            "gpfl", "fedcp"))
     assert ("pfl_ft" in records[-1]) == (variant == "fedavg_feddyn")
     assert any(st.momentum for st in states.values()) == (variant == "linear_keep")
     if variant == "linear_keep":  # and some client continued its buffers on an actor

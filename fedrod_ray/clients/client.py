@@ -266,7 +266,7 @@ class ClientHost:
         with the global one, in one pass for all such clients.)
         """
         out = EvalCounts()
-        personal = self.model.variant is not None
+        personal = self.model.has_personal
         test = self.context.test
         if estimate:
             if self._estimate_test is None:
@@ -309,7 +309,7 @@ class ClientHost:
                 data = self.data(cid)
                 model = make_model(cid, state, data)
                 out.correct[cid], out.total[cid] = personal_class_correct(
-                    model, self.context.test, data.class_dist, self.cfg.eval.batch_size, model.variant is not None,
+                    model, self.context.test, data.class_dist, self.cfg.eval.batch_size, model.has_personal,
                     cid)
             except Exception as e:  # noqa: BLE001 - one client's failure must not stop the others'
                 out.failed[cid] = f"{type(e).__name__}: {e}"

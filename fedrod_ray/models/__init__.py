@@ -13,14 +13,16 @@ from ..specs.models import INITS
 from .convnet import MIN_SIDE
 from .extractors import BUILDERS, feature_extractor
 from .heads import HyperNetwork
+from .readouts import READOUTS, Readout
 
-__all__ = ["FedModel", "HyperNetwork", "build_model", "count_parameters", "resolve_arch"]
+__all__ = ["READOUTS", "FedModel", "HyperNetwork", "Readout", "build_model", "count_parameters", "resolve_arch"]
 
 # Parameter-name prefixes: what the server averages and what a client keeps.
 BODY = "body."
 GENERIC_HEAD = "generic_head."
 PERSONAL_HEAD = "personal_head."
 HYPERNET = "hypernet."
+READOUT = "readout."
 
 
 class FedModel(nn.Module):
@@ -29,12 +31,14 @@ class FedModel(nn.Module):
     ``variant`` is ``None`` for the plain one-head model (FedAvg and other baselines), ``"linear"`` for
     a per-client P-head phi_m, or ``"hyper"`` for phi_m = H(a_m; nu). ``parts`` adds a local objective's
     modules (``fedrod_ray.objectives``, e.g. Meta-BSM's Meta-Weight-Net ``mwn``) by attribute name, which no
-    forward pass uses: only the objective's update does.
+    forward pass uses: only the objective's update does. ``readout`` names a method's own readout of the
+    features (``models.readouts``: GPFL's, FedCP's), which the GM's and the PM's logits go through.
     """
 
+    # Nine arguments: each is a part of the model or of its initial weights that a caller chooses.
     def __init__(self, arch: str, num_classes: int, in_channels: int, variant: str | None = None,
                  hyper_hidden: int = 16, parts: dict[str, Callable[[], nn.Module]] | None = None,
-                 init: str = "normal", image_hw: tuple[int, int] | None = None):
+                 init: str = "normal", image_hw: tuple[int, int] | None = None, readout: str | None = None):
         """``image_hw`` (H, W) is needed by an ``arch`` that is a factory (``models.extractors``); without it a
         built-in is built for the paper's image size."""
         super().__init__()
@@ -64,6 +68,10 @@ class FedModel(nn.Module):
         self.parts = tuple(parts or {})
         for name, build in (parts or {}).items():
             self.add_module(name, build())
+        if readout is not None and readout not in READOUTS:
+            raise ValueError(f"unknown readout {readout!r}; expected one of {list(READOUTS)}")
+        self.readout: Readout | None = (READOUTS[readout](self.feature_dim, num_classes)
+                                        if readout is not None else None)
         # Parameters besides the personalized head that each client keeps and never sends (``keep``).
         self.kept: frozenset[str] = frozenset()
 
@@ -80,7 +88,20 @@ class FedModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Generic logits h_G(f(x))."""
-        return self.generic_head(self.body(x))
+        return self.generic_logits(self.body(x))
+
+    def generic_logits(self, z: torch.Tensor) -> torch.Tensor:
+        """The GM's logits of features z: h_G(z), or the method's readout's (GPFL: the cosine classifier)."""
+        return self.generic_head(z) if self.readout is None else self.readout.generic_logits(self, z)
+
+    @property
+    def has_personal(self) -> bool:
+        """A personalized model's logits differ from the generic ones: a personalized head or a readout's."""
+        return self.variant is not None or self.readout is not None
+
+    def readout_personal_keys(self) -> list[str]:
+        """The readout's entries each client keeps (``Readout.personal``)."""
+        return [] if self.readout is None else [READOUT + k for k in self.readout.personal]
 
     def personal_weight(self, class_dist: torch.Tensor | None = None) -> torch.Tensor:
         if self.variant == "linear":
@@ -152,15 +173,16 @@ def resolve_arch(arch: str, image_shape: tuple[int, int, int]) -> str:
     return fits[0]
 
 
+# Nine arguments: FedModel's, with the seed.
 def build_model(arch: str, num_classes: int, image_shape: tuple[int, int, int], variant: str | None,
                 hyper_hidden: int = 16, seed: int = 0, parts: dict[str, Callable[[], nn.Module]] | None = None,
-                init: str = "normal") -> FedModel:
+                init: str = "normal", readout: str | None = None) -> FedModel:
     """Build a model whose initial weights depend only on ``seed`` and ``init`` (not on the global RNG's
     state)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = FedModel(resolve_arch(arch, image_shape), num_classes, image_shape[0], variant, hyper_hidden,
-                         parts, init, tuple(image_shape[1:]))
+                         parts, init, tuple(image_shape[1:]), readout)
     # channels_last convolutions train faster on CPU (oneDNN) for these small ConvNets (docs/benchmarks.md).
     return model.to(memory_format=torch.channels_last)
 

@@ -34,7 +34,7 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from fedrod_ray.config.values import is_import_path, plugin_names
-from fedrod_ray.models import FedModel, build_model
+from fedrod_ray.models import READOUTS, FedModel, build_model
 from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.specs.methods import NEW_CLIENT_NEEDS
 from fedrod_ray.specs.models import ARCHS, MODEL_PLUGINS
@@ -234,7 +234,8 @@ def _assemble(meta: ModelMeta, weights: dict[str, torch.Tensor], heads: dict[str
 
     def build():
         return build_model(meta.arch, meta.num_classes, tuple(meta.image_shape),
-                           None if meta.head == "none" else meta.head, meta.hyper_hidden, seed=0)
+                           None if meta.head == "none" else meta.head, meta.hyper_hidden, seed=0,
+                           readout=meta.method if meta.method in READOUTS else None)
 
     try:
         with torch.device("meta"):
@@ -273,8 +274,11 @@ def _assemble(meta: ModelMeta, weights: dict[str, torch.Tensor], heads: dict[str
 
 
 def _check_weights(model: FedModel, weights: dict[str, torch.Tensor], where: str) -> None:
-    # The linear P-head is per client and served separately; the model's own stays at zero.
-    expected = {k: v.shape for k, v in model.state_dict().items() if not k.startswith("personal_head.")}
+    # The linear P-head is per client and served separately; the model's own stays at zero. A readout's
+    # personal entries (GPFL's, FedCP's) are each client's: the served GM reads none of them.
+    kept = set(model.readout_personal_keys())
+    expected = {k: v.shape for k, v in model.state_dict().items()
+                if not k.startswith("personal_head.") and k not in kept}
     missing, extra = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
     if missing or extra:
         raise ExportError(f"{where}/{MODEL_FILE} does not fit the model in meta.json: "

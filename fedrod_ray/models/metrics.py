@@ -116,12 +116,14 @@ def predict(model: FedModel, x: torch.Tensor, batch_size: int, personal: bool = 
     """Argmax predictions of the generic (or personalized) logits, in batches."""
     model.eval()
     device = next(model.parameters()).device
-    phi = model.personal_weight(class_dist.to(device) if class_dist is not None else None) if personal else None
+    own = personal and model.readout is not None  # the method's readout makes the PM's logits
+    phi = (model.personal_weight(class_dist.to(device) if class_dist is not None else None)
+           if personal and not own else None)
     preds = []
     for start in range(0, len(x), batch_size):
         xb = x[start:start + batch_size].to(device).contiguous(memory_format=torch.channels_last)
         z = model.features(xb)
-        logits = model.generic_head(z)
+        logits = model.readout.personal_logits(model, z) if own else model.generic_logits(z)
         if phi is not None:
             logits = logits + z @ phi.T
         preds.append(logits.argmax(1))
@@ -138,7 +140,7 @@ def features_and_logits(model: FedModel, test: TestSet, batch_size: int) -> tupl
         xb = test.x[start:start + batch_size].to(device).contiguous(memory_format=torch.channels_last)
         z = model.features(xb)
         zs.append(z.cpu())
-        logits.append(model.generic_head(z).cpu())
+        logits.append(model.generic_logits(z).cpu())
     return torch.cat(zs), torch.cat(logits)
 
 

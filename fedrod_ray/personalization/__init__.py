@@ -31,7 +31,7 @@ def method_model(cfg: ExperimentConfig, method: Personalization, num_classes: in
                  image_shape: tuple[int, int, int]) -> FedModel:
     """The run's model (initial weights from ``cfg.seed``) with the method's personalized part and split."""
     model = build_model(cfg.model.arch, num_classes, image_shape, method.variant, cfg.hyper_hidden, cfg.seed,
-                        model_parts(cfg.train), cfg.model.init)
+                        model_parts(cfg.train), cfg.model.init, method.readout)
     model.keep(method.personal_keys(model))
     return model
 
@@ -54,10 +54,12 @@ def generic_weights(method: Personalization, personal_keys: list[str], global_sh
 from . import (  # noqa: F401
     ditto,
     fedbabu,
+    fedcp,
     fedfomo,
     fedper,
     fedrep,
     fedrod,
+    gpfl,
     lg_fedavg,
     mtl,
     pefll,

@@ -91,6 +91,9 @@ class Personalization:
     Params: ClassVar[type] = NoParams
     # The model's personalized part (``FedModel.variant``): None, "linear" (phi_m) or "hyper" (H(a; nu)).
     variant: ClassVar[str | None] = None
+    # The method's own readout of the features (``models.readouts``: GPFL's, FedCP's), whose modules the model
+    # carries on every runtime; its shared entries are averaged like the extractor, its ``personal`` ones kept.
+    readout: ClassVar[str | None] = None
     # The PM's global reading (``pfl_pm_global``): "model", the global weights with the client's personal
     # part (``reading_heads``); None, no such reading (NaN), a client that never trained then reads the GM.
     global_reading: ClassVar[str | None] = "model"

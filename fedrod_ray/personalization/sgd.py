@@ -89,13 +89,15 @@ def prox_grad_(params: dict[str, torch.Tensor], anchor: StateDict, lam: float) -
 
 
 def sgd_epochs(model: FedModel, opt: torch.optim.Optimizer, batches: Batches,
-               grad_term: Callable[[], None] | None = None) -> tuple[float, int]:
-    """SGD on the cross-entropy over every epoch's batches, ``grad_term`` adding to the gradients after each
-    backward; returns (mean loss, steps). A non-finite loss stops the update (checked once per epoch)."""
+               grad_term: Callable[[], None] | None = None,
+               loss_fn: Callable[[FedModel, torch.Tensor, torch.Tensor], torch.Tensor] = ce_loss) -> tuple[float, int]:
+    """SGD on ``loss_fn`` (default: the cross-entropy) over every epoch's batches, ``grad_term`` adding to the
+    gradients after each backward; returns (mean loss, steps). A non-finite loss stops the update (checked
+    once per epoch)."""
     loss_sum, steps = torch.zeros(()), 0
     for epoch, batch_list in enumerate(batches):
         for xb, yb in batch_list:
-            loss = ce_loss(model, xb, yb)
+            loss = loss_fn(model, xb, yb)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if grad_term is not None:

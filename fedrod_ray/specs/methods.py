@@ -76,6 +76,17 @@ class FedBABUParams:
     finetune_epochs: PositiveInt = 5  # tau_f: epochs of fine-tuning the GM on a client's own data (its PM)
 
 
+@dataclass(config=CLOSED)
+class GPFLParams:
+    lam: NonNegativeFloat = 0.01  # lambda: the weight of ||f_G - E_fr[y]||_F (the official 4-layer CNN script's)
+    mu: NonNegativeFloat = 0.1  # mu: the weight decay of the category embeddings E and the CoV (the same script's)
+
+
+@dataclass(config=CLOSED)
+class FedCPParams:
+    lam: NonNegativeFloat = 5.0  # lambda: the weight of MMD^2 between z and the frozen received extractor's (MNIST script)
+
+
 # What a client that never trained must give for its zero-shot model (``Personalization.new_client_needs``;
 # ``final/meta.json``'s ``new_client``): nothing (the global weights with the initial personal part), its class
 # counts (Fed-RoD (hyper)'s H(a; nu)), its data (forward passes over its examples) or training steps on it.
@@ -116,6 +127,7 @@ HEADS: dict[str, HeadSpec] = {
     "fedbabu": HeadSpec(FedBABUParams),
     "pfedhn": HeadSpec(PFedHNParams, global_model=False, reads_uploads=True, generates_model=True),
     "pefll": HeadSpec(PeFLLParams, global_model=False, reads_uploads=True, generates_model=True),
+    "gpfl": HeadSpec(GPFLParams), "fedcp": HeadSpec(FedCPParams),
 }
 
 
