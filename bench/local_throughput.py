@@ -92,7 +92,7 @@ def worker(spec: dict) -> dict:
     import torch
 
     from fedrod_ray.algorithms import build_rule
-    from fedrod_ray.client_update.local import RoundInput, local_update
+    from fedrod_ray.client_update.local import RoundInput, UpdateContext, local_update
     from fedrod_ray.config import TrainConfig
     from fedrod_ray.models import build_model
     from fedrod_ray.personalization import build_method
@@ -117,8 +117,7 @@ def worker(spec: dict) -> dict:
     def update(round_idx: int) -> tuple[float, float, int]:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0, c0 = time.perf_counter(), time.thread_time()
-        local_update(model, message, data, cfg, rule, round_idx=round_idx, seed=0, client_id=0, mean=mean, std=std,
-                     augment=augment)
+        local_update(model, message, data, UpdateContext(cfg, rule, round_idx, 0, 0, mean, std, augment))
         return (time.perf_counter() - t0, time.thread_time() - c0,
                 resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 

@@ -20,7 +20,7 @@ import torch
 from _common import machine_note, md_table, median, mnist_data_section
 
 from fedrod_ray.algorithms import build_rule
-from fedrod_ray.client_update.local import ClientData, RoundInput, local_update
+from fedrod_ray.client_update.local import ClientData, RoundInput, UpdateContext, local_update
 from fedrod_ray.config import TrainConfig, config_from_dict
 from fedrod_ray.federation_state.setup import make_host, prepare
 from fedrod_ray.models import build_model
@@ -52,8 +52,8 @@ def updater(arch: str, data: ClientData, meta: ClientData, mean, std, loss: str)
     shared = {k: v.clone() for k, v in model.state_dict().items() if k in model.shared_keys()}
 
     def run() -> float:
-        result, _, _ = local_update(model, RoundInput(shared), data, cfg, build_rule("fedavg"), round_idx=0, seed=0,
-                                    client_id=0, mean=mean, std=std, augment=False, meta_set=meta)
+        result, _, _ = local_update(model, RoundInput(shared), data,
+                                    UpdateContext(cfg, build_rule("fedavg"), 0, 0, 0, mean, std, False, meta_set=meta))
         return result.seconds
 
     return run

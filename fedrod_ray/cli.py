@@ -174,7 +174,9 @@ def _train(args, storage, cfg) -> int:
         from .data import resolve_data_dir
 
         cfg.data.data_dir = str(resolve_data_dir(None).resolve())
-    if cfg.runtime.mode == "ray":
+    from .executors.runtimes import runtime_of
+
+    if runtime_of(cfg).on_ray:  # the federation lives in a coordinator actor on the cluster
         from .drivers.ray_runtime import run_ray as run
     else:
         from .drivers.runner import run_local as run

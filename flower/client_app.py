@@ -134,7 +134,7 @@ def _train_secure(content: RecordDict, context: Context) -> RecordDict:
                                 secure.Scales(*head["scales"]), host.rule.aggregation_weight, head["clipping_range"])
     report = {"done": sorted(done), "failed": {str(c): f.error for c, f in results.items() if c not in done},
               "personal": any(res.personal_loss is not None for res in done.values())}
-    # num_examples 1 = SecAgg+'s max_weight: the vector goes in unweighted (``FlowerExecutor.train_secure``).
+    # num_examples 1 = SecAgg+'s max_weight: the vector goes in unweighted (``FlowerExecutor.train_sums``).
     return compat.fitres_to_recorddict(FitRes(FlowerStatus(Code.OK, "ok"), ndarrays_to_parameters([vector]), 1,
                                               {"json": json.dumps(report)}), keep_input=True)
 

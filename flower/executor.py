@@ -6,7 +6,8 @@ uploads, how many rounds it trained): the committed states it hands back hold no
 objective state or momentum, which stay on the client's SuperNode (``node.NodeStates``). A node that does not
 answer within ``timeout`` seconds fails its clients' calls, which the round loop counts as it counts any
 client's failure (``runtime.max_failed_fraction``). Under secure aggregation a round's training goes through
-Flower's SecAgg+ workflow instead (``train_secure``), which hands back only the sum of the nodes' vectors."""
+Flower's SecAgg+ workflow instead: the executor is then ``sums_only`` and ``train_sums`` hands back only the
+round's sums, from the sum of the nodes' vectors."""
 
 from __future__ import annotations
 
@@ -25,17 +26,19 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 
+from fedrod_ray.algorithms import build_rule
 from fedrod_ray.client_update.local import RoundInput
 from fedrod_ray.clients.client import ClientFailure, EvalCounts
 from fedrod_ray.config import ExperimentConfig
 from fedrod_ray.config.loading import dump_config
-from fedrod_ray.executors.base import Job, TrainOutcome
+from fedrod_ray.executors.base import Executor, Job, RoundFailedError, SummedRound, SumRequest, TrainOutcome
+from fedrod_ray.executors.runtimes import Runtime, register
+from fedrod_ray.federation_state.setup import Setup, prepare
 from fedrod_ray.personalization import build_method
-from fedrod_ray.round_loop.federation import RoundFailedError
 from fedrod_ray.server_math.aggregate import StateDict
 
 from . import wire
-from .secure import MODULUS, Layout, Scales, SecAggSettings
+from .secure import MODULUS, Layout, Scales, SecAggSettings, round_sums
 
 
 class NodeLostError(RuntimeError):
@@ -61,11 +64,14 @@ class _Round(FedAvg):
         return None, {}
 
 
-class FlowerExecutor:
+class FlowerExecutor(Executor):
     def __init__(self, grid: Grid, cfg: ExperimentConfig, timeout: float, log: Callable[[str], None] = print,
-                 context: Context | None = None):
-        """``context``: the ServerApp's, which SecAgg+'s workflow keeps its round in (``train_secure``)."""
+                 context: Context | None = None, secagg: SecAggSettings | None = None):
+        """``context``: the ServerApp's, which SecAgg+'s workflow keeps its round in; ``secagg``: SecAgg+'s
+        settings, with which every round is trained and summed by SecAgg+ (``train_sums``) and none in the clear."""
         self.grid, self.cfg, self.timeout, self.log, self.context = grid, cfg, timeout, log, context
+        self.secagg, self.sums_only = secagg, secagg is not None
+        self.rule = build_rule(cfg.train.generic_rule, cfg.train.rule_params)
         self.config_text = dump_config(cfg)
         self.rounds_done = 0  # the rounds trained, whose client states the nodes' evaluations read
         self._nodes: set[int] = set()
@@ -154,13 +160,27 @@ class FlowerExecutor:
                 # What the server keeps of the client: the shared weights it sent, never its own state.
                 yield slot, out if isinstance(out, ClientFailure) else jobs[slot][1].trained((out, None, {}))
 
-    def train_secure(self, round_idx: int, ids: list[int], message: RoundInput, layout: Layout, scales: Scales,
-                     settings: SecAggSettings) -> tuple[np.ndarray, list[int], list[ClientFailure], bool]:
+    def train_sums(self, round_idx: int, jobs: list[Job], message: RoundInput, request: SumRequest) -> SummedRound:
+        """Round ``round_idx``'s clients trained on their nodes and summed by SecAgg+, turned back into the round's
+        sums (``secure.round_sums``): the server never sees one node's vector."""
+        ids = [cid for cid, _ in jobs]
+        layout = Layout.of(message.weights, set(request.generic_keys), request.upload, request.dp)
+        scales = Scales.of(ids, request.sizes, self.rule)
+        vector, done, failures, personal = self._secure_round(round_idx, ids, message, layout, scales)
+        sums, count, losses = round_sums(vector, layout, scales, message.weights, personal)
+        if count != len(done):
+            raise RoundFailedError(f"round {round_idx + 1}: the secure sum counts {count} participants, but the "
+                                   f"SuperNodes in it reported {len(done)}")
+        return SummedRound(sums, losses, done, failures)
+
+    def _secure_round(self, round_idx: int, ids: list[int], message: RoundInput, layout: Layout,
+                      scales: Scales) -> tuple[np.ndarray, list[int], list[ClientFailure], bool]:
         """Round ``round_idx``'s clients ``ids`` trained on their nodes and summed by SecAgg+: (the sum of every
         node's ``secure.node_vector`` that made it into the sum, the clients in it, the clients that failed or
         whose node dropped, whether their method has a personal loss). Every node that hosts a client takes
         part, with or without a client of the round (its vector is then zeros), so that the protocol has as
         many nodes as it can. Raises RoundFailedError when the protocol cannot complete (too few nodes)."""
+        settings = self.secagg
         hosts = self.placement()
         if any(cid not in hosts for cid in ids):
             hosts = self.placement(refresh=True)
@@ -254,8 +274,14 @@ class FlowerExecutor:
     def zero_shot(self, jobs: list[Job], message: RoundInput, round_idx: int) -> EvalCounts:
         return self._counts(jobs, {"action": "zero_shot", "round_idx": round_idx}, message)
 
-    def cancel(self) -> None:
-        """Nothing: a call in flight waits on the SuperNodes' replies for at most ``timeout`` seconds."""
 
-    def close(self) -> None:
-        pass
+def start(setup: Setup, grid: Grid, timeout: float, context: Context, secagg: SecAggSettings | None = None,
+          **env) -> tuple[Setup, FlowerExecutor]:
+    """The Flower runtime's executor over the SuperNodes that ``grid`` reaches (``Runtime.start``)."""
+    return setup, FlowerExecutor(grid, setup.cfg, timeout, context=context, secagg=secagg)
+
+
+# The ServerApp's runtime, asked for by name (``fedrod_ray.executors.runtimes``): no config selects it, the
+# engine that runs the app does.
+RUNTIME = Runtime("flower", on_ray=False, prepare=prepare, start=start)
+register(RUNTIME)

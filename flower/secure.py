@@ -23,14 +23,12 @@ import numpy as np
 import torch
 
 from fedrod_ray.algorithms import GenericRule
-from fedrod_ray.client_update.local import LocalResult, RoundInput
-from fedrod_ray.clients.client import ClientState
+from fedrod_ray.client_update.local import LocalResult
 from fedrod_ray.config import ConfigError
 from fedrod_ray.federation_state.setup import Setup
 from fedrod_ray.personalization import build_method
-from fedrod_ray.round_loop.federation import Collected, Federation, Losses, RoundFailedError
-from fedrod_ray.round_loop.round_sums import RoundSums
 from fedrod_ray.server_math.aggregate import StateDict, WeightedSum
+from fedrod_ray.server_math.sums import Losses, RoundSums
 
 SECURE = "secure-aggregation"
 # SecAgg+'s settings in the app's run config, with the name of each in Flower's workflow.
@@ -241,42 +239,3 @@ def round_sums(vector: np.ndarray, layout: Layout, scales: Scales, anchor: State
     losses = Losses(count, float(parts["loss"]) / samples if count else math.nan,
                     float(parts["personal_loss"]) / samples if count and has_personal_loss else None)
     return sums, count, losses
-
-
-class SecureFederation(Federation):
-    """fedrod-ray's round loop whose rounds' sums come from SecAgg+ (``FlowerExecutor.train_secure``) instead
-    of each client's result: the server keeps of a client only that it trained (its record holds the weights
-    it was sent, never what it sent back)."""
-
-    def __init__(self, setup: Setup, executor, settings: SecAggSettings, log: Callable[[str], None] = print):
-        check_secure(setup)
-        super().__init__(setup, executor, log)
-        self.settings = settings
-
-    def _upload_shapes(self) -> StateDict:
-        """The rule's upload of an update that did not move: its keys, shapes and dtypes (SCAFFOLD's Delta c)."""
-        generic = self._generic(self.global_shared)
-        correction = self.rule.start_local(generic, {}, self.rule.broadcast(self.server_state))
-        return correction.finish(generic, 1.0)[1] if correction is not None else {}
-
-    def _collect(self, r: int, ids: list[int], jobs: list, message: RoundInput) -> Collected:
-        none = WeightedSum(None, 0.0, 0)
-        if not ids:  # a DP round under Poisson sampling with no client: nothing to sum
-            return Collected(RoundSums(none, none, none, none), Losses(0, math.nan, None))
-        layout = Layout.of(self.global_shared, self.generic_keys, self._upload_shapes(), self.dp is not None)
-        scales = Scales.of(ids, self.setup.sizes, self.rule)
-        vector, done, failures, personal = self.executor.train_secure(r, ids, message, layout, scales, self.settings)
-        for f in failures:
-            self.log(f"[round {r + 1}] client {f.client_id} failed: {f.error}\n{f.traceback}")
-        self._check_failures(r, len(ids), failures)
-        sums, count, losses = round_sums(vector, layout, scales, message.weights, personal)
-        if count != len(done):
-            raise RoundFailedError(f"round {r + 1}: the secure sum counts {count} participants, but the SuperNodes "
-                                   f"in it reported {len(done)}")
-        slots = {cid: slot for slot, (cid, _) in enumerate(jobs)}
-        # What the server keeps of a client: that it trained, and (a copy of) the weights it was sent.
-        states = {cid: ClientState(local_model={k: v.clone() for k, v in message.weights.items()},
-                                   rounds_trained=jobs[slots[cid]][1].rounds_trained + 1) for cid in done}
-        self._report(r + 1, len(ids), len(ids))
-        return Collected(sums, losses, {}, states, failures)
-

@@ -23,7 +23,7 @@ from flwr.superlink.grid import InMemoryGrid
 from fedrod_ray.config import ConfigError, check_resume, load_config
 from fedrod_ray.drivers.console import format_record
 from fedrod_ray.federation_state.checkpoint import latest_checkpoint_name, load_checkpoint
-from fedrod_ray.federation_state.setup import Setup, prepare
+from fedrod_ray.federation_state.setup import Setup
 from fedrod_ray.lifecycle.run import Run
 from fedrod_ray.objectives import meta_per_class
 from fedrod_ray.outputs.lock import exclusive_run_dir
@@ -31,9 +31,9 @@ from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.personalization import build_method
 from fedrod_ray.round_loop.federation import Federation
 
-from .executor import FlowerExecutor
+from .executor import RUNTIME
 from .node import SIM_DATA, SIM_STATE
-from .secure import SecureFederation, settings_from
+from .secure import check_secure, settings_from
 
 app = ServerApp()
 
@@ -90,11 +90,13 @@ def main(grid: Grid, context: Context) -> None:
             check_resume(snapshot.config, cfg, snapshot.rounds_done)
             print(f"resuming {storage.uri} after round {snapshot.rounds_done}", flush=True)
         cfg.run_dir = storage.uri
-        setup = prepare(cfg)
+        setup = RUNTIME.prepare(cfg)
         check_flower(setup)
-        executor = FlowerExecutor(grid, cfg, float(rc["timeout"]), context=context)
-        federation = (Federation(setup, executor) if secagg is None else
-                      SecureFederation(setup, executor, secagg))
+        if secagg is not None:
+            check_secure(setup)
+        setup, executor = RUNTIME.start(setup, grid=grid, timeout=float(rc["timeout"]), context=context,
+                                        secagg=secagg)
+        federation = Federation(setup, executor)
         executor.wait_for_nodes(int(rc["min-nodes"]), float(rc["timeout"]))
         run = Run(federation, storage, snapshot)
         run.train(lambda record: print(format_record(record, run.rounds), flush=True))

@@ -34,8 +34,10 @@ from sites_data import SITES, add_site_node, make_sites, memory_config, site_clu
 from fedrod_ray.config import config_from_dict
 from fedrod_ray.drivers.ray_runtime import run_ray
 from fedrod_ray.drivers.runner import run_local
+from fedrod_ray.executors.shared_setup import share
 from fedrod_ray.executors.sites import SitesExecutor
 from fedrod_ray.federation_state.setup import prepare_server
+from fedrod_ray.lifecycle.coordinator import Coordinator
 from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.round_loop.federation import Federation, RoundFailedError
 
@@ -166,6 +168,14 @@ def main(root: Path) -> None:
         after = (run / "metrics.jsonl").read_bytes(), (run / "final" / "model.safetensors").read_bytes()
         out["tampered_run_unchanged"] = before == after
 
+        # A coordinator started again after the last one died, as run_ray starts it (restart 1, which trains rounds
+        # 1 and 2 again): at sites too, it marks the records of the rounds it trains again.
+        shared = share(prepare_server(config_from_dict(config("hyper", "restarted"))))
+        coordinator = Coordinator.options(num_cpus=0).remote(shared, str(root / "restarted"), None, (1, 2))
+        out["restart_marks"] = [r.get("coordinator_restart") for r in ray.get(coordinator.train.remote())]
+        ray.get(coordinator.close.remote())
+        ray.kill(coordinator)
+
         out["node_loss"] = node_loss(cluster, site_nodes, paths)
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -200,7 +210,7 @@ def node_loss(cluster, nodes: dict, paths: dict[str, Path]) -> dict:
     thread.join(240)
     out["round_2_ended"] = not thread.is_alive()
     rounds = {cid: fed.clients.rounds_trained(cid) for cid in fed.clients}
-    before = executor.site_versions(rounds)["a"]["clients"]
+    before = executor.kept_states(rounds)["a"]["clients"]
     records.append(fed.step(2))  # site a still away
 
     # A node with site a's label (and its directory) comes back: its clients rejoin with their state.
@@ -208,7 +218,7 @@ def node_loss(cluster, nodes: dict, paths: dict[str, Path]) -> dict:
     records.append(fed.step(3))
     rounds = {cid: fed.clients.rounds_trained(cid) for cid in fed.clients}
     out["before"] = before
-    out["after"] = executor.site_versions(rounds)["a"]["clients"]
+    out["after"] = executor.kept_states(rounds)["a"]["clients"]
     out["a_node_back"] = nodes["a"].node_id
     out["a_actor_node"] = ray.get(executor.actors[executor.site_actors[0][0]].ready.remote())["node_id"]
     out["finite"] = all(bool(torch.isfinite(v).all()) for v in fed.global_shared.values())

@@ -14,7 +14,9 @@ from tiny import MEAN, SHAPE, STD, N, make_data, model_and_global
 from fedrod_ray.algorithms import RULES, build_rule
 from fedrod_ray.client_update.local import (
     TRAIN_TAG,
+    ClientStart,
     RoundInput,
+    UpdateContext,
     derived_seed,
     effective_step_sum,
     local_update,
@@ -49,9 +51,9 @@ def tcfg(**kw) -> TrainConfig:
 
 
 def run(model, shared, data, c, rule, broadcast=None, personal=None, rule_state=None, round_idx=0):
-    return local_update(model, RoundInput(shared, broadcast or {}), data, c, rule, round_idx=round_idx, seed=SEED,
-                        client_id=CLIENT, mean=MEAN, std=STD, augment=False, personal=personal,
-                        rule_state=rule_state)
+    return local_update(model, RoundInput(shared, broadcast or {}), data,
+                        UpdateContext(c, rule, round_idx, SEED, CLIENT, MEAN, STD, False),
+                        ClientStart(personal=personal, rule_state=rule_state))
 
 
 def random_like(state, scale, seed):

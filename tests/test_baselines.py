@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedrod_ray.algorithms import build_rule
-from fedrod_ray.client_update.local import RoundInput, derived_seed, local_update
+from fedrod_ray.client_update.local import RoundInput, UpdateContext, derived_seed, local_update
 from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.executors.in_process import InProcessExecutor
@@ -93,9 +93,9 @@ def test_ft_is_an_erm_update_of_the_global_model_on_the_clients_data():
     for cid, _ in jobs:
         model = fed.setup.build_model()
         data = host.data(cid)
-        local_update(model, RoundInput(fed.global_shared), data, erm, build_rule("fedavg"), round_idx=1,
-                     seed=derived_seed(fed.cfg.seed, FINETUNE_TAG), client_id=cid, mean=host.mean, std=host.std,
-                     augment=False)
+        local_update(model, RoundInput(fed.global_shared), data,
+                     UpdateContext(erm, build_rule("fedavg"), 1, derived_seed(fed.cfg.seed, FINETUNE_TAG), cid,
+                                   host.mean, host.std, False))
         correct, total = personal_class_correct(model, fed.setup.test, data.class_dist, 100, False)
         assert torch.equal(tuned.correct[cid], correct) and torch.equal(tuned.total[cid], total), cid
     # The federation fine-tuned at the last round (round index 1, half the first round's lr): its pfl_ft is

@@ -24,8 +24,9 @@ from fedrod_ray.client_update.local import ClientData, LocalTrainingError, Round
 from fedrod_ray.client_update.losses import BALANCED_LOSSES
 from fedrod_ray.clients.client import ClientFailure, ClientState
 from fedrod_ray.config import ConfigError, TrainConfig, config_from_dict
-from fedrod_ray.executors.batched import BatchedExecutor, in_process_executor
+from fedrod_ray.executors.batched import BatchedExecutor
 from fedrod_ray.executors.in_process import InProcessExecutor
+from fedrod_ray.executors.runtimes import runtime_of
 from fedrod_ray.federation_state.setup import make_host, prepare
 from fedrod_ray.round_loop.federation import Federation
 
@@ -211,7 +212,7 @@ def test_federation_round_batched_equals_in_process():
     cfg = config_from_dict(BASE, ["runtime.batched_clients=2"])
     assert cfg.runtime.mode == "local"
     setup = prepare(cfg)
-    batched = Federation(setup, in_process_executor(make_host(setup), cfg.runtime.batched_clients), log=print)
+    batched = Federation(setup, runtime_of(cfg).start(setup)[1], log=print)
     plain = Federation(setup, InProcessExecutor(make_host(setup)), log=print)
     assert isinstance(batched.executor, BatchedExecutor) and type(plain.executor) is InProcessExecutor
     for r in range(2):
@@ -241,7 +242,7 @@ def test_federation_rounds_keeping_momentum_batched_equal_in_process():
     cfg = config_from_dict(BASE, ["runtime.batched_clients=2", "train.generic_rule=fedavg",
                                   "train.momentum_buffers=keep"])
     setup = prepare(cfg)
-    batched = Federation(setup, in_process_executor(make_host(setup), cfg.runtime.batched_clients), log=print)
+    batched = Federation(setup, runtime_of(cfg).start(setup)[1], log=print)
     plain = Federation(setup, InProcessExecutor(make_host(setup)), log=print)
     for r in range(2):
         batched.restore(plain.snapshot())
@@ -267,7 +268,7 @@ def test_federation_rounds_keeping_momentum_batched_equal_in_process():
 def test_executor_reports_a_client_it_cannot_train():
     cfg = config_from_dict(BASE, ["runtime.batched_clients=4"])
     setup = prepare(cfg)
-    executor = in_process_executor(make_host(setup), cfg.runtime.batched_clients)
+    executor = runtime_of(cfg).start(setup)[1]
     bad = ClientState(rule_state={"generic_head.weight": torch.zeros(2)})
     message = RoundInput(Federation(setup, executor).global_shared, {})
     out = dict(executor.train(0, [(0, ClientState()), (1, bad), (2, ClientState())], message))

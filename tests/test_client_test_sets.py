@@ -17,7 +17,7 @@ from fedrod_ray.cli import main
 from fedrod_ray.client_update.local import load_client_weights
 from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.data import DatasetFormatError, load_dataset, normalize
-from fedrod_ray.executors.batched import in_process_executor
+from fedrod_ray.executors.batched import BatchedExecutor
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.executors.ray import RayExecutor, plan_layout
 from fedrod_ray.federation_state.setup import make_host, partition_dataset, prepare
@@ -71,7 +71,7 @@ def accuracy_of(model, x, y, personal: bool) -> float:
 def test_pfl_is_each_clients_plain_accuracy_on_its_own_test_examples(tmp_path, one_torch_thread, batched):
     arrays = save_npz(tmp_path / "own.npz")
     setup = prepare(npz_config(tmp_path / "own.npz", f"runtime.batched_clients={batched}"))
-    fed, records = run(setup, in_process_executor(make_host(setup), batched))
+    fed, records = run(setup, BatchedExecutor(make_host(setup), batched) if batched else InProcessExecutor(make_host(setup)))
     rec = records[-1]
     ds, m = setup.dataset, setup.num_clients
     # Client m of the partition is the data's client named part.client_names[m]: its own test images, by hand.

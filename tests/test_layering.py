@@ -145,10 +145,46 @@ def test_the_cycle_check_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-@pytest.mark.parametrize("module", ["fedrod_ray.round_loop.federation", "fedrod_ray.round_loop.evaluation"])
+ROUND_LOOP = sorted(name for name in MODULES if name.startswith("fedrod_ray.round_loop."))
+
+
+@pytest.mark.parametrize("module", ROUND_LOOP)
 def test_the_round_loop_knows_only_the_executor_protocol(module):
     executors = {t for t in GRAPH[module] if t.startswith("fedrod_ray.executors")}
-    assert executors == {"fedrod_ray.executors.base"}
+    assert executors <= {"fedrod_ray.executors.base"}
+
+
+def _protocol() -> set[str]:
+    """The members ``Executor`` declares in executors/base.py: its methods and its capabilities."""
+    tree = ast.parse(MODULES["fedrod_ray.executors.base"].read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Executor"]
+    return ({n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+            | {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)})
+
+
+def _executor_calls(source: str) -> set[str]:
+    """What ``source`` reads of an executor: every ``executor.X`` and ``self.executor.X``."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "executor") or (
+                    isinstance(owner, ast.Attribute) and owner.attr == "executor"):
+                found.add(node.attr)
+    return found
+
+
+@pytest.mark.parametrize("module", ROUND_LOOP)
+def test_the_round_loop_calls_only_what_the_protocol_declares(module):
+    source = MODULES[module].read_text()
+    assert _executor_calls(source) <= _protocol(), sorted(_executor_calls(source) - _protocol())
+    # It never asks which runtime it has (the runtimes say what they do by the protocol's capabilities).
+    assert "at_sites" not in source and "sites" not in _executor_calls(source)
+
+
+def test_the_protocol_check_finds_an_undeclared_call():
+    calls = _executor_calls("def f(self, executor):\n    executor.site_evaluate(1)\n    self.executor.train(2)\n")
+    assert calls == {"site_evaluate", "train"} and calls - _protocol() == {"site_evaluate"}
 
 
 def test_the_executor_protocol_imports_no_executor():

@@ -11,8 +11,10 @@ from fedrod_ray.algorithms import build_rule
 from fedrod_ray.client_update.local import (
     TRAIN_TAG,
     ClientData,
+    ClientStart,
     LocalTrainingError,
     RoundInput,
+    UpdateContext,
     derived_seed,
     local_update,
 )
@@ -38,9 +40,10 @@ def random_personal(seed=4):
 
 def run(model, shared, data, c, round_idx=0, client_id=5, personal=None, rule_state=None, std=STD, augment=False,
         momentum_buffers=None):
-    return local_update(model, RoundInput(shared), data, c, build_rule(c.generic_rule, c.rule_params),
-                        round_idx=round_idx, seed=11, client_id=client_id, mean=MEAN, std=std, augment=augment,
-                        personal=personal, rule_state=rule_state, momentum_buffers=momentum_buffers)
+    return local_update(model, RoundInput(shared), data,
+                        UpdateContext(c, build_rule(c.generic_rule, c.rule_params), round_idx, 11, client_id, MEAN,
+                                      std, augment),
+                        ClientStart(personal=personal, rule_state=rule_state, momentum=momentum_buffers))
 
 
 def reference_step(variant, shared, personal, data, lr, client_id=5, round_idx=0, leaky=False):

@@ -11,7 +11,7 @@ from tiny import MEAN, SHAPE, STD, make_data
 from torch import nn
 
 from fedrod_ray.algorithms import build_rule
-from fedrod_ray.client_update.local import ClientData, RoundInput, local_update
+from fedrod_ray.client_update.local import ClientData, ClientStart, RoundInput, UpdateContext, local_update
 from fedrod_ray.client_update.losses import balanced_softmax
 from fedrod_ray.clients.client import ClientState
 from fedrod_ray.config import ConfigError, DataConfig, TrainConfig, config_from_dict
@@ -229,8 +229,9 @@ def model_and_global(mwn_hidden: int):
 def meta_update(c: TrainConfig, state=None, rule="fedavg", rule_params=None, meta_set=None):
     model, shared = model_and_global(c.meta_bsm.hidden)
     result, personal, _ = local_update(
-        model, RoundInput(shared), make_data(), c, build_rule(rule, rule_params or {}), round_idx=0, seed=11,
-        client_id=5, mean=MEAN, std=STD, augment=False, meta_set=meta_set or tiny_meta_set(), objectives=state)
+        model, RoundInput(shared), make_data(),
+        UpdateContext(c, build_rule(rule, rule_params or {}), 0, 11, 5, MEAN, STD, False,
+                      meta_set=meta_set or tiny_meta_set()), ClientStart(objectives=state))
     return result, personal, shared
 
 
@@ -281,8 +282,8 @@ def test_local_update_applies_the_generic_rules_correction():
 def test_local_update_needs_the_meta_set():
     model, shared = model_and_global(4)
     with pytest.raises(ValueError, match="meta set"):
-        local_update(model, RoundInput(shared), make_data(), meta_cfg(), build_rule("fedavg"), round_idx=0,
-                     seed=1, client_id=0, mean=MEAN, std=STD, augment=False)
+        local_update(model, RoundInput(shared), make_data(),
+                     UpdateContext(meta_cfg(), build_rule("fedavg"), 0, 1, 0, MEAN, STD, False))
 
 
 
@@ -312,8 +313,8 @@ def test_the_default_meta_step_keeps_a_skewed_clients_weights_in_range(shared_da
     model = build_model("mnist_cnn", 10, SHAPE, "linear", 0, 0, model_parts(c))
     state = model.state_dict()
     shared = {k: state[k].clone() for k in model.shared_keys()}
-    result, _, _ = local_update(model, RoundInput(shared), data, c, build_rule("fedavg"), round_idx=0, seed=1,
-                                client_id=0, mean=mean, std=std, augment=False, meta_set=meta)
+    result, _, _ = local_update(model, RoundInput(shared), data,
+                                UpdateContext(c, build_rule("fedavg"), 0, 1, 0, mean, std, False, meta_set=meta))
     assert result.steps == 20 and 0.1 < result.loss < 3
     zeta = MetaWeightNet(c.meta_bsm.hidden)
     zeta.load_state_dict({k.removeprefix("mwn."): v for k, v in result.shared.items() if k.startswith("mwn.")})

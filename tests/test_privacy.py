@@ -29,7 +29,7 @@ from fedrod_ray.clients.client import ClientFailure, clipped
 from fedrod_ray.config import ConfigError, check_resume, config_from_dict, config_from_record
 from fedrod_ray.drivers.console import format_record
 from fedrod_ray.drivers.runner import run_local
-from fedrod_ray.executors.batched import in_process_executor
+from fedrod_ray.executors.batched import BatchedExecutor
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.federation_state.checkpoint import load_checkpoint, save_checkpoint
 from fedrod_ray.federation_state.dp_rounds import NOISE_TAG, ClientLevelDP, check_shared
@@ -635,7 +635,7 @@ def test_private_rounds_of_the_rules_and_methods_that_compose(overrides):
 def test_the_batched_executor_clips_every_update_too():
     setup = prepare(config_from_dict(BASE, [*PRIVATE, *SEEDED, "privacy.noise_multiplier=1", "privacy.clip_norm=0.01",
                                             "runtime.batched_clients=3"]))
-    fed = Federation(setup, in_process_executor(make_host(setup), 3), log=lambda s: None)
+    fed = Federation(setup, BatchedExecutor(make_host(setup), 3), log=lambda s: None)
     before = dict(fed.global_shared)
     record = fed.step(0)
     trained = [st for st in fed.clients.values() if st.rounds_trained]

@@ -316,6 +316,8 @@ def test_two_sites_on_a_cluster(on_a_cluster):
     # The sites' clients miscounted by the config: the error names the field, in one line.
     said = "fedrod-ray: error: data.num_clients: the sites hold 6 clients (a 3, b 3); set data.num_clients=6"
     assert res["miscounted"] == [2, [said]], res["miscounted"]
+    # A coordinator started again after a death marks the rounds it trains again, at sites as on Ray.
+    assert res["restart_marks"] == [1, 1, None], res["restart_marks"]
 
 
 @pytest.mark.slow

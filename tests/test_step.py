@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from tiny import MEAN, STD, make_data, model_and_global
 
 from fedrod_ray.algorithms import build_rule
-from fedrod_ray.client_update.local import RoundInput, local_update
+from fedrod_ray.client_update.local import RoundInput, UpdateContext, local_update
 from fedrod_ray.client_update.losses import balanced_softmax
 from fedrod_ray.client_update.step import make_losses, make_train_step
 from fedrod_ray.config import ConfigError, TrainConfig, config_from_dict
@@ -95,9 +95,8 @@ def update(step: str, n: int, client_id: int = 2):
     """A linear-head update of n examples, batch 10 (so a last batch of n % 10), 2 epochs, momentum on."""
     cfg = TrainConfig(head="linear", batch_size=10, local_epochs=2, lr=0.05, step=step)
     model, shared = model_and_global("linear")
-    result, personal, _ = local_update(model, RoundInput(shared), make_data(client_id, n), cfg,
-                                       build_rule("fedavg"), round_idx=1, seed=3, client_id=client_id,
-                                       mean=MEAN, std=STD, augment=True)
+    result, personal, _ = local_update(model, RoundInput(shared), make_data(client_id, n),
+                                       UpdateContext(cfg, build_rule("fedavg"), 1, 3, client_id, MEAN, STD, True))
     return result, personal
 
 

@@ -196,62 +196,101 @@ def finish_update(model: FedModel, local: StateDict, correction: LocalCorrection
     return result, personal, to_device(new_rule_state, "cpu")
 
 
-def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: TrainConfig, rule: GenericRule, *,
-                 round_idx: int, seed: int, client_id: int, mean, std, augment: bool,
-                 personal: StateDict | None = None, rule_state: StateDict | None = None,
-                 initial: StateDict | None = None, meta_set: ClientData | None = None,
-                 objectives: dict[str, StateDict] | None = None, momentum_buffers: StateDict | None = None,
-                 device: torch.device | str = "cpu") -> Outcome:
-    """Train ``model`` from the round's global weights on one client's data.
+@dataclass
+class UpdateContext:
+    """Everything a client's update reads besides the model, the round's message, its data and its state."""
 
-    ``personal`` is the client's stored P-head (linear head; None means freshly initialised) and
-    ``rule_state`` its state under the generic rule (empty: the rule's initial state). ``initial``, if
-    given, replaces the global weights as the starting point (a rule whose clients keep their own model).
-    Returns the result for the server, the new P-head and the new rule state; ``model`` is left holding the
-    client's local model. A local objective (``fedrod_ray.objectives``, by ``cfg.balanced_loss``) reads the
-    server's ``meta_set`` and its entry of the client's ``objectives`` (absent: its initial state), and
-    returns the new entry in ``result.objectives``. ``momentum_buffers`` are the client's kept momentum
-    buffers (``train.momentum_buffers: keep``; absent or empty: from zero), continued by this update's
-    optimiser, whose buffers then come back in ``result.momentum``.
-    """
+    cfg: TrainConfig
+    rule: GenericRule
+    round_idx: int
+    seed: int
+    client_id: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    augment: bool
+    device: torch.device | str = "cpu"
+    initial: StateDict = field(default_factory=dict)  # the model's initial weights, which a new client has
+    meta_set: ClientData | None = None  # the server's meta set, which a local objective learns against
+
+
+@dataclass
+class ClientStart:
+    """What a client's update starts from besides the round's message: the state it keeps. ``personal``, its
+    linear P-head (None: freshly initialised); ``rule_state``, its state under the generic rule (None: the
+    rule's initial one); ``weights``, its own model, which replaces the global weights as the starting point (a
+    rule whose clients keep their model); ``objectives``, its local objectives' states (absent: initial);
+    ``momentum``, its kept momentum buffers (``train.momentum_buffers: keep``; absent: from zero)."""
+
+    personal: StateDict | None = None
+    rule_state: StateDict | None = None
+    weights: StateDict | None = None
+    objectives: dict[str, StateDict] | None = None
+    momentum: StateDict | None = None
+
+
+def local_update(model: FedModel, message: RoundInput, data: ClientData, ctx: UpdateContext,
+                 start: ClientStart | None = None) -> Outcome:
+    """Train ``model`` from the round's global weights (or ``start.weights``) on one client's data: E epochs of
+    SGD on the losses of ``ctx.cfg`` (the balanced loss, or a local objective reading ``ctx.meta_set``), under
+    the generic rule's correction. Returns the result for the server (with the local objective's new state in
+    ``result.objectives`` and the optimiser's momentum buffers in ``result.momentum``), the new P-head and the
+    new rule state; ``model`` is left holding the client's local model."""
     t0 = time.perf_counter()
-    n = len(data)
-    plan = batch_plan(n, cfg, seed=seed, round_idx=round_idx, client_id=client_id, augment=augment)
-    device = torch.device(device)
+    start = start or ClientStart()
+    cfg, device = ctx.cfg, torch.device(ctx.device)
+    plan = batch_plan(len(data), cfg, seed=ctx.seed, round_idx=ctx.round_idx, client_id=ctx.client_id,
+                      augment=ctx.augment)
     model.to(device)
-    load_client_weights(model, message.weights if initial is None else initial, personal)
+    load_client_weights(model, message.weights if start.weights is None else start.weights, start.personal)
     model.train()
-
-    x_all = normalize(data.x, mean, std).to(device)
-    y_all = data.y.to(device)
-    counts = data.counts.to(device)
-    dist = data.class_dist.to(device)
-    black = normalized_black(mean, std) if augment else None
-    lr = round_lr(cfg, round_idx)
-    objective_cls = get_objective(cfg.balanced_loss)
-    objective = None
-    if objective_cls is not None:
-        meta = None
-        if meta_set is not None and len(meta_set):
-            meta = (normalize(meta_set.x, mean, std).to(device).contiguous(memory_format=torch.channels_last),
-                    meta_set.y.to(device))
-        objective = objective_cls(cfg, meta, (objectives or {}).get(objective_cls.name, {}), device)
-
+    lr = round_lr(cfg, ctx.round_idx)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     params = dict(model.named_parameters())
-    for k, buf in kept_momentum(params, momentum_buffers or {}).items():
+    for k, buf in kept_momentum(params, start.momentum or {}).items():
         opt.state[params[k]]["momentum_buffer"] = buf
     generic = [k for k in model.generic_keys() if k in params]
     anchor = {k: message.weights[k].to(device) for k in generic}
-    correction = rule.start_local(anchor, to_device(rule_state or {}, device), to_device(message.broadcast, device))
-    if objective is not None:
-        losses = objective.losses(model, counts, dist, lr)
-    else:
-        gamma = DEFAULT_GAMMA if cfg.gamma is None else cfg.gamma
-        losses = make_losses(model, get_loss(cfg.balanced_loss), gamma, counts, dist, batch_size=cfg.batch_size,
-                             step=cfg.step)
-    train_step = make_train_step(model, opt, losses, correction)
+    correction = ctx.rule.start_local(anchor, to_device(start.rule_state or {}, device),
+                                      to_device(message.broadcast, device))
+    losses, objective = _losses(model, data, ctx, lr, start.objectives or {})
+    steps, loss, personal_loss = _epochs(plan, make_train_step(model, opt, losses, correction), data, ctx, lr)
+    local = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    buffers = None
+    if cfg.momentum_buffers == "keep":
+        buffers = {k: opt.state[p]["momentum_buffer"].to("cpu", copy=True) for k, p in params.items()
+                   if "momentum_buffer" in opt.state.get(p, {})}
+    return finish_update(
+        model, local, correction, {k: params[k].detach() for k in generic}, num_samples=len(data), loss=loss,
+        personal_loss=personal_loss if model.variant is not None else None,
+        steps=steps, lr=lr, momentum=cfg.momentum, seconds=time.perf_counter() - t0,
+        objectives={objective.name: objective.state()} if objective is not None else None,
+        momentum_buffers=buffers)
 
+
+def _losses(model: FedModel, data: ClientData, ctx: UpdateContext, lr: float, objectives: dict[str, StateDict]):
+    """The update's per-batch losses (``step.LossesFn``) and its local objective (None: the balanced loss of
+    ``cfg.balanced_loss``, no objective), which starts from its entry of the client's ``objectives``."""
+    cfg, device = ctx.cfg, torch.device(ctx.device)
+    counts, dist = data.counts.to(device), data.class_dist.to(device)
+    objective_cls = get_objective(cfg.balanced_loss)
+    if objective_cls is None:
+        gamma = DEFAULT_GAMMA if cfg.gamma is None else cfg.gamma
+        return make_losses(model, get_loss(cfg.balanced_loss), gamma, counts, dist, batch_size=cfg.batch_size,
+                           step=cfg.step), None
+    meta = None
+    if ctx.meta_set is not None and len(ctx.meta_set):
+        meta = (normalize(ctx.meta_set.x, ctx.mean, ctx.std).to(device).contiguous(memory_format=torch.channels_last),
+                ctx.meta_set.y.to(device))
+    objective = objective_cls(cfg, meta, objectives.get(objective_cls.name, {}), device)
+    return objective.losses(model, counts, dist, lr), objective
+
+
+def _epochs(plan: Iterator[list[Batch]], train_step, data: ClientData, ctx: UpdateContext,
+            lr: float) -> tuple[int, float, float]:
+    """Run ``train_step`` over the client's batch ``plan``: (steps, mean generic loss, mean personal loss)."""
+    device = torch.device(ctx.device)
+    x_all, y_all = normalize(data.x, ctx.mean, ctx.std).to(device), data.y.to(device)
+    black = normalized_black(ctx.mean, ctx.std) if ctx.augment else None
     loss_sum = torch.zeros((), device=device)
     ploss_sum = torch.zeros((), device=device)
     steps = 0
@@ -269,19 +308,7 @@ def local_update(model: FedModel, message: RoundInput, data: ClientData, cfg: Tr
         # One check per epoch: a per-step .item() would synchronise a GPU on every batch.
         if not torch.isfinite(loss_sum + ploss_sum):
             raise LocalTrainingError(f"non-finite loss in local epoch {epoch + 1} (lr={lr:g})", diverged=True)
-
-    local = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    buffers = None
-    if cfg.momentum_buffers == "keep":
-        buffers = {k: opt.state[p]["momentum_buffer"].to("cpu", copy=True) for k, p in params.items()
-                   if "momentum_buffer" in opt.state.get(p, {})}
-    return finish_update(
-        model, local, correction, {k: params[k].detach() for k in generic}, num_samples=n,
-        loss=(loss_sum / steps).item(),
-        personal_loss=(ploss_sum / steps).item() if model.variant is not None else None,
-        steps=steps, lr=lr, momentum=cfg.momentum, seconds=time.perf_counter() - t0,
-        objectives={objective.name: objective.state()} if objective is not None else None,
-        momentum_buffers=buffers)
+    return steps, (loss_sum / steps).item(), (ploss_sum / steps).item()
 
 
 def to_device(state: StateDict, device) -> StateDict:

@@ -18,9 +18,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..clients import faults
 from ..config import ExperimentConfig
+from ..executors.runtimes import runtime_of
 from ..executors.shared_setup import share
 from ..federation_state.checkpoint import latest_checkpoint_name, load_checkpoint
-from ..federation_state.setup import prepare, prepare_server
 from ..federation_state.state import Snapshot
 from ..lifecycle.coordinator import STARTUP_ERRORS, Coordinator
 from ..lifecycle.run import RunLostError
@@ -86,7 +86,7 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
     # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message. Its arrays go
     # into the object store, and the coordinator is handed their references: this driver keeps no copy.
     # At sites, the server's test set only: the sites report their clients to the coordinator.
-    setup = prepare_server(cfg) if cfg.sites else prepare(cfg)
+    setup = runtime_of(cfg).prepare(cfg)
     if (line := format_model(cfg.model.arch, setup.dataset.image_shape)) is not None:
         log(line)
     started = connect(cfg)

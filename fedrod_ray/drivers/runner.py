@@ -8,8 +8,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import ExperimentConfig
-from ..executors.batched import in_process_executor
-from ..federation_state.setup import make_host, prepare
+from ..executors.runtimes import runtime_of
 from ..federation_state.state import Snapshot
 from ..lifecycle.run import Run
 from ..outputs.storage import RunStorage
@@ -33,9 +32,10 @@ def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | N
     if threads is not None:
         torch.set_num_threads(threads)
     log(f"torch threads: {torch.get_num_threads()} ({why})")
-    setup = prepare(cfg)
+    runtime = runtime_of(cfg)
+    setup = runtime.prepare(cfg)
     if (line := format_model(cfg.model.arch, setup.dataset.image_shape)) is not None:
         log(line)
-    executor = in_process_executor(make_host(setup, cfg.runtime.device), cfg.runtime.batched_clients)
+    setup, executor = runtime.start(setup)
     run = Run(Federation(setup, executor, log, progress), storage, snapshot)
     return run.train(lambda record: log(format_record(record, run.rounds)))

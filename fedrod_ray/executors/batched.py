@@ -1,4 +1,4 @@
-"""The batched executor (``runtime.batched_clients``) and the choice of in-process executor.
+"""The batched executor (``runtime.batched_clients``).
 
 ``BatchedExecutor`` trains a round's clients a group at a time with ``batched.batched_local_update``
 (the math), and falls back to one client at a time when a pass fails.
@@ -65,7 +65,3 @@ class BatchedExecutor(InProcessExecutor):
                 yield slot, (ClientFailure.from_exception(cid, out) if isinstance(out, Exception)
                              else state.trained(out))
 
-
-def in_process_executor(host: ClientHost, batched_clients: int) -> InProcessExecutor:
-    """The in-process executor ``runtime.batched_clients`` asks for: 0, one client at a time."""
-    return BatchedExecutor(host, batched_clients) if batched_clients else InProcessExecutor(host)

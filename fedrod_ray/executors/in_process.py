@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ..clients.client import ClientHost
+from .base import Executor
 
 
-class InProcessExecutor:
+class InProcessExecutor(Executor):
     """One ClientHost for every client, trained sequentially in this process."""
 
     def __init__(self, host: ClientHost):
@@ -29,6 +30,3 @@ class InProcessExecutor:
 
     def cancel(self) -> None:
         self.host.cancel()
-
-    def close(self) -> None:
-        pass

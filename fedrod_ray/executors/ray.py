@@ -27,7 +27,7 @@ from ..config import RuntimeConfig
 from ..federation_state.setup import Setup
 from ..server_math.aggregate import StateDict
 from ..timing.scheduling import LargestFirst, LongestQueueFirst
-from .base import Job
+from .base import Executor, Job
 from .shared_setup import SharedSetup, share
 
 RESTART_TIMEOUT_S = 120.0
@@ -100,7 +100,7 @@ class _Requeued:
     """A call that never ran (its actor had restarted bare): the item went back to the policy."""
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     """The executor protocol on a pool of ``ClientActor``s laid out by ``plan_layout``."""
 
     def __init__(self, setup: Setup, layout: Layout, log: Callable[[str], None] = print,
@@ -296,10 +296,6 @@ class RayExecutor:
             else:
                 merged.merge(value)
         return merged
-
-    def cancel(self) -> None:
-        """Nothing: this executor lives in the coordinator actor, which no Ctrl-C reaches (the driver's
-        stop ends the actor)."""
 
     def close(self) -> None:
         for actor in self.actors:

@@ -4,8 +4,8 @@ actors (``clients.site_actor``), placed on its nodes by their label ``fedrod.sit
 It starts the actors, learns each site's clients from them (``SiteActor.index``), and from then on runs the
 round's calls like the Ray executor it extends, each client on its home actor at its site: a training call
 carries the version and sha256 of the client's committed state instead of the state, and brings back the
-upload with the new state's version and hash, which the executor keeps (``site_versions``) for the server's
-checkpoint. P-FL is computed at the sites (``site_evaluate``), which send back sums.
+upload with the new state's version and hash, which the executor keeps (``kept_states``) for the server's
+checkpoint. P-FL is computed at the sites (``pfl_sums``), which send back sums.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..clients.site_actor import PFL_KEYS, SITE_LABEL, SiteActor
 from ..clients.site_store import SiteStateError
 from ..federation_state.setup import Setup
 from ..federation_state.site_setup import SiteSetup
-from .base import Job
+from .base import Job, PflSums
 from .ray import RESTART_TIMEOUT_S, Layout, RayExecutor
 
 SITE_POLL_S = 1.0  # how often a round that waits for a site (runtime.site_wait_s) looks again
@@ -48,6 +48,9 @@ def site_cpus(name: str) -> float:
 
 class SitesExecutor(RayExecutor):
     """The executor protocol over the sites' actors, and what the server keeps of the sites' states."""
+
+    evaluates_at_clients = True
+    clients_may_be_away = True
 
     def __init__(self, server: Setup, log: Callable[[str], None] = print):
         """``server``: the server's setup (``setup.prepare_server``); ``self.setup`` becomes the whole one
@@ -189,16 +192,15 @@ class SitesExecutor(RayExecutor):
             yield slot, value
 
     def evaluate(self, jobs, estimate=False):
-        raise NotImplementedError("with sites, P-FL is computed at the sites (site_evaluate)")
+        raise NotImplementedError("with sites, P-FL is computed at the sites (pfl_sums)")
 
     def finetune(self, jobs, message, epochs, round_idx):
         raise NotImplementedError("fine-tuning is not supported with sites")
 
-    def site_evaluate(self, global_shared: dict, method_state: dict, rounds_done: int,
-                      versions: dict[int, int]) -> dict:
+    def pfl_sums(self, global_shared: dict, method_state: dict, rounds_done: int,
+                 versions: dict[int, int]) -> PflSums:
         """Each site's P-FL sums of its clients, whose committed state has ``versions`` (client -> rounds trained),
-        added up in the order of the actors: {"pfl_*": (sum, clients)}, "failed": {client: error}, and the
-        clients at sites that are away, "unavailable"."""
+        added up in the order of the actors; the clients that failed, and those at sites that are away."""
         available = self.available()
         unavailable = [cid for cid in sorted(versions) if self.site_index[cid] not in available]
         by_home: dict[int, list] = {}
@@ -224,9 +226,16 @@ class SitesExecutor(RayExecutor):
                 sums[key][0] += total
                 sums[key][1] += count
             failed.update(values[a]["failed"])
-        return {"sums": sums, "failed": failed, "unavailable": sorted(unavailable)}
+        return PflSums({key: tuple(value) for key, value in sums.items()}, failed, sorted(unavailable), self.pfl_at)
 
-    def site_versions(self, rounds: dict[int, int]) -> dict[str, dict]:
+    @property
+    def pfl_at(self) -> str:
+        """Where P-FL is computed: each site's own test sets, or the server's re-weighted there."""
+        own = {s.index.own_tests for s in self.setup.sites}
+        where = {frozenset({True}): "own test sets", frozenset({False}): "the server's test set, re-weighted"}
+        return "sites: " + where.get(frozenset(own), "own test sets at some, the server's test set at others")
+
+    def kept_states(self, rounds: dict[int, int]) -> dict[str, dict]:
         """What a checkpoint records of each site's state, with the server's committed ``rounds`` (client ->
         rounds trained): every client's state version and sha256 by name, and a hash of them all."""
         out = {}
@@ -258,13 +267,13 @@ class SitesExecutor(RayExecutor):
             ray.wait(self.pruning, num_returns=len(self.pruning), timeout=RESTART_TIMEOUT_S)
         super().close()
 
-    def restore_sites(self, sites: dict[str, dict], rounds: dict[int, int]) -> None:
-        """Take a checkpoint's ``site_versions`` (the server's ``rounds`` with it), after every site has checked
+    def restore(self, kept: dict[str, dict], rounds: dict[int, int]) -> None:
+        """Take a checkpoint's ``kept_states`` (the server's ``rounds`` with it), after every site has checked
         that its store holds each of its clients' states as named; a site that does not is refused."""
         problems = []
         self.digests = {}
         for i, site in enumerate(self.setup.sites):
-            recorded = sites.get(site.name, {"clients": {}})["clients"]
+            recorded = kept.get(site.name, {"clients": {}})["clients"]
             ids = {site.client_name(cid): cid for cid in site.ids}
             for name, (version, digest) in recorded.items():
                 if name not in ids:

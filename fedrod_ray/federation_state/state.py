@@ -57,5 +57,5 @@ class Snapshot:
     dispatches: int = 0
     in_flight: list[Arrival] = field(default_factory=list)
     # At sites (``data.dataset: sites``): each site's clients' state versions and sha256, by site name; the states
-    # themselves stay at the sites (``executors.sites.SitesExecutor.site_versions``).
+    # themselves stay at the sites (``executors.sites.SitesExecutor.kept_states``).
     sites: dict[str, dict] = field(default_factory=dict)

@@ -11,9 +11,8 @@ import torch
 from ..clients.site_store import SiteStateError
 from ..config import ConfigError
 from ..data import DatasetFormatError, DatasetNotFoundError
-from ..executors.ray import RayExecutor, plan_layout
+from ..executors.runtimes import runtime_of
 from ..executors.shared_setup import SharedSetup
-from ..executors.sites import SitesExecutor
 from ..federation_state.state import Snapshot
 from ..outputs.storage import RunStorage
 from ..round_loop.federation import Federation
@@ -36,20 +35,14 @@ class CoordinatorImpl:
                  restart: tuple[int, int] | None = None):
         cfg = shared.cfg
         torch.set_num_threads(max(1, cfg.runtime.torch_threads or 1))
-        setup = shared.setup()
         self.start_error: Exception | None = None
-        if cfg.sites:  # the sites' actors report their clients, which make the whole setup
-            try:
-                self.executor = SitesExecutor(setup, log=print)
-                self.layout = self.executor.layout
-                self.run = Run(Federation(self.executor.setup, self.executor, log=print), RunStorage(storage_uri),
-                               snapshot)
-            except STARTUP_ERRORS as e:
-                self.start_error = e
+        try:  # at sites, the sites' actors report their clients, which make the whole setup
+            setup, self.executor = runtime_of(cfg).start(shared.setup(), shared=shared, log=print)
+            self.layout = self.executor.layout
+            self.run = Run(Federation(setup, self.executor, log=print), RunStorage(storage_uri), snapshot)
+        except STARTUP_ERRORS as e:
+            self.start_error = e
             return
-        self.layout = plan_layout(cfg.runtime, len(setup.all_client_ids), ray.cluster_resources())
-        self.executor = RayExecutor(setup, self.layout, shared=shared)
-        self.run = Run(Federation(setup, self.executor, log=print), RunStorage(storage_uri), snapshot)
         if restart is not None:
             self.run.redo(*restart)
 

@@ -41,9 +41,7 @@ from typing import ClassVar
 
 import torch
 
-from ..algorithms import GenericRule
-from ..client_update.local import ClientData, LocalResult, Outcome, RoundInput
-from ..config import TrainConfig
+from ..client_update.local import ClientData, LocalResult, Outcome, RoundInput, UpdateContext
 from ..models import FedModel
 from ..server_math.aggregate import StateDict
 from ..specs.rules import NoParams
@@ -65,23 +63,6 @@ class ServerContext:
 # ask(phase, common, questions) sends each client ``common`` and its own question (by client id) and gives
 # back the answers of those that answered (a client that failed is logged and left out).
 Ask = Callable[[str, StateDict, dict[int, StateDict]], dict[int, StateDict]]
-
-
-@dataclass
-class UpdateContext:
-    """Everything a client's update reads besides the model, the round's message, its data and its state."""
-
-    cfg: TrainConfig
-    rule: GenericRule
-    round_idx: int
-    seed: int
-    client_id: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    augment: bool
-    device: torch.device
-    initial: StateDict  # the model's initial weights (every parameter), which a client that never trained has
-    meta_set: ClientData | None = None
 
 
 class Personalization:

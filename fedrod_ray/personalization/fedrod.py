@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..client_update.local import load_client_weights, local_update
+from ..client_update.local import ClientStart, load_client_weights, local_update
 from ..models import FedModel, build_model
 from .base import Personalization
 from .finetune import fine_tune
@@ -23,11 +23,8 @@ from .registry import register
 
 class _FedRoD(Personalization):
     def train(self, model, message, data, personal, local_model, rule_state, objectives, momentum, ctx):
-        return local_update(
-            model, message, data, ctx.cfg, ctx.rule, round_idx=ctx.round_idx, seed=ctx.seed,
-            client_id=ctx.client_id, mean=ctx.mean, std=ctx.std, augment=ctx.augment, personal=personal,
-            rule_state=rule_state, initial=local_model if ctx.rule.starts_from_local_model else None,
-            meta_set=ctx.meta_set, objectives=objectives, momentum_buffers=momentum, device=ctx.device)
+        return local_update(model, message, data, ctx, ClientStart(
+            personal, rule_state, local_model if ctx.rule.starts_from_local_model else None, objectives, momentum))
 
     def load_pm(self, model, state, data, ctx):
         load_client_weights(model, state.local_model, state.personal)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..algorithms import build_rule
-from ..client_update.local import ClientData, RoundInput, derived_seed, local_update
+from ..client_update.local import ClientData, ClientStart, RoundInput, derived_seed, local_update
 from ..models import FedModel
 from ..objectives import get_objective
 from ..server_math.aggregate import StateDict
@@ -34,6 +34,7 @@ def fine_tune(model: FedModel, start: StateDict, data: ClientData, personal: Sta
                               local_epochs=epochs, momentum_buffers="reset", generic_rule="fedavg", rule_params={},
                               balanced_loss="ce" if variant is None else loss)
     own = model.state_dict()
-    local_update(model, RoundInput({k: v for k, v in start.items() if k in own}), data, cfg, build_rule("fedavg"),
-                 round_idx=ctx.round_idx, seed=derived_seed(ctx.seed, FINETUNE_TAG), client_id=ctx.client_id,
-                 mean=ctx.mean, std=ctx.std, augment=ctx.augment, personal=personal, device=ctx.device)
+    tuning = dataclasses.replace(ctx, cfg=cfg, rule=build_rule("fedavg"), seed=derived_seed(ctx.seed, FINETUNE_TAG),
+                                 meta_set=None)
+    local_update(model, RoundInput({k: v for k, v in start.items() if k in own}), data, tuning,
+                 ClientStart(personal=personal))

@@ -1,15 +1,14 @@
 """The round loop, shared by every runtime: configure -> local train -> aggregate -> evaluate.
 
 ``Federation`` holds the server's state (global weights, the generic rule's state) and drives an
-*executor* that owns the clients (``fedrod_ray.executors``: in this process, batched, or on Ray
-actors), through the protocol of ``executors.base`` only. The math lives in pure modules (``local``,
+*executor* that owns the clients (in this process, batched, on Ray actors, at sites, on Flower's SuperNodes),
+through the protocol of ``executors.base`` only: it never asks which runtime it has. The math lives in pure modules (``local``,
 ``aggregate``, ``algorithms``, ``metrics``) and the metrics in ``evaluation``; this file only sequences it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from ..algorithms import build_rule
 from ..client_update.local import LocalResult, RoundInput, round_lr
 from ..clients.client import ClientFailure, ClientState, ClientUnavailable
 from ..config import ConfigError
-from ..executors.base import Executor
+from ..executors.base import Executor, RoundFailedError, SumRequest
 from ..federation_state.buffered_rounds import BufferedRounds
 from ..federation_state.client_store import ClientStore, LocalModels
 from ..federation_state.dp_rounds import ClientLevelDP, check_shared
@@ -30,6 +29,7 @@ from ..personalization import Ask, ServerContext, build_method
 from ..server_math.aggregate import OrderedAverager, StateDict
 from ..server_math.buffered import buffered_update, staleness_weight
 from ..server_math.server import clients_per_round, sample_clients, sample_count
+from ..server_math.sums import Losses, RoundSums, mean_losses
 from ..timing.clock import (
     client_speeds,
     communication_seconds,
@@ -39,31 +39,10 @@ from ..timing.clock import (
     read_trace,
 )
 from .evaluation import Evaluation, anchored, estimate_offset
-from .round_sums import RoundSums, shared_update
-from .site_evaluation import SiteEvaluation
+from .remote_evaluation import RemoteEvaluation
+from .round_sums import shared_update
 
-
-class RoundFailedError(RuntimeError):
-    """Too many clients of a round failed for its average to be trusted."""
-
-
-@dataclass
-class Losses:
-    """A round's participants as its record reports them: how many finished, their sample-weighted mean loss
-    (NaN without any: a DP round under Poisson sampling may have none) and personal loss (None: the method has
-    none)."""
-
-    done: int
-    train_loss: float
-    personal_loss: float | None
-
-
-def mean_losses(done: list) -> Losses:
-    """The ``Losses`` of the clients ``done`` (each with ``num_samples``, ``loss`` and ``personal_loss``)."""
-    weights = np.array([res.num_samples for res in done], dtype=np.float64)
-    return Losses(len(done), float(np.average([res.loss for res in done], weights=weights)) if done else math.nan,
-                  (float(np.average([res.personal_loss for res in done], weights=weights))
-                   if done and done[0].personal_loss is not None else None))
+__all__ = ["Collected", "Federation", "RoundFailedError"]
 
 
 @dataclass
@@ -112,9 +91,9 @@ class Federation:
         # disk. A state is only ever replaced, never written into, so a snapshot stays valid while training
         # goes on.
         self.clients = ClientStore(len(setup.all_client_ids), self.cfg.runtime.client_cache)
-        # At sites (``data.dataset: sites``), P-FL is computed where the clients are.
-        self.evaluation = (SiteEvaluation if setup.at_sites else Evaluation)(setup, self.model, self.method,
-                                                                              self.initial, log)
+        # P-FL per client here, or summed where the clients are (at sites).
+        self.evaluation = (RemoteEvaluation if executor.evaluates_at_clients else Evaluation)(
+            setup, self.model, self.method, self.initial, log)
         self.estimate_offset: dict[str, float] = {}
         self.next_round = 0
         # Client-level DP (``privacy``): its sampling, clipping and noised aggregate replace the plain ones.
@@ -171,13 +150,11 @@ class Federation:
         return Snapshot(self.next_round, self.cfg, dict(self.global_shared), dict(self.server_state),
                         self.clients.snapshot(), dict(self.estimate_offset), dict(self.method_state),
                         dict(self.privacy_state), self.virtual_time, buffered.dispatches if buffered else 0,
-                        list(buffered.in_flight) if buffered else [], self._site_versions())
+                        list(buffered.in_flight) if buffered else [], self.executor.kept_states(self._rounds()))
 
-    def _site_versions(self) -> dict:
-        """At sites: the version and sha256 of every client's state that each site keeps (``SitesExecutor``)."""
-        if not self.setup.at_sites:
-            return {}
-        return self.executor.site_versions({cid: self.clients.rounds_trained(cid) for cid in self.clients})
+    def _rounds(self) -> dict[int, int]:
+        """Each client's committed rounds trained: the version of its state that a runtime keeps itself."""
+        return {cid: self.clients.rounds_trained(cid) for cid in self.clients}
 
     def restore(self, snap: Snapshot) -> None:
         if set(snap.global_shared) != set(self.shared_keys):
@@ -189,8 +166,8 @@ class Federation:
         if self.dp is not None:
             self.privacy_state = dict(snap.privacy_state) or self.dp.init_state()
         self.clients.restore(snap.clients)
-        if self.setup.at_sites:  # each site checks that it holds its clients' states as the snapshot names them
-            self.executor.restore_sites(snap.sites, {cid: self.clients.rounds_trained(cid) for cid in self.clients})
+        # A runtime that keeps client states itself (at sites) checks it holds them as the snapshot names them.
+        self.executor.restore(snap.sites, self._rounds())
         self.next_round = snap.rounds_done
         self.estimate_offset = dict(snap.estimate_offset)
         self.virtual_time = snap.virtual_time
@@ -238,7 +215,7 @@ class Federation:
         clip_norm = dp.clip_norm(self.privacy_state) if dp else None
         jobs, message = self._send(r, ids, clip_norm)
         self._report(r + 1, 0, len(ids))
-        out = self._collect(r, ids, jobs, message)
+        out = (self._collect_sums if self.executor.sums_only else self._collect)(r, ids, jobs, message)
         if ids and len(out.unavailable) == len(ids):
             reasons = "; ".join(sorted({u.reason for u in out.unavailable}))
             raise RoundFailedError(f"round {r + 1}: all {len(ids)} sampled clients are unavailable ({reasons}); the "
@@ -258,7 +235,7 @@ class Federation:
         self.virtual_time += seconds
 
         record = self._record(r, out.losses, out.failures, t0, seconds)
-        if self.setup.at_sites:
+        if self.executor.clients_may_be_away:
             record.update(clients=len(ids), clients_unavailable=len(out.unavailable),
                           unavailable_ids=sorted(u.client_id for u in out.unavailable))
         if rc.mode == "deadline":
@@ -308,6 +285,30 @@ class Federation:
             self._report(r + 1, len(results) + len(failures) + len(unavailable), len(ids))
         sums = RoundSums(generic.sum(), rest.sum(), uploads.sum(), clipped.sum(), unclipped)
         return Collected(sums, mean_losses(list(results.values())), results, new_states, failures, unavailable)
+
+    def _collect_sums(self, r: int, ids: list[int], jobs: list, message: RoundInput) -> Collected:
+        """Round ``r``'s clients ``ids`` trained and summed by a secure aggregation (``executor.train_sums``):
+        the server keeps of a client only that it trained and (a copy of) the weights it was sent, never what it
+        sent back."""
+        if not ids:  # a DP round under Poisson sampling with no client: nothing to sum
+            return Collected(RoundSums.empty(), Losses(0, float("nan"), None))
+        request = SumRequest(frozenset(self.generic_keys), self._upload_shapes(), self.dp is not None,
+                             tuple(int(n) for n in self.setup.sizes))
+        summed = self.executor.train_sums(r, jobs, message, request)
+        for f in summed.failures:
+            self.log(f"[round {r + 1}] client {f.client_id} failed: {f.error}\n{f.traceback}")
+        self._check_failures(r, len(ids), summed.failures)
+        slots = {cid: slot for slot, (cid, _) in enumerate(jobs)}
+        states = {cid: ClientState(local_model={k: v.clone() for k, v in message.weights.items()},
+                                   rounds_trained=jobs[slots[cid]][1].rounds_trained + 1) for cid in summed.done}
+        self._report(r + 1, len(ids), len(ids))
+        return Collected(summed.sums, summed.losses, {}, states, summed.failures)
+
+    def _upload_shapes(self) -> StateDict:
+        """The rule's upload of an update that did not move: its keys, shapes and dtypes (SCAFFOLD's Delta c)."""
+        generic = self._generic(self.global_shared)
+        correction = self.rule.start_local(generic, {}, self.rule.broadcast(self.server_state))
+        return correction.finish(generic, 1.0)[1] if correction is not None else {}
 
     def _record(self, r: int, losses: Losses, failures: list, t0: float, seconds: float) -> dict:
         """A round's (or server step's) record up to the evaluation: its clients' ``losses`` and their

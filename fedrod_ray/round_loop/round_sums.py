@@ -1,9 +1,6 @@
-"""A round's server step from sums over its participants: what the rule (and client-level DP) make of them.
-
-The round loop folds each client's result into ``RoundSums`` in the round's client order (``Federation``); a
-secure aggregation (Flower's SecAgg+, ``fedrod_ray_flower.secure``) hands over the same sums without any one
-client's result. Either way ``shared_update`` turns them into the new shared weights and the rule's and DP's
-server state, so the math is written once.
+"""A round's server step from sums over its participants (``server_math.sums.RoundSums``): what the rule (and
+client-level DP) make of them, written once whether the loop summed the clients' results itself or a secure
+aggregation (an executor that is ``sums_only``) handed over only the sums.
 """
 
 from __future__ import annotations
@@ -12,22 +9,8 @@ from dataclasses import dataclass
 
 from ..algorithms import GenericRule
 from ..federation_state.dp_rounds import ClientLevelDP
-from ..server_math.aggregate import StateDict, WeightedSum
-
-
-@dataclass
-class RoundSums:
-    """The round's sums over its participants: without client-level DP, theta and psi under the rule's
-    ``aggregation_weight`` (``generic``), the other shared weights (the hyper head's nu) by sample count
-    (``rest``) and the rule's uploads unweighted (``uploads``); with it, every shared weight unweighted
-    (``clipped``, each participant's anchor + clip(Delta)) and how many updates were within the clip norm
-    (``unclipped``). The sums a mode does not use are empty."""
-
-    generic: WeightedSum
-    rest: WeightedSum
-    uploads: WeightedSum
-    clipped: WeightedSum
-    unclipped: int = 0
+from ..server_math.aggregate import StateDict
+from ..server_math.sums import RoundSums
 
 
 @dataclass
