@@ -1,8 +1,10 @@
-"""A client's class distribution from the request, content-addressed head ids, and the bounded head cache."""
+"""A client's class distribution from the request, keyed head ids, and the bounded head cache."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -31,19 +33,28 @@ def class_dist(values: Sequence[float], class_names: Sequence[str], field: str) 
     return (a / total).to(torch.float32)
 
 
-def head_id(version_id: str, a: torch.Tensor) -> str:
-    """sha256 of the model version and a's float32 bytes (little-endian), first 32 hex digits."""
+def head_id(secret: bytes, version_id: str, a: torch.Tensor) -> str:
+    """HMAC-SHA256, keyed by the server's ``secret``, of the model version and a's float32 bytes
+    (little-endian), first 32 hex digits. Keyed, so that no one can compute a distribution's id offline
+    and ask GET /v1/heads/{id} whether anyone posted that distribution (docs/privacy.md)."""
     data = a.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
-    return hashlib.sha256(version_id.encode() + b":" + data).hexdigest()[:32]
+    return hmac.new(secret, version_id.encode() + b":" + data, hashlib.sha256).hexdigest()[:32]
 
 
 class HeadCache:
-    """The most recently used zero-shot heads of one model version, at most ``size`` of them."""
+    """The most recently used zero-shot heads of one model version, at most ``size`` of them, under ids
+    keyed by a random secret of its own: drawn from the OS's CSPRNG when the version is loaded, never stored
+    or sent, so an id is good only in the process (Ray Serve: the replica) that made it, as its head is."""
 
     def __init__(self, size: int):
         self.size = size
+        self.secret = secrets.token_bytes(32)
         self._heads: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()  # sync routes run on a thread pool
+
+    def key(self, version_id: str, a: torch.Tensor) -> str:
+        """The id of ``a``'s head under this cache's secret."""
+        return head_id(self.secret, version_id, a)
 
     def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(a, head) for a head id, or None if it was never made or has been evicted."""

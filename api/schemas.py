@@ -121,8 +121,9 @@ class HeadResponse(BaseModel):
         "head_id": EXAMPLE_HEAD_ID, "model_version": EXAMPLE_VERSION, "class_distribution": [0.75, 0.25],
         "shape": [2, 3], "weights": [[0.12, -0.03, 0.4], [-0.2, 0.05, 0.0]]}]})
 
-    head_id: str = Field(description="content address: the same model version and normalised distribution "
-                                     "always give the same id")
+    head_id: str = Field(description="the head's id at this server: the same model version and normalised "
+                                     "distribution give the same id here; keyed by the server's secret, so "
+                                     "no one can compute it offline")
     model_version: str
     class_distribution: list[float] = Field(description="the normalised distribution a, made into the head")
     shape: list[int] = Field(description="[num_classes, feature_dim]")

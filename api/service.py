@@ -17,7 +17,7 @@ from fedrod_ray.models.export import FINAL_DIR, ExportError, ServedModel, load_f
 from fedrod_ray.outputs.storage import RunStorage
 
 from .errors import ApiError, Conflict, NotFound
-from .heads import HeadCache, class_dist, head_id
+from .heads import HeadCache, class_dist
 from .schemas import DISTRIBUTION_FIELDS, PredictRequest
 
 
@@ -121,7 +121,7 @@ def request_dist(loaded: Loaded, req) -> tuple[str, torch.Tensor] | None:
 
 def zero_shot(loaded: Loaded, a: torch.Tensor) -> tuple[str, torch.Tensor]:
     """(head_id, H(a; nu)), from the cache when this distribution was seen before."""
-    key = head_id(loaded.served.version_id, a)
+    key = loaded.heads.key(loaded.served.version_id, a)
     return key, loaded.heads.get_or_make(key, a, loaded.served.zero_shot_head)
 
 

@@ -95,7 +95,9 @@ def _logits(served, x):
         return z, served.model.generic_head(z)
 
 
-def _head_id(version, a):
+def _offline_head_id(version, a):
+    """What anyone could compute without the server's secret: the unkeyed sha256 of the version and a (the
+    id before issue 60)."""
     return hashlib.sha256(version.encode() + b":" + a.numpy().astype("<f4").tobytes()).hexdigest()[:32]
 
 
@@ -181,7 +183,7 @@ def test_zero_shot_head_by_hand(hyper):
     # H(a) = W2 relu(W1 a), reshaped to (classes, feature_dim).
     w1, w2 = served.model.hypernet.net[0].weight, served.model.hypernet.net[2].weight
     assert torch.allclose(torch.tensor(body["weights"]), (w2 @ torch.relu(w1 @ a)).view(10, 50), atol=1e-6)
-    assert body["head_id"] == _head_id(served.version_id, a)
+    assert body["head_id"] != _offline_head_id(served.version_id, a)
 
     # The same distribution, given as weights or at another scale, is the same head.
     for same in ({"class_distribution": a.tolist()}, {"class_distribution": [c / 4.8 for c in counts]},
@@ -190,6 +192,29 @@ def test_zero_shot_head_by_hand(hyper):
     assert hyper.get(f"/v1/heads/{body['head_id']}").json() == body
     other = hyper.post("/v1/heads", json={"class_counts": [1] * 10}).json()
     assert other["head_id"] != body["head_id"]
+
+
+def test_head_ids_cannot_be_computed_offline(hyper, runs):
+    """The attacker's side of the head cache (issue 60): someone posted a distribution; an attacker who
+    guesses it computes its id offline, as the unkeyed sha256 made it, and asks GET /v1/heads/{id}. The
+    answer is the same 404 as for an id never made, so it confirms nothing; the id the poster got is not
+    the offline one; and another server process (a restart, another Ray Serve replica) keys its ids with a
+    secret of its own, so even a leaked id says nothing about the distribution there."""
+    version = _served(hyper).served.version_id
+    secret_counts = [120, 0, 3, 0, 0, 45, 0, 310, 0, 2]
+    posted = hyper.post("/v1/heads", json={"class_counts": secret_counts}).json()
+    a = torch.tensor(secret_counts, dtype=torch.float32) / sum(secret_counts)
+    guessed = _offline_head_id(version, a)
+    assert guessed != posted["head_id"]
+    probe = hyper.get(f"/v1/heads/{guessed}")
+    never = hyper.get("/v1/heads/" + "0" * 32)
+    assert probe.status_code == never.status_code == 404
+    assert probe.json()["detail"].replace(guessed, "ID") == never.json()["detail"].replace("0" * 32, "ID")
+    # Nor is it any key the attacker could guess: another server of the same model gives another id.
+    with TestClient(create_app(str(runs / "hyper"))) as other:
+        elsewhere = other.post("/v1/heads", json={"class_counts": secret_counts}).json()
+        assert elsewhere["weights"] == posted["weights"] and elsewhere["head_id"] != posted["head_id"]
+        assert other.get(f"/v1/heads/{posted['head_id']}").status_code == 404
 
 
 def test_minus_zero_is_the_same_distribution_as_zero(hyper):
@@ -334,7 +359,10 @@ def test_an_app_with_a_batching_forward_answers_as_the_plain_app(runs, monkeypat
             body = {"images": _pixels(n, seed=n).tolist(), "class_counts": [3, 0, 0, 1, 0, 0, 0, 0, 0, 2]}
             got, want = batching.post("/v1/predict", json=body), plain.post("/v1/predict", json=body)
             assert got.status_code == want.status_code == 200
-            assert got.json() == want.json()
+            got, want = got.json(), want.json()
+            # Each app keys its head ids with a secret of its own.
+            assert got["personalized"].pop("head_id") != want["personalized"].pop("head_id")
+            assert got == want
             bad = {**body, "images": [*body["images"][:-1], [[[300] * SHAPE[2]] * SHAPE[1]]]}
             r = batching.post("/v1/predict", json=bad)
             assert r.status_code == 422 and r.json()["field"] == f"images[{n - 1}][0][0][0]"
@@ -360,7 +388,7 @@ def test_personalized_predictions_by_hand(hyper):
     assert torch.allclose(torch.tensor(personal["probabilities"]), expected, atol=1e-6)
     assert personal["top_k"] == _top(expected, 3)
     assert personal["by"] == "class_counts" and personal["client_id"] is None
-    assert personal["head_id"] == _head_id(served.version_id, a)
+    assert personal["head_id"] == hyper.post("/v1/heads", json={"class_counts": counts}).json()["head_id"]
     assert torch.allclose(torch.tensor(r.json()["generic"]["probabilities"]), generic.softmax(1), atol=1e-6)
 
     for other, by in (({"class_distribution": [c / 200 for c in counts]}, "class_distribution"),

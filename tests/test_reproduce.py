@@ -34,7 +34,8 @@ GENERIC_ROWS = ["FedAvg", "FedProx", "SCAFFOLD", "FedDyn", "local-only", "Fed-Ro
 PFL_ROWS = ["MTL", "LG-FedAvg", "FedPer", "Per-FedAvg", "pFedMe", "Ditto", "FedFOMO", "FedRep"]
 # The methods built for new clients (FEDROD.md, "Methods that personalize new clients").
 NEWCOMER_ROWS = ["FedBABU", "pFedHN", "PeFLL"]
-MAIN_ROWS = GENERIC_ROWS + PFL_ROWS + NEWCOMER_ROWS
+LEADER_ROWS = ["GPFL", "FedCP"]  # today's strongest personalized-FL methods (issue 62)
+MAIN_ROWS = GENERIC_ROWS + PFL_ROWS + NEWCOMER_ROWS + LEADER_ROWS
 
 
 # --- the tables: every row a valid config -----------------------------------------------------------
@@ -104,6 +105,9 @@ def test_the_rows_say_what_the_contract_says():
         assert (main[label]["train.head"], main[label]["train.balanced_loss"]) == (head, "ce")
         assert main[label]["train.head_params"] == params
         assert TABLES["new-clients"][label] == {**main[label], "eval.finetune_epochs": FINETUNE_EPOCHS}
+    # GPFL and FedCP: cross-entropy, their official scripts' values.
+    assert main["GPFL"]["train.head_params"] == {"lam": 0.01, "mu": 0.1} and main["GPFL"]["train.head"] == "gpfl"
+    assert main["FedCP"]["train.head_params"] == {"lam": 5.0} and main["FedCP"]["train.head"] == "fedcp"
     assert main["Fed-RoD (hyper) + FedDyn"]["train.generic_rule"] == "feddyn"
     assert (main["Fed-RoD (Meta-BSM)"]["train.head"], main["Fed-RoD (Meta-BSM)"]["train.balanced_loss"]) == (
         "linear", "meta_bsm")
