@@ -5,10 +5,14 @@ tests/test_personalization.py and match on Ray in tests/test_ray_runtime.py."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from fedrod_ray_tune.space import load_sweep
+from fedrod_ray_tune.tables import MAIN
 from test_federation import make_federation
 from torch import nn
 
@@ -18,7 +22,14 @@ from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.federation_state.final import write_final
 from fedrod_ray.models import build_model
 from fedrod_ray.models.export import load_final
-from fedrod_ray.models.readouts import CoV, FedCPReadout, GPFLReadout, cosine_logits, gumbel_softmax, masked_logits
+from fedrod_ray.models.readouts import (
+    CoV,
+    FedCPReadout,
+    GPFLReadout,
+    cosine_logits,
+    gumbel_softmax,
+    masked_logits,
+)
 from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.personalization.fedcp import context_of, mmd2, upload_head
 from fedrod_ray.personalization.gpfl import conditions, gpfl_loss
@@ -240,3 +251,25 @@ def test_final_serves_the_methods_gm_with_its_readout(name, tmp_path):
     model.eval()
     with torch.no_grad():
         assert torch.equal(served.model(x), model(x))
+
+
+# --- the sweeps and the tables' rows ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sweep, head, grid", [
+    ("pfl_gpfl", "gpfl", {(lam, mu) for lam in (0.01, 0.1) for mu in (0.01, 0.1)}),
+    ("pfl_fedcp", "fedcp", {(lam,) for lam in (1.0, 2.0, 5.0, 10.0)}),
+])
+def test_the_selection_sweeps_search_around_the_official_values_on_another_seed(sweep, head, grid):
+    """tune/pfl_gpfl.yaml, tune/pfl_fedcp.yaml: every grid point a valid trial of the method on FMNIST Dir(0.3)
+    at a seed that is not the tables' (0), the official values among them; 4 trials each."""
+    spec = load_sweep(Path(__file__).resolve().parents[1] / "tune" / f"{sweep}.yaml")
+    grids = {k: v["grid"] for k, v in spec.search.items()}
+    seen = set()
+    for values in itertools.product(*grids.values()):
+        cfg = spec.trial_config(dict(zip(grids, values)))
+        assert cfg.seed != 0 and cfg.data.alpha == 0.3 and cfg.data.dataset == "fmnist"
+        assert cfg.train.head == head and cfg.train.balanced_loss == "ce"
+        seen.add(tuple(cfg.train.head_params.values()))
+    assert seen == grid and len(seen) == 4
+    assert tuple(MAIN[{"gpfl": "GPFL", "fedcp": "FedCP"}[head]]["train.head_params"].values()) in grid

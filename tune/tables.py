@@ -37,12 +37,20 @@ PFL = {
 # rows, in the main table and the new-clients table, with the values their sweeps chose at seed 1 (the tables run
 # seed 0; tune/pfl_fedbabu.yaml, pfl_pfedhn.yaml at 0a5d1e9 and pfl_pefll.yaml at 88fd0bd, run by
 # deploy/reproduce_local.py: docs/results.md, "Methods built for new clients"): FedBABU's PM fine-tunes for tau_f
-# epochs; pFedHN's and PeFLL's server learning rate and embedding size; PeFLL's descriptors standardized.
+# epochs; pFedHN's and PeFLL's server learning rate and embedding size; PeFLL's descriptors standardized (descriptor_scaling).
 FEDBABU_FINETUNE_EPOCHS = 2
 NEWCOMERS = {
     "FedBABU": _method("fedbabu", "ce", finetune_epochs=FEDBABU_FINETUNE_EPOCHS),
     "pFedHN": _method("pfedhn", "ce", server_lr=1e-3, embed_dim=13),
-    "PeFLL": _method("pefll", "ce", server_lr=5e-4, embed_dim=26, standardize=True),
+    "PeFLL": _method("pefll", "ce", server_lr=5e-4, embed_dim=26, descriptor_scaling="standardize"),
+}
+
+# Today's strongest personalized-FL methods (issue 62; FEDROD.md, "Today's strongest P-FL methods"), beside the
+# paper's rows in the main table, at their official scripts' values until their sweeps (tune/pfl_gpfl.yaml,
+# pfl_fedcp.yaml) choose: GPFL's lambda and mu, FedCP's lambda.
+LEADERS = {
+    "GPFL": _method("gpfl", "ce", lam=0.01, mu=0.1),
+    "FedCP": _method("fedcp", "ce", lam=5.0),
 }
 
 FEDAVG = _method("none", "ce")
@@ -63,6 +71,7 @@ MAIN = {
     "Fed-RoD (Meta-BSM)": _method("linear", "meta_bsm"),
     **PFL,
     **NEWCOMERS,
+    **LEADERS,
 }
 # Client-level DP's privacy-utility table (docs/privacy.md; base configs/fmnist_dp.yaml): each method without DP
 # (epsilon = inf) and at target epsilons at delta = 1e-5, sigma derived from each over the run's rounds, Poisson
@@ -105,5 +114,5 @@ TABLES: dict[str, dict[str, dict[str, Any]]] = {
     # The main rows with long-tailed global training data.
     "imbalanced": {f"{label}, IM {ratio}": {**overrides, "data.imbalance_ratio": ratio}
                    for ratio in IMBALANCE_RATIOS for label, overrides in MAIN.items()
-                   if label not in PFL and label not in NEWCOMERS},
+                   if label not in PFL and label not in NEWCOMERS and label not in LEADERS},
 }
