@@ -213,6 +213,32 @@ def _check_head(cfg: ExperimentConfig) -> None:
                           "use a model without buffers")
 
 
+def _check_distributed(p: PrivacyConfig) -> None:
+    """The distributed discrete Gaussian's settings (docs/privacy.md, "Distributed DP"): errors for the
+    settings it cannot account for, and for its own settings under the central mechanism."""
+    own = ("bits", "min_participants", "max_participants")
+    if p.mechanism == "central":
+        for key in own:
+            if getattr(p, key) is not None:
+                raise ConfigError(f"privacy.{key}: has no effect without privacy.mechanism=distributed_dgauss")
+        return
+    if p.min_participants is None:
+        raise ConfigError("privacy.min_participants: privacy.mechanism=distributed_dgauss needs the fewest "
+                          "participants whose noise a round's sum holds (at most SecAgg+'s reconstruction threshold)")
+    if p.max_participants is not None and p.max_participants < p.min_participants:
+        raise ConfigError(f"privacy.max_participants: {p.max_participants} is below privacy.min_participants "
+                          f"({p.min_participants})")
+    for key, allowed, why in (("sampling", "poisson", "its accountant amplifies by Poisson sampling only"),
+                              ("accountant", "rdp", "its bound is an RDP curve"),
+                              ("adaptive_clip", None, "the unclipped count would need noise of its own"),
+                              ("clip_norm", "finite", "the grid is sized from it")):
+        value = getattr(p, key)
+        ok = math.isfinite(value) if allowed == "finite" else value == allowed
+        if not ok:
+            raise ConfigError(f"privacy.{key}: {value!r} cannot be used with privacy.mechanism=distributed_dgauss: "
+                              f"{why}")
+
+
 def _check_privacy(cfg: ExperimentConfig) -> None:
     """What client-level DP needs of its settings and rules out (docs/privacy.md)."""
     p, t = cfg.privacy, cfg.train
@@ -233,6 +259,7 @@ def _check_privacy(cfg: ExperimentConfig) -> None:
     if p.accountant == "pld" and p.sampling != "poisson":
         raise ConfigError("privacy.accountant: pld (dp_accounting's) accounts for Poisson sampling only; use rdp "
                           "with privacy.sampling=fixed")
+    _check_distributed(p)
     why = RULES[t.generic_rule].not_private
     if why:
         private = ", ".join(n for n in RULES if not RULES[n].not_private)

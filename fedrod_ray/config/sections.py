@@ -44,6 +44,9 @@ MODES = ("auto", "local", "ray")
 # round(client_fraction * clients) of them, drawn without replacement.
 SAMPLINGS = ("poisson", "fixed")
 ACCOUNTANTS = ("rdp", "pld")  # privacy.accountant: Renyi DP, or privacy loss distributions (Poisson only)
+# privacy.mechanism: the server noises the sum (central), or each participant of Flower's SecAgg+ noises its own
+# share in the integers before masking (distributed_dgauss: the distributed discrete Gaussian)
+MECHANISMS = ("central", "distributed_dgauss")
 # rounds.mode (docs/rounds.md): sync waits for every sampled client; deadline over-selects and drops the clients
 # that miss the deadline; fedbuff is buffered asynchronous aggregation (a server step every K arrivals).
 ROUND_MODES = ("sync", "deadline", "fedbuff")
@@ -192,6 +195,15 @@ class PrivacyConfig:
     # only: not private against anyone who knows the seeds, which config.yaml holds.
     noise_seed: NonNegativeInt | None = None
     accountant: Annotated[StrictStr, OneOf(ACCOUNTANTS)] = "rdp"
+    mechanism: Annotated[StrictStr, OneOf(MECHANISMS)] = "central"  # see MECHANISMS
+    # distributed_dgauss only: the bits per coordinate of the integer ring the participants' shares are summed in
+    # (the modulus 2^bits); None: 16
+    bits: Annotated[int, Field(strict=True, ge=8, le=30)] | None = None
+    # distributed_dgauss only (required): the fewest participants whose noise a round's sum holds (SecAgg+'s
+    # reconstruction threshold at most); each adds 1 / min_participants of the noise's variance
+    min_participants: PositiveInt | None = None
+    # distributed_dgauss only: the most participants in a sum (their noise sets the grid); None: min_participants
+    max_participants: PositiveInt | None = None
 
 
 @dataclass(config=CLOSED)

@@ -19,8 +19,10 @@ import torch
 from ..client_update.local import derived_seed
 from ..config import ConfigError, ExperimentConfig
 from ..models.export import Privacy
+from ..server_math import distributed_accounting
 from ..server_math.accounting import Mechanism, epsilon, noise_for_epsilon, rounds_within
 from ..server_math.aggregate import StateDict
+from ..server_math.distributed_dp import Encoding, random_signs
 from ..server_math.privacy import (
     SecureNoise,
     SeededNoise,
@@ -37,6 +39,8 @@ from ..server_math.server import (
 )
 
 NOISE_TAG = 7  # seeds a round's noise apart from everything else the run draws
+ROTATION_TAG = 8  # seeds a round's random rotation (distributed_dgauss; public: every party derives it)
+DEFAULT_BITS = 16  # privacy.bits when unset
 CLIP_NORM = "clip_norm"  # adaptive clipping's server state: the clip norm of the next round (float64)
 # Andrew et al. (2021): the count's noise std, by default, is the expected number of clients per round over this.
 COUNT_NOISE_DIVISOR = 20
@@ -51,10 +55,16 @@ def check_shared(shared: StateDict) -> None:
                           "client-level DP can neither clip nor noise; use a model without batch-norm counters")
 
 
+def shared_dim(shared: StateDict) -> int:
+    """The number of shared weights: the length of the vector the distributed mechanism encodes."""
+    return sum(v.numel() for v in shared.values())
+
+
 class ClientLevelDP:
     """What one run's client-level DP derives from its config, and its server step."""
 
-    def __init__(self, cfg: ExperimentConfig, num_clients: int):
+    def __init__(self, cfg: ExperimentConfig, num_clients: int, dim: int = 0):
+        """``dim``: the number of shared weights (the distributed mechanism's vector; unused by the central)."""
         p, t = cfg.privacy, cfg.train
         self.config, self.seed, self.num_clients = p, cfg.seed, num_clients
         # Poisson: each client at rate q = train.client_fraction, q * clients expected; fixed: that many, rounded.
@@ -64,18 +74,32 @@ class ClientLevelDP:
         else:
             self.expected = float(clients_per_round(num_clients, t.client_fraction))
             self.rate = self.expected / num_clients
-        mechanism = Mechanism(p.noise_multiplier or 0.0, p.sampling, num_clients, self.rate, p.accountant)
+        self.distributed = p.mechanism == "distributed_dgauss"
+        if self.distributed:
+            mechanism = distributed_accounting.DistributedMechanism(
+                p.noise_multiplier or 0.0, p.clip_norm, self.rate, self.expected, p.min_participants,
+                p.max_participants or p.min_participants, p.bits or DEFAULT_BITS, dim)
+            self._spent, calibrate = distributed_accounting.epsilon, distributed_accounting.noise_for_epsilon
+        else:
+            mechanism = Mechanism(p.noise_multiplier or 0.0, p.sampling, num_clients, self.rate, p.accountant)
+            self._spent, calibrate = epsilon, noise_for_epsilon
         self.rounds = t.rounds  # the rounds this run trains: fewer where the budget runs out first
         if p.noise_multiplier is None:
             try:
-                mechanism = mechanism.with_noise(noise_for_epsilon(mechanism, p.target_epsilon, p.delta, t.rounds))
+                mechanism = mechanism.with_noise(calibrate(mechanism, p.target_epsilon, p.delta, t.rounds))
             except ValueError as e:
                 raise ConfigError(f"privacy.target_epsilon: {e}") from None
         elif p.target_epsilon is not None:
-            self.rounds = rounds_within(mechanism, p.target_epsilon, p.delta, t.rounds)
+            self.rounds = rounds_within(mechanism, p.target_epsilon, p.delta, t.rounds, self._spent)
             if self.rounds == 0:
                 raise ConfigError(f"privacy.target_epsilon: one round at privacy.noise_multiplier="
-                                  f"{p.noise_multiplier:g} already spends {epsilon(mechanism, 1, p.delta):.4g}")
+                                  f"{p.noise_multiplier:g} already spends {self._spent(mechanism, 1, p.delta):.4g}")
+        self.encoding: Encoding | None = None  # the distributed mechanism's grid and ring
+        if self.distributed:
+            try:
+                self.encoding = mechanism.encoding()
+            except ValueError as e:
+                raise ConfigError(f"privacy.bits: {e}") from None
         self.mechanism = mechanism
         self.noise_multiplier = mechanism.noise_multiplier  # sigma, as set or derived
         self.update_noise = self.noise_multiplier  # the updates' own: more under adaptive clipping
@@ -92,7 +116,18 @@ class ClientLevelDP:
 
     def epsilon(self, rounds: int) -> float:
         """Epsilon at ``privacy.delta`` after ``rounds`` rounds."""
-        return epsilon(self.mechanism, rounds, self.config.delta)
+        return self._spent(self.mechanism, rounds, self.config.delta)
+
+    def rotation(self, round_idx: int) -> torch.Tensor:
+        """Round ``round_idx``'s random signs of the distributed mechanism's rotation: public, from the run's seed."""
+        return random_signs(derived_seed(self.seed, round_idx, ROTATION_TAG), self.encoding.padded)
+
+    def participant_noise(self, round_idx: int, first_client: int) -> SecureNoise | SeededNoise:
+        """Where a participant of the distributed mechanism draws its rounding and noise: the OS's CSPRNG, or with
+        ``privacy.noise_seed`` a generator seeded by (noise_seed, round, the participant's first client)."""
+        if not self.seeded:
+            return SecureNoise()
+        return SeededNoise(derived_seed(self.config.noise_seed, round_idx, NOISE_TAG, first_client + 1))
 
     def sample(self, round_idx: int) -> list[int]:
         """The round's clients, drawn as the accountant assumes: from the OS's CSPRNG, or seeded by (seed, round)
@@ -122,7 +157,8 @@ class ClientLevelDP:
         with this round's noise."""
         noise = self.secure_noise or SeededNoise(derived_seed(self.config.noise_seed, round_idx, NOISE_TAG))
         clip = self.clip_norm(state)
-        std = self.update_noise * clip if self.update_noise else 0.0  # without noise, S may be infinite
+        # Without noise, S may be infinite; under the distributed mechanism the participants added it.
+        std = self.update_noise * clip if self.update_noise and not self.distributed else 0.0
         weights = noised_mean(total, count, anchor, self.expected, std, noise)
         a = self.config.adaptive_clip
         if a is None:

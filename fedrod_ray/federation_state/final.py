@@ -16,7 +16,7 @@ from ..outputs.storage import RunStorage
 from ..personalization import METHODS, build_method, generic_weights
 from ..server_math.aggregate import StateDict
 from ..specs.methods import HEADS
-from .dp_rounds import ClientLevelDP
+from .dp_rounds import ClientLevelDP, shared_dim
 from .setup import Setup
 from .state import Snapshot
 
@@ -31,8 +31,18 @@ def model_meta(setup: Setup, rounds_done: int, metrics: dict[str, float], varian
         balanced_loss=cfg.train.balanced_loss, round=rounds_done, metrics=metrics, method=cfg.train.head,
         generic_model=GENERIC_MODELS[0] if has_global else GENERIC_MODELS[1],
         new_client=METHODS[cfg.train.head].new_client_needs,
-        privacy=ClientLevelDP(cfg, setup.num_clients).guarantee(rounds_done) if cfg.privacy.enabled else None,
+        privacy=private_guarantee(setup, rounds_done) if cfg.privacy.enabled else None,
     )
+
+
+def private_guarantee(setup: Setup, rounds_done: int):
+    """The guarantee of a private run after ``rounds_done`` rounds (the distributed mechanism's depends on the
+    number of shared weights: the model is built to count them)."""
+    dim = 0
+    if setup.cfg.privacy.mechanism != "central":
+        model = setup.build_model()
+        dim = shared_dim({k: v for k, v in model.state_dict().items() if k in set(model.shared_keys())})
+    return ClientLevelDP(setup.cfg, setup.num_clients, dim).guarantee(rounds_done)
 
 
 def final_model(setup: Setup, snap: Snapshot,

@@ -22,7 +22,7 @@ from ..config import ConfigError
 from ..executors.base import Executor, RoundFailedError, SumRequest
 from ..federation_state.buffered_rounds import BufferedRounds
 from ..federation_state.client_store import ClientStore, LocalModels
-from ..federation_state.dp_rounds import ClientLevelDP, check_shared
+from ..federation_state.dp_rounds import ClientLevelDP, check_shared, shared_dim
 from ..federation_state.setup import Setup
 from ..federation_state.state import Arrival, Snapshot
 from ..personalization import Ask, ServerContext, build_method
@@ -102,7 +102,12 @@ class Federation:
         self.rounds = self.cfg.train.rounds  # the rounds this run trains: fewer where a DP budget runs out
         if self.cfg.privacy.enabled:
             check_shared(self.global_shared)
-            self.dp = ClientLevelDP(self.cfg, setup.num_clients)
+            if self.cfg.privacy.mechanism != "central" and not executor.sums_only:
+                # Each participant noises its share of a secure sum (executors.base: sums_only).
+                raise ConfigError(f"privacy.mechanism: {self.cfg.privacy.mechanism} needs a secure sum that each "
+                                  "participant noises its share of: Flower's SecAgg+ (docs/flower.md, run config "
+                                  "secure-aggregation=true); in process and on Ray, use central")
+            self.dp = ClientLevelDP(self.cfg, setup.num_clients, shared_dim(self.global_shared))
             self.privacy_state = self.dp.init_state()
             self.rounds = self.dp.rounds
             if self.rounds < self.cfg.train.rounds:

@@ -95,13 +95,14 @@ def epsilon(mechanism: Mechanism, rounds: int, delta: float) -> float:
         return float(mechanism.new_accountant().compose(mechanism.event(rounds)).get_epsilon(delta))
 
 
-def rounds_within(mechanism: Mechanism, target_epsilon: float, delta: float, rounds: int) -> int:
+def rounds_within(mechanism, target_epsilon: float, delta: float, rounds: int, spent=None) -> int:
     """The most rounds, up to ``rounds``, whose epsilon is within ``target_epsilon`` (by bisection: epsilon
-    grows with the rounds)."""
+    grows with the rounds); ``spent(mechanism, rounds, delta)`` is the epsilon (None: this module's)."""
+    spent = spent or epsilon
     low, high = 0, rounds
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if epsilon(mechanism, mid, delta) <= target_epsilon else (low, mid - 1)
+        low, high = (mid, high) if spent(mechanism, mid, delta) <= target_epsilon else (low, mid - 1)
     return low
 
 

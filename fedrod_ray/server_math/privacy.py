@@ -69,6 +69,10 @@ class SeededNoise:
     def normal(self, n: int) -> torch.Tensor:
         return torch.randn(n, generator=self.generator, dtype=torch.float64)
 
+    def uniform(self, n: int) -> torch.Tensor:
+        """Uniforms on (0, 1] (never 0, so that their logarithm is finite)."""
+        return 1 - torch.rand(n, generator=self.generator, dtype=torch.float64)
+
 
 class SecureNoise:
     """Standard normal draws from the operating system's cryptographically secure generator (``os.urandom``),
@@ -77,10 +81,14 @@ class SecureNoise:
 
     def normal(self, n: int) -> torch.Tensor:
         pairs = (n + 1) // 2
-        bits = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64).view(2, pairs)
-        u = ((bits & (2**53 - 1)).to(torch.float64) + 1) * 2.0**-53  # uniform on (0, 1]
+        u = self.uniform(2 * pairs).view(2, pairs)
         radius, angle = torch.sqrt(-2 * torch.log(u[0])), 2 * math.pi * u[1]
         return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:n]
+
+    def uniform(self, n: int) -> torch.Tensor:
+        """Uniforms on (0, 1]: 53 random bits each, from ``os.urandom``."""
+        bits = torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64) if n else torch.zeros(0, dtype=torch.int64)
+        return ((bits & (2**53 - 1)).to(torch.float64) + 1) * 2.0**-53
 
 
 def noised_mean(total: StateDict | None, count: int, anchor: StateDict, expected: float, std: float,
