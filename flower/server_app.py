@@ -49,10 +49,11 @@ def check_flower(setup: Setup) -> None:
                           "training data that the server holds; on Flower that data stays on the SuperNodes")
     model = setup.build_model()
     if model.variant == "linear" or build_method(t.head, t.head_params).personal_keys(model):
-        # The PM's global reading and final/ read phi_m; a split model's GM is the mean of its personal layers.
+        # The PM's global reading and final/ read phi_m; a split model's GM is the mean of its personal layers;
+        # GPFL's and FedCP's PM is made on the server from the latest global weights and the client's readout.
         raise ConfigError(f"train.head: {t.head}'s server side reads the clients' personal parts (the PM's "
-                          "global reading, its generic model or final/'s heads), which on Flower stay on the "
-                          "SuperNodes")
+                          "global reading, its generic model, the PM it makes from the latest global weights or "
+                          "final/'s heads), which on Flower stay on the SuperNodes")
 
 
 def check_simulation(run_config: Mapping, simulation: bool) -> None:
