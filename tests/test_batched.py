@@ -20,7 +20,14 @@ from tiny import MEAN, STD, make_data, model_and_global
 
 from fedrod_ray.algorithms import RULES, build_rule
 from fedrod_ray.client_update.batched import BatchJob, batched_local_update
-from fedrod_ray.client_update.local import ClientData, LocalTrainingError, RoundInput, local_update
+from fedrod_ray.client_update.local import (
+    ClientData,
+    ClientStart,
+    LocalTrainingError,
+    RoundInput,
+    UpdateContext,
+    local_update,
+)
 from fedrod_ray.client_update.losses import BALANCED_LOSSES
 from fedrod_ray.clients.client import ClientFailure, ClientState
 from fedrod_ray.config import ConfigError, TrainConfig, config_from_dict
@@ -77,11 +84,11 @@ def sequential(variant, message, jobs, cfg, rule, augment):
     for job in jobs:
         model, _ = model_and_global(variant)
         try:
-            out.append(local_update(model, message, job.data, cfg, rule, round_idx=ROUND, seed=SEED,
-                                    client_id=job.client_id, mean=MEAN, std=STD, augment=augment,
-                                    personal=job.personal, rule_state=job.rule_state,
-                                    initial=job.initial if rule.starts_from_local_model else None,
-                                    momentum_buffers=job.momentum))
+            out.append(local_update(model, message, job.data,
+                                    UpdateContext(cfg, rule, ROUND, SEED, job.client_id, MEAN, STD, augment),
+                                    ClientStart(job.personal, job.rule_state,
+                                                job.initial if rule.starts_from_local_model else None,
+                                                momentum=job.momentum)))
         except LocalTrainingError as e:
             out.append(e)
     return out

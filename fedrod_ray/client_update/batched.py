@@ -90,6 +90,8 @@ class _Losses(nn.Module):
         return loss_g, torch.zeros_like(loss_g) if loss_p is None else loss_p
 
 
+# size: local_update's batched twin: the same inputs as local_update for many clients, and one sequence of tensor
+# ops that must stay in step with it
 def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJob], cfg: TrainConfig,
                          rule: GenericRule, *, round_idx: int, seed: int, mean, std, augment: bool,
                          device: torch.device | str = "cpu") -> list[Outcome | Exception]:
@@ -165,6 +167,8 @@ def batched_local_update(model: FedModel, message: RoundInput, jobs: list[BatchJ
     return outcomes
 
 
+# size: the batched epochs' loop state, each piece a per-client stack that batched_local_update built and reads
+# back
 def _train(model: FedModel, jobs: list[BatchJob], plans: list[_Plan], starts: list[StateDict],
            kept: list[StateDict], steps: list[int], correction: LocalCorrection | None, cfg: TrainConfig, *,
            round_idx: int, mean, std, augment: bool, device: torch.device) -> tuple[StateDict, StateDict, torch.Tensor]:

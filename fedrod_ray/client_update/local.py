@@ -169,6 +169,7 @@ def load_client_weights(model: FedModel, weights: StateDict, personal: StateDict
             model.load_partial(personal)
 
 
+# size: the outcome's fields, each named at the call (local_update and the batched update both build it)
 def finish_update(model: FedModel, local: StateDict, correction: LocalCorrection | None, generic: StateDict, *,
                   num_samples: int, loss: float, personal_loss: float | None, steps: int, lr: float,
                   momentum: float, seconds: float, objectives: dict[str, StateDict] | None = None,

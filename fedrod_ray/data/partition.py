@@ -162,6 +162,8 @@ class Partition:
         return self.counts.sum(axis=1)
 
 
+# size: each argument is a source of the split (labels, owners, test owners, the meta set), all optional but the
+# labels
 def make_partition(cfg: DataConfig, train_labels: np.ndarray, num_classes: int, seed: int,
                    meta_per_class: int = 0, owners: np.ndarray | None = None,
                    owner_names: tuple[str, ...] = (), test_labels: np.ndarray | None = None,

@@ -76,6 +76,7 @@ def release_freed_memory() -> None:
     libc.malloc_trim(0)
 
 
+# size: the driver's one lifecycle (start, follow, restart a dead coordinator, stop) reads best in one place
 def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | None = None,
             log: Callable[[str], None] = print,
             progress: Callable[[int, int, int], None] | None = None) -> list[dict]:

@@ -52,6 +52,7 @@ class SitesExecutor(RayExecutor):
     evaluates_at_clients = True
     clients_may_be_away = True
 
+    # size: starting the sites' actors and laying their clients out is one ordered sequence of Ray calls
     def __init__(self, server: Setup, log: Callable[[str], None] = print):
         """``server``: the server's setup (``setup.prepare_server``); ``self.setup`` becomes the whole one
         (``SiteSetup``) once the sites have reported their clients."""

@@ -80,6 +80,7 @@ class CheckpointWriter:
         self.storage = storage
         self.saved: dict[int, tuple[Entry, Segment]] = {}  # client -> (entry saved, the file holding it)
 
+    # size: one atomic save: every file written before the manifest that commits them, in this order
     def save(self, snap: Snapshot) -> str:
         storage = self.storage
         name = _name(snap.rounds_done)

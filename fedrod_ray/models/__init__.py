@@ -35,7 +35,7 @@ class FedModel(nn.Module):
     features (``models.readouts``: GPFL's, FedCP's), which the GM's and the PM's logits go through.
     """
 
-    # Nine arguments: each is a part of the model or of its initial weights that a caller chooses.
+    # size: nine arguments, each a part of the model or of its initial weights that a caller chooses.
     def __init__(self, arch: str, num_classes: int, in_channels: int, variant: str | None = None,
                  hyper_hidden: int = 16, parts: dict[str, Callable[[], nn.Module]] | None = None,
                  init: str = "normal", image_hw: tuple[int, int] | None = None, readout: str | None = None):
@@ -173,7 +173,7 @@ def resolve_arch(arch: str, image_shape: tuple[int, int, int]) -> str:
     return fits[0]
 
 
-# Nine arguments: FedModel's, with the seed.
+# size: nine arguments, FedModel's with the seed.
 def build_model(arch: str, num_classes: int, image_shape: tuple[int, int, int], variant: str | None,
                 hyper_hidden: int = 16, seed: int = 0, parts: dict[str, Callable[[], nn.Module]] | None = None,
                 init: str = "normal", readout: str | None = None) -> FedModel:

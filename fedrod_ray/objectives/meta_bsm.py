@@ -50,6 +50,7 @@ def weighted_mean(losses: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (q * losses).sum() / q.sum().clamp_min(torch.finfo(q.dtype).tiny)
 
 
+# size: the math of one Meta-BSM batch (docs/design.md), each tensor named as in its equations
 def meta_bsm_step(model: FedModel, gamma: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, counts: torch.Tensor,
                   dist: torch.Tensor | None, meta_x: torch.Tensor, meta_y: torch.Tensor, lr: float,
                   meta_lr: float, gamma_lr: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

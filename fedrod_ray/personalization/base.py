@@ -104,6 +104,8 @@ class Personalization:
 
     # --- client ---------------------------------------------------------------------------------------
 
+    # size: the seam's hook: what a client keeps (personal part, local model, rule, objective and momentum state)
+    # is passed part by part, as each method reads a different few
     def train(self, model: FedModel, message: RoundInput, data: ClientData, personal: StateDict | None,
               local_model: StateDict | None, rule_state: StateDict, objectives: dict[str, StateDict],
               momentum: StateDict, ctx: UpdateContext) -> Outcome:

@@ -21,6 +21,7 @@ from .registry import register
 from .sgd import ce_loss, check_finite, client_batches, cpu_state, result, start
 
 
+# size: pFedMe's inner problem, each hyperparameter named as in the paper
 def pfedme_batch(model, params: dict[str, torch.Tensor], w: StateDict, xb: torch.Tensor, yb: torch.Tensor, *,
                  lam: float, personal_lr: float, inner_steps: int, lr: float) -> torch.Tensor:
     """One mini-batch: ``inner_steps`` SGD steps of theta~ (the model's ``params``, in place) on

@@ -92,6 +92,8 @@ class Evaluation:
         self._pm_counts.clear()
         self._pm_estimates.clear()
 
+    # size: the evaluation's one sequence (GM pass, PM cache, per-client calls, means), which its record's keys
+    # follow
     def evaluate(self, executor: Executor, global_shared: StateDict, clients: ClientStore, method_state: StateDict,
                  round_idx: int, final: bool = False) -> dict:
         """The metrics of the GM ``global_shared`` and the PMs of ``clients`` after round ``round_idx``
@@ -222,6 +224,7 @@ class Evaluation:
             rounds.update({cid: state.rounds_trained for cid, state in jobs})
         return out, rounds
 
+    # size: the three per-client calls of one evaluation, with what each reads
     def _executor_evaluation(self, executor: Executor, clients: ClientStore, stale: list[int],
                              global_shared: StateDict, rounds_done: int, ft_jobs: list[Job], zs_jobs: list[Job],
                              message: RoundInput, round_idx: int, method_state: StateDict

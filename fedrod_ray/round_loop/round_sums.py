@@ -22,6 +22,7 @@ class SharedUpdate:
     privacy_state: StateDict
 
 
+# size: the server step's whole input: the sums, the rule and its state, and DP and its state
 def shared_update(sums: RoundSums, previous: StateDict, generic_keys: set[str], rule: GenericRule,
                   server_state: StateDict, num_clients: int, dp: ClientLevelDP | None, privacy_state: StateDict,
                   round_idx: int) -> SharedUpdate:
