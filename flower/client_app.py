@@ -30,7 +30,7 @@ from fedrod_ray.config import config_from_dict
 from fedrod_ray.specs.methods import HEADS
 from fedrod_ray.specs.rules import RULES
 
-from . import secure, wire
+from . import distributed, secure, wire
 from .node import NodeData, NodeStates, node_paths, run_key, simulated
 from .policy import NodePolicy, check_secagg_stage
 
@@ -130,8 +130,13 @@ def _train_secure(content: RecordDict, context: Context) -> RecordDict:
     data, states, host = _node(context, head)
     results = _train_clients(head, data, states, host, message)
     done = {cid: res for cid, res in results.items() if not isinstance(res, ClientFailure)}
-    vector = secure.node_vector(list(done.values()), message.weights, secure.Layout.from_json(head["layout"]),
-                                secure.Scales(*head["scales"]), host.rule.aggregation_weight, head["clipping_range"])
+    layout = secure.Layout.from_json(head["layout"])
+    if "distributed" in head:  # distributed DP: the node noises its share (``distributed``)
+        vector = distributed.node_vector_for(head, list(done.values()), message.weights, layout.keys("clipped"),
+                                             min(head["clients"] or data.client_ids))
+    else:
+        vector = secure.node_vector(list(done.values()), message.weights, layout, secure.Scales(*head["scales"]),
+                                    host.rule.aggregation_weight, head["clipping_range"])
     report = {"done": sorted(done), "failed": {str(c): f.error for c, f in results.items() if c not in done},
               "personal": any(res.personal_loss is not None for res in done.values())}
     # num_examples 1 = SecAgg+'s max_weight: the vector goes in unweighted (``FlowerExecutor.train_sums``).

@@ -36,8 +36,9 @@ from fedrod_ray.executors.runtimes import Runtime, register
 from fedrod_ray.federation_state.setup import Setup, prepare
 from fedrod_ray.personalization import build_method
 from fedrod_ray.server_math.aggregate import StateDict
+from fedrod_ray.server_math.distributed_dp import DistributedRound
 
-from . import wire
+from . import distributed, wire
 from .secure import MODULUS, Layout, Scales, SecAggSettings, round_sums
 
 
@@ -71,6 +72,8 @@ class FlowerExecutor(Executor):
         settings, with which every round is trained and summed by SecAgg+ (``train_sums``) and none in the clear."""
         self.grid, self.cfg, self.timeout, self.log, self.context = grid, cfg, timeout, log, context
         self.secagg, self.sums_only = secagg, secagg is not None
+        if secagg is not None and cfg.privacy.enabled and cfg.privacy.mechanism != "central":
+            distributed.check_settings(cfg, secagg.reconstruction_threshold)
         self.rule = build_rule(cfg.train.generic_rule, cfg.train.rule_params)
         self.config_text = dump_config(cfg)
         self.rounds_done = 0  # the rounds trained, whose client states the nodes' evaluations read
@@ -166,15 +169,39 @@ class FlowerExecutor(Executor):
         ids = [cid for cid, _ in jobs]
         layout = Layout.of(message.weights, set(request.generic_keys), request.upload, request.dp)
         scales = Scales.of(ids, request.sizes, self.rule)
-        vector, done, failures, personal = self._secure_round(round_idx, ids, message, layout, scales)
+        vector, done, failures, personal = self._secure_round(round_idx, ids, message, layout, scales,
+                                                              request.distributed)
+        if request.distributed is not None:  # each node noised its share (flower.distributed)
+            sums, losses = distributed.round_sums(
+                vector, layout.keys("clipped"), message.weights, request.distributed, len(done), scales.samples,
+                float(sum(request.sizes[c] for c in done)), self.secagg.clipping_range, self._participants(), personal)
+            return SummedRound(sums, losses, done, failures)
         sums, count, losses = round_sums(vector, layout, scales, message.weights, personal)
         if count != len(done):
             raise RoundFailedError(f"round {round_idx + 1}: the secure sum counts {count} participants, but the "
                                    f"SuperNodes in it reported {len(done)}")
         return SummedRound(sums, losses, done, failures)
 
-    def _secure_round(self, round_idx: int, ids: list[int], message: RoundInput, layout: Layout,
-                      scales: Scales) -> tuple[np.ndarray, list[int], list[ClientFailure], bool]:
+    def _participants(self) -> int:
+        """The most SuperNodes the distributed mechanism's sum may hold (``privacy.max_participants``)."""
+        p = self.cfg.privacy
+        return p.max_participants or p.min_participants
+
+    def _instructions(self, round_idx: int, message: RoundInput, layout: Layout, scales: Scales,
+                      dround: DistributedRound | None) -> tuple[dict, tuple[float, int, int]]:
+        """The header of every node's SecAgg+ instructions, and SecAgg+'s clipping, quantization and modulus
+        ranges (under distributed DP, those that carry the ring's integers: ``distributed.workflow_ranges``)."""
+        settings = self.secagg
+        header = {"config": self.config_text, "round": round_idx, "clip_norm": message.clip_norm,
+                  "layout": layout.to_json(), "scales": [scales.generic, scales.samples, scales.count],
+                  "clipping_range": settings.clipping_range}
+        if dround is None:
+            return header, (settings.clipping_range, settings.quantization_range, MODULUS)
+        header["distributed"] = distributed.to_header(dround, self._participants())
+        return header, distributed.workflow_ranges(dround)
+
+    def _secure_round(self, round_idx: int, ids: list[int], message: RoundInput, layout: Layout, scales: Scales,
+                      dround: DistributedRound | None = None) -> tuple[np.ndarray, list[int], list[ClientFailure], bool]:
         """Round ``round_idx``'s clients ``ids`` trained on their nodes and summed by SecAgg+: (the sum of every
         node's ``secure.node_vector`` that made it into the sum, the clients in it, the clients that failed or
         whose node dropped, whether their method has a personal loss). Every node that hosts a client takes
@@ -190,13 +217,14 @@ class FlowerExecutor(Executor):
         for cid in ids:
             if cid in hosts:
                 by_node[hosts[cid]].append(cid)
-        if len(by_node) * settings.quantization_range >= MODULUS:
+        if dround is not None and len(by_node) > self._participants():
+            raise RoundFailedError(f"round {round_idx + 1}: {len(by_node)} SuperNodes would sum their shares, more than "
+                                   f"privacy.max_participants ({self._participants()}), for which the ring was sized")
+        if dround is None and len(by_node) * settings.quantization_range >= MODULUS:
             raise RoundFailedError(f"round {round_idx + 1}: {len(by_node)} SuperNodes' sum of quantized values "
                                    "may wrap at SecAgg+'s modulus 2**32: lower run config secagg-quantization-range")
         run_id = self.context.run_id
-        header = {"config": self.config_text, "round": round_idx, "clip_norm": message.clip_norm,
-                  "layout": layout.to_json(), "scales": [scales.generic, scales.samples, scales.count],
-                  "clipping_range": settings.clipping_range}
+        header, (clipping, levels, modulus) = self._instructions(round_idx, message, layout, scales, dround)
         strategy = _Round({node: (GridClientProxy(node, self.grid, run_id),
                                   wire.fit_ins({**header, "clients": cids}, message, cids))
                            for node, cids in by_node.items()})
@@ -206,8 +234,8 @@ class FlowerExecutor(Executor):
         # Each node's update is the same for every weight (1 = max_weight): SecAgg+ returns the mean of the
         # vectors over the nodes in the sum, which their number turns back into the sum.
         SecAggPlusWorkflow(settings.num_shares, settings.reconstruction_threshold, max_weight=1.0,
-                           clipping_range=settings.clipping_range, quantization_range=settings.quantization_range,
-                           modulus_range=MODULUS, timeout=self.timeout)(self.grid, context)
+                           clipping_range=clipping, quantization_range=levels, modulus_range=modulus,
+                           timeout=self.timeout)(self.grid, context)
         self.rounds_done = round_idx + 1
         if not strategy.results:
             why = "; ".join(str(f) for f in strategy.failures)[:2000]
@@ -228,7 +256,9 @@ class FlowerExecutor(Executor):
                 self._nodes = set()  # ask every node again next time
                 failures += [ClientFailure(cid, f"NodeLostError: SuperNode {node} left the round's SecAgg+", "")
                              for cid in cids]
-        vector = parameters_to_ndarrays(strategy.results[0][1].parameters)[0] * len(strategy.results)
+        mean = parameters_to_ndarrays(strategy.results[0][1].parameters)[0]
+        vector = (distributed.ring_total(mean, len(strategy.results), dround) if dround is not None
+                  else mean * len(strategy.results))
         return vector, sorted(done), sorted(failures, key=lambda f: f.client_id), personal
 
     def ask(self, round_idx: int, phase: str, common: StateDict,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from ..client_update.local import LocalResult, RoundInput
 from ..clients.client import ClientFailure, ClientState, ClientUnavailable, EvalCounts
 from ..server_math.aggregate import StateDict
+from ..server_math.distributed_dp import DistributedRound
 from ..server_math.sums import Losses, RoundSums
 
 Job = tuple[int, ClientState]  # a client id and the state its call starts from
@@ -37,12 +38,14 @@ class RoundFailedError(RuntimeError):
 class SumRequest:
     """What a ``sums_only`` runtime needs of the server to sum a round: which shared weights the rule weighs
     (``generic_keys``), the rule's upload of an update that did not move (its keys, shapes and dtypes),
-    whether the sums are client-level DP's clipped ones, and each client's sample count."""
+    whether the sums are client-level DP's clipped ones, each client's sample count, and under the distributed
+    DP mechanism (``privacy.mechanism``) what its participants need to noise their shares."""
 
     generic_keys: frozenset[str]
     upload: StateDict
     dp: bool
     sizes: tuple[int, ...]
+    distributed: DistributedRound | None = None
 
 
 @dataclass

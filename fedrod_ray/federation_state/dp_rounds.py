@@ -22,7 +22,7 @@ from ..models.export import Privacy
 from ..server_math import distributed_accounting
 from ..server_math.accounting import Mechanism, epsilon, noise_for_epsilon, rounds_within
 from ..server_math.aggregate import StateDict
-from ..server_math.distributed_dp import Encoding, random_signs
+from ..server_math.distributed_dp import DistributedRound, Encoding
 from ..server_math.privacy import (
     SecureNoise,
     SeededNoise,
@@ -118,16 +118,12 @@ class ClientLevelDP:
         """Epsilon at ``privacy.delta`` after ``rounds`` rounds."""
         return self._spent(self.mechanism, rounds, self.config.delta)
 
-    def rotation(self, round_idx: int) -> torch.Tensor:
-        """Round ``round_idx``'s random signs of the distributed mechanism's rotation: public, from the run's seed."""
-        return random_signs(derived_seed(self.seed, round_idx, ROTATION_TAG), self.encoding.padded)
-
-    def participant_noise(self, round_idx: int, first_client: int) -> SecureNoise | SeededNoise:
-        """Where a participant of the distributed mechanism draws its rounding and noise: the OS's CSPRNG, or with
-        ``privacy.noise_seed`` a generator seeded by (noise_seed, round, the participant's first client)."""
-        if not self.seeded:
-            return SecureNoise()
-        return SeededNoise(derived_seed(self.config.noise_seed, round_idx, NOISE_TAG, first_client + 1))
+    def distributed_round(self, round_idx: int) -> DistributedRound:
+        """What the participants of round ``round_idx`` of the distributed mechanism need: the grid and ring, the
+        rotation's seed (public, from the run's seed) and, with ``privacy.noise_seed``, the seed their noise is
+        derived from (None: each draws from the OS's CSPRNG)."""
+        noise = None if not self.seeded else derived_seed(self.config.noise_seed, round_idx, NOISE_TAG)
+        return DistributedRound(self.encoding, derived_seed(self.seed, round_idx, ROTATION_TAG), noise)
 
     def sample(self, round_idx: int) -> list[int]:
         """The round's clients, drawn as the accountant assumes: from the OS's CSPRNG, or seeded by (seed, round)

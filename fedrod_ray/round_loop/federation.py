@@ -295,10 +295,13 @@ class Federation:
         """Round ``r``'s clients ``ids`` trained and summed by a secure aggregation (``executor.train_sums``):
         the server keeps of a client only that it trained and (a copy of) the weights it was sent, never what it
         sent back."""
-        if not ids:  # a DP round under Poisson sampling with no client: nothing to sum
+        # A DP round under Poisson sampling with no client: nothing to sum (under the distributed mechanism, the
+        # participants' noise, which the accountant charges for every round).
+        if not ids and not (self.dp and self.dp.distributed):
             return Collected(RoundSums.empty(), Losses(0, float("nan"), None))
         request = SumRequest(frozenset(self.generic_keys), self._upload_shapes(), self.dp is not None,
-                             tuple(int(n) for n in self.setup.sizes))
+                             tuple(int(n) for n in self.setup.sizes),
+                             self.dp.distributed_round(r) if self.dp and self.dp.distributed else None)
         summed = self.executor.train_sums(r, jobs, message, request)
         for f in summed.failures:
             self.log(f"[round {r + 1}] client {f.client_id} failed: {f.error}\n{f.traceback}")

@@ -160,3 +160,17 @@ def decode(total: torch.Tensor, enc: Encoding, signs: torch.Tensor) -> torch.Ten
     """The noised sum of the clipped updates (float64, ``enc.dim``) from the secure sum mod m of the
     participants' ``encode``d vectors: centred, scaled by gamma, rotated back."""
     return unrotate(center(total.to(torch.int64), enc.modulus).to(torch.float64) * enc.gamma, signs, enc.dim)
+
+
+@dataclass(frozen=True)
+class DistributedRound:
+    """One round of the mechanism as its participants are told it: the ``encoding``, the seed of the round's
+    rotation (``random_signs``; public) and, for experiments only, the seed each participant's rounding and
+    noise are derived from (None: each draws from the OS's CSPRNG, which nothing replays)."""
+
+    encoding: Encoding
+    rotation_seed: int
+    noise_seed: int | None
+
+    def signs(self) -> torch.Tensor:
+        return random_signs(self.rotation_seed, self.encoding.padded)
