@@ -100,7 +100,6 @@ def unused_settings(loss: str, partition: str) -> dict[str, tuple[Any, str]]:
     return unused
 
 
-# size: one flat list of independent checks, each a setting that would have no effect; split, they would only move
 def _check_effective(cfg: ExperimentConfig) -> None:
     """A setting that would change nothing is an error: the user meant something else."""
     if cfg.tracking.mlflow_uri is not None and "mlflow" not in cfg.tracking.loggers:
@@ -269,10 +268,14 @@ def _check_privacy(cfg: ExperimentConfig) -> None:
     spec = HEADS[t.head]
     if not spec.global_model:
         reads = " and its server reads every client's own upload" if spec.reads_uploads else ""
-        private = ", ".join(n for n, s in HEADS.items() if s.global_model)
+        private = ", ".join(n for n, s in HEADS.items() if s.global_model and not s.not_private)
         raise ConfigError(f"train.head: {t.head} cannot be used with privacy.enabled: it has no global model, so "
                           f"its generic model (G-FL, final/) is the mean of the clients' own models{reads}, which "
                           f"never pass through the clipped, noised aggregate; use {private}")
+    if spec.not_private:
+        private = ", ".join(n for n, s in HEADS.items() if s.global_model and not s.not_private)
+        raise ConfigError(f"train.head: {t.head} cannot be used with privacy.enabled: {spec.not_private}; use "
+                          f"{private}")
 
 
 # Each rounds.* setting's users: the modes (rounds.mode) or speed models (rounds.speeds) it has an effect in.

@@ -8,7 +8,8 @@ and the evaluation's one call, ``FedModel.generic_logits`` / ``personal_logits``
 
 GPFL (Zhang et al., ICCV 2023): global category embeddings E and the Conditional Valve (CoV). FedCP (Zhang et
 al., KDD 2023): the Conditional Policy Network (CPN) and a personal head beside the global head h^g (the
-model's generic head). docs/method.md states both.
+model's generic head). FedDBE (Zhang et al., NeurIPS 2023): a personal bias of the features. docs/method.md
+states them.
 """
 
 from __future__ import annotations
@@ -116,4 +117,18 @@ def masked_logits(z: torch.Tensor, s: torch.Tensor, s2: torch.Tensor, personal_h
     return personal_head(z * s) + global_head(z * s2)
 
 
-READOUTS: dict[str, type[Readout]] = {"gpfl": GPFLReadout, "fedcp": FedCPReadout}
+class DBEReadout(Readout):
+    """FedDBE's personalized representation bias z^p (the PRBM, personal, zeros at first), added to the
+    features before the generic head: PM h(z + z^p); the GM is h(z), without it."""
+
+    personal = ("shift",)
+
+    def __init__(self, feature_dim: int, num_classes: int):
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(feature_dim))
+
+    def personal_logits(self, model, z):
+        return model.generic_head(z + self.shift)
+
+
+READOUTS: dict[str, type[Readout]] = {"gpfl": GPFLReadout, "fedcp": FedCPReadout, "feddbe": DBEReadout}

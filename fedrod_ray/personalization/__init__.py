@@ -53,8 +53,10 @@ def generic_weights(method: Personalization, personal_keys: list[str], global_sh
 # Importing the method modules registers them.
 from . import (  # noqa: F401
     ditto,
+    fedala,
     fedbabu,
     fedcp,
+    feddbe,
     fedfomo,
     fedper,
     fedrep,

@@ -11,7 +11,7 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field
 from pydantic.dataclasses import dataclass
 
-from ..config.values import CLOSED, NonNegativeFloat, PositiveFloat, PositiveInt, number
+from ..config.values import CLOSED, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, number
 from .rules import NoParams
 
 
@@ -77,6 +77,27 @@ class FedBABUParams:
 
 
 @dataclass(config=CLOSED)
+class FedALAParams:
+    eta: PositiveFloat = 1.0  # eta_W: the step of the aggregation weights W_i (the official default)
+    # s: the percentage of a client's training examples, one contiguous slice, that W_i is learned on
+    rand_percent: Annotated[float, Field(strict=True, gt=0, le=100), BeforeValidator(number)] = 80.0
+    # p: the top parameter tensors that ALA blends (0: all); the official 2 is a head's weight and bias, and
+    # ours has no bias, so its head is 1 (docs/method.md)
+    layer_idx: NonNegativeInt = 1
+    threshold: PositiveFloat = 0.1  # tau_A: the start phase ends when the last K losses' std falls below it
+    num_pre_loss: PositiveInt = 10  # K: the losses the start phase's stopping test reads
+
+
+@dataclass(config=CLOSED)
+class FedDBEParams:
+    # m: the running mean's momentum, r <- (1 - m) r + m mean_batch z (the DBE repository's FMNIST script: 1)
+    momentum: Annotated[float, Field(strict=True, gt=0, le=1), BeforeValidator(number)] = 1.0
+    # kappa: the weight of the mean regularisation mean_k (r_k - zbar^g_k)^2 / 2 (the DBE repository's FMNIST
+    # script: 50); 0 (PFLlib's default, MR off) is refused: the initial period and m would have no effect
+    kl_weight: PositiveFloat = 50.0
+
+
+@dataclass(config=CLOSED)
 class GPFLParams:
     lam: NonNegativeFloat = 0.01  # lambda: the weight of ||f_G - E_fr[y]||_F (the official 4-layer CNN script's)
     mu: NonNegativeFloat = 0.1  # mu: the weight decay of the category embeddings E and the CoV (the same script's)
@@ -103,7 +124,8 @@ class HeadSpec:
     (else its GM is the mean of the personalized models); ``reads_uploads``: its server reads every client's
     own upload (not only their aggregate); ``hypernetwork``: the server averages a hypernetwork that makes
     each client's head (``model.hyper_hidden``); ``generates_model``: the server generates every weight of each
-client's model (which therefore can have no buffers, such as batch-norm statistics)."""
+client's model (which therefore can have no buffers, such as batch-norm statistics); ``not_private``: why it
+cannot be used with client-level DP (empty: it can)."""
 
     params: type = NoParams
     erm: bool = True
@@ -112,6 +134,7 @@ client's model (which therefore can have no buffers, such as batch-norm statisti
     reads_uploads: bool = False
     hypernetwork: bool = False
     generates_model: bool = False
+    not_private: str = ""
 
 
 # What a personalized-FL baseline (``erm``) trains with: cross-entropy on one head, FedAvg's server step.
@@ -128,6 +151,10 @@ HEADS: dict[str, HeadSpec] = {
     "pfedhn": HeadSpec(PFedHNParams, global_model=False, reads_uploads=True, generates_model=True),
     "pefll": HeadSpec(PeFLLParams, global_model=False, reads_uploads=True, generates_model=True),
     "gpfl": HeadSpec(GPFLParams), "fedcp": HeadSpec(FedCPParams),
+    "fedala": HeadSpec(FedALAParams),
+    "feddbe": HeadSpec(FedDBEParams, reads_uploads=True,
+                       not_private="its initial period sends the server each client's mean feature, neither "
+                                   "clipped nor noised"),
 }
 
 
