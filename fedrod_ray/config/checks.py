@@ -100,6 +100,7 @@ def unused_settings(loss: str, partition: str) -> dict[str, tuple[Any, str]]:
     return unused
 
 
+# size: one flat list of independent checks, each a setting that would have no effect; split, they would only move
 def _check_effective(cfg: ExperimentConfig) -> None:
     """A setting that would change nothing is an error: the user meant something else."""
     if cfg.tracking.mlflow_uri is not None and "mlflow" not in cfg.tracking.loggers:
