@@ -30,6 +30,11 @@ class RoundSums:
     clipped: WeightedSum
     unclipped: int = 0
 
+    def total_state(self) -> dict:
+        """Every sum's total in one state (keys prefixed by the sum's name), to check them all at once."""
+        return {f"{name}.{k}": v for name in ("generic", "rest", "uploads", "clipped")
+                for k, v in (getattr(self, name).total or {}).items()}
+
     @classmethod
     def empty(cls) -> RoundSums:
         """The sums of a round with no participant (a DP round under Poisson sampling may have none)."""
