@@ -48,9 +48,16 @@ def check_flower(setup: Setup) -> None:
         raise ConfigError(f"train.balanced_loss: {t.balanced_loss} learns against a meta set of the clients' "
                           "training data that the server holds; on Flower that data stays on the SuperNodes")
     model = setup.build_model()
-    if model.variant == "linear" or build_method(t.head, t.head_params).personal_keys(model):
+    method = build_method(t.head, t.head_params)
+    if method.pm_from_global and method.starts_from_local_model:
+        # FedALA's PM blends the latest global weights into the client's own last model with its own weights W.
+        raise ConfigError(f"train.head: {t.head}'s PM is made at evaluation from the latest global weights and the "
+                          "client's own last model and state, which the server would send together; on Flower "
+                          "those stay on the SuperNodes")
+    if model.variant == "linear" or method.personal_keys(model):
         # The PM's global reading and final/ read phi_m; a split model's GM is the mean of its personal layers;
-        # GPFL's and FedCP's PM is made on the server from the latest global weights and the client's readout.
+        # GPFL's, FedCP's and FedDBE's PM is made on the server from the latest global weights and the client's
+        # readout.
         raise ConfigError(f"train.head: {t.head}'s server side reads the clients' personal parts (the PM's "
                           "global reading, its generic model, the PM it makes from the latest global weights or "
                           "final/'s heads), which on Flower stay on the SuperNodes")

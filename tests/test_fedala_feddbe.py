@@ -3,10 +3,14 @@ step by hand on tiny tensors (the spec's "Check" examples), and their state acro
 
 from __future__ import annotations
 
+import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from fedrod_ray_tune.space import load_sweep
+from fedrod_ray_tune.tables import MAIN
 from test_federation import make_federation
 
 from fedrod_ray.config import ConfigError, config_from_dict
@@ -186,3 +190,27 @@ def test_feddbe_initial_period_sets_the_consensus_once_from_every_client_before_
 def test_feddbe_cannot_run_with_client_level_dp():
     with pytest.raises(ConfigError, match="train.head: feddbe cannot be used with privacy.enabled: its initial"):
         config_from_dict({}, [*FEDDBE, "privacy.enabled=true", "privacy.noise_multiplier=1.0"])
+
+
+# --- the sweeps and the tables' rows ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sweep, head, grid", [
+    ("pfl_fedala", "fedala", {(eta, s) for eta in (0.1, 1.0) for s in (40.0, 80.0)}),
+    ("pfl_feddbe", "feddbe", {(m, k) for m in (0.1, 1.0) for k in (10.0, 50.0)}),
+])
+def test_the_selection_sweeps_search_around_the_official_values_on_another_seed(sweep, head, grid):
+    """tune/pfl_fedala.yaml, tune/pfl_feddbe.yaml: every grid point a valid trial of the method on FMNIST
+    Dir(0.3) at a seed that is not the tables' (0), the main table's values among them; 4 trials each."""
+    spec = load_sweep(Path(__file__).resolve().parents[1] / "tune" / f"{sweep}.yaml")
+    grids = {k: v["grid"] for k, v in spec.search.items()}
+    keys = [k.rsplit(".", 1)[1] for k in grids]
+    seen = set()
+    for values in itertools.product(*grids.values()):
+        cfg = spec.trial_config(dict(zip(grids, values)))
+        assert cfg.seed != 0 and cfg.data.alpha == 0.3 and cfg.data.dataset == "fmnist"
+        assert cfg.train.head == head and cfg.train.balanced_loss == "ce"
+        seen.add(tuple(cfg.train.head_params[k] for k in keys))
+    assert seen == grid and len(seen) == 4
+    row = MAIN[{"fedala": "FedALA", "feddbe": "FedDBE"}[head]]["train.head_params"]
+    assert tuple(row[k] for k in keys) in grid

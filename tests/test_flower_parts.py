@@ -113,6 +113,8 @@ def test_what_crosses_the_wire_is_exact_and_holds_nothing_the_client_keeps():
     ({"train": {"head": "fedper", "balanced_loss": "ce"}}, "train.head"),
     ({"train": {"head": "gpfl", "balanced_loss": "ce"}}, "train.head: gpfl's server side"),
     ({"train": {"head": "fedcp", "balanced_loss": "ce"}}, "train.head: fedcp's server side"),
+    ({"train": {"head": "feddbe", "balanced_loss": "ce"}}, "train.head: feddbe's server side"),
+    ({"train": {"head": "fedala", "balanced_loss": "ce"}}, "train.head: fedala's PM is made at evaluation"),
     ({"rounds": {"mode": "fedbuff"}}, "rounds.mode"),
 ])
 def test_the_server_app_refuses_what_it_cannot_run_on_flower(changes, field):

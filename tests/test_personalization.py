@@ -42,7 +42,7 @@ from fedrod_ray.personalization.sgd import frozen, prox_grad_
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BASELINES = ("fedper", "fedrep", "lg_fedavg", "ditto", "pfedme", "perfedavg", "fedfomo", "mtl", "fedbabu", "gpfl",
-             "fedcp")
+             "fedcp", "fedala", "feddbe")
 PLAIN = ("train.momentum=0", "train.weight_decay=0")  # pFedMe's and Per-FedAvg's steps are their own formulas
 
 
@@ -345,6 +345,11 @@ def test_each_methods_client_keeps_what_the_spec_says():
     assert set(trained["pfedme"].personal) == full  # theta~
     for name in ("perfedavg", "fedfomo", "mtl", "fedbabu"):
         assert trained[name].personal is None and set(trained[name].local_model) == full, name
+    # FedALA: W_i of its top tensor (the head) and the start flag beside its last model (theta^loc);
+    # FedDBE: its feature bias z^p and the consensus mean it trained against.
+    assert set(trained["fedala"].personal) == {"ala_w/generic_head.weight", "ala_start"}
+    assert set(trained["fedala"].local_model) == full
+    assert set(trained["feddbe"].personal) == {"readout.shift", "consensus"}
 
 
 def test_fedfomo_keeps_affinities_that_the_clients_sent():

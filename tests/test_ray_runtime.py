@@ -133,6 +133,11 @@ VARIANTS = {
     # kept and read on the actors; FedCP's Gumbel noise seeded there, in training and at evaluation.
     "gpfl": ("train.head=gpfl", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
     "fedcp": ("train.head=fedcp", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
+    # FedALA: each client starts from its own last model blended with the global one (weights learned on the
+    # actor), its PM that blend made there at evaluation. FedDBE: the initial period asked of every client on
+    # the actors, a personal feature bias kept, the new client's fine-tuning with the client loss.
+    "fedala": ("train.head=fedala", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
+    "feddbe": ("train.head=feddbe", "train.balanced_loss=ce", "eval.finetune_epochs=1"),
 }
 _baselines: dict[str, tuple] = {}
 
@@ -155,10 +160,11 @@ ONE_ACTOR_PER_CLIENT = ("runtime.clients_per_actor=1", "runtime.client_resources
     [("linear", ()), ("linear_small", ONE_ACTOR_PER_CLIENT), ("hyper", ()), ("fedavg_feddyn", ()),
      ("hyper_scaffold", ()), ("linear_compiled", ()), ("linear_keep", ()), ("fedfomo", ()),
      ("ditto_small", ONE_ACTOR_PER_CLIENT), ("perfedavg", ()), ("hyper", ("runtime.client_cache=1",)),
-     ("fedbabu", ()), ("pfedhn", ()), ("pefll", ()), ("gpfl", ()), ("fedcp", ())],
+     ("fedbabu", ()), ("pfedhn", ()), ("pefll", ()), ("gpfl", ()), ("fedcp", ()),
+     ("fedala", ()), ("feddbe", ())],
     ids=["linear", "linear-one_actor_per_client", "hyper", "fedavg_feddyn", "hyper_scaffold", "linear-compiled",
          "linear-keep", "fedfomo", "ditto-one_actor_per_client", "perfedavg", "hyper-client_cache_1", "fedbabu",
-         "pfedhn", "pefll", "gpfl", "fedcp"],
+         "pfedhn", "pefll", "gpfl", "fedcp", "fedala", "feddbe"],
 )
 def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thread, tmp_path_factory,
                                                      variant, layout_overrides):
@@ -212,7 +218,7 @@ def test_ray_executor_is_bitwise_equal_to_in_process(ray_session, one_torch_thre
         assert {"gfl_gm", "pfl_gm", "pfl_pm", "pfl_pm_global", "pfl_gm_new", "pfl_new_before"} <= set(rec)
         assert rec["clients_failed"] == 0
     assert ("pfl_new_after" in records[-1]) == (variant in ("hyper", "fedavg_feddyn", "fedbabu", "pfedhn", "pefll",
-                                                            "gpfl", "fedcp"))
+                                                            "gpfl", "fedcp", "fedala", "feddbe"))
     assert ("pfl_ft" in records[-1]) == (variant == "fedavg_feddyn")
     assert any(st.momentum for st in states.values()) == (variant == "linear_keep")
     if variant == "linear_keep":  # and some client continued its buffers on an actor

@@ -34,7 +34,7 @@ GENERIC_ROWS = ["FedAvg", "FedProx", "SCAFFOLD", "FedDyn", "local-only", "Fed-Ro
 PFL_ROWS = ["MTL", "LG-FedAvg", "FedPer", "Per-FedAvg", "pFedMe", "Ditto", "FedFOMO", "FedRep"]
 # The methods built for new clients (FEDROD.md, "Methods that personalize new clients").
 NEWCOMER_ROWS = ["FedBABU", "pFedHN", "PeFLL"]
-LEADER_ROWS = ["GPFL", "FedCP"]  # today's strongest personalized-FL methods (issue 62)
+LEADER_ROWS = ["GPFL", "FedCP", "FedALA", "FedDBE"]  # today's strongest personalized-FL methods (issue 62)
 MAIN_ROWS = GENERIC_ROWS + PFL_ROWS + NEWCOMER_ROWS + LEADER_ROWS
 
 
@@ -108,6 +108,10 @@ def test_the_rows_say_what_the_contract_says():
     # GPFL and FedCP: cross-entropy, their official scripts' values.
     assert main["GPFL"]["train.head_params"] == {"lam": 0.01, "mu": 0.1} and main["GPFL"]["train.head"] == "gpfl"
     assert main["FedCP"]["train.head_params"] == {"lam": 5.0} and main["FedCP"]["train.head"] == "fedcp"
+    # FedALA and FedDBE: cross-entropy, the official defaults (p = 1: our head) and the DBE FMNIST script's.
+    assert main["FedALA"]["train.head_params"] == {"eta": 1.0, "rand_percent": 80.0, "layer_idx": 1}
+    assert main["FedDBE"]["train.head_params"] == {"momentum": 1.0, "kl_weight": 50.0}
+    assert main["FedALA"]["train.head"] == "fedala" and main["FedDBE"]["train.head"] == "feddbe"
     assert main["Fed-RoD (hyper) + FedDyn"]["train.generic_rule"] == "feddyn"
     assert (main["Fed-RoD (Meta-BSM)"]["train.head"], main["Fed-RoD (Meta-BSM)"]["train.balanced_loss"]) == (
         "linear", "meta_bsm")

@@ -47,10 +47,13 @@ NEWCOMERS = {
 
 # Today's strongest personalized-FL methods (issue 62; FEDROD.md, "Today's strongest P-FL methods"), beside the
 # paper's rows in the main table, at their official scripts' values until their sweeps (tune/pfl_gpfl.yaml,
-# pfl_fedcp.yaml) choose: GPFL's lambda and mu, FedCP's lambda.
+# pfl_fedcp.yaml, pfl_fedala.yaml, pfl_feddbe.yaml) choose: GPFL's lambda and mu, FedCP's lambda, FedALA's eta_W
+# and s (p = 1, our bias-free head), FedDBE's m and kappa (the DBE repository's FMNIST script).
 LEADERS = {
     "GPFL": _method("gpfl", "ce", lam=0.01, mu=0.1),
     "FedCP": _method("fedcp", "ce", lam=5.0),
+    "FedALA": _method("fedala", "ce", eta=1.0, rand_percent=80.0, layer_idx=1),
+    "FedDBE": _method("feddbe", "ce", momentum=1.0, kl_weight=50.0),
 }
 
 FEDAVG = _method("none", "ce")
