@@ -31,7 +31,15 @@ from fedrod_ray.client_update.local import RoundInput
 from fedrod_ray.clients.client import ClientFailure, EvalCounts
 from fedrod_ray.config import ExperimentConfig
 from fedrod_ray.config.loading import dump_config
-from fedrod_ray.executors.base import Executor, Job, RoundFailedError, SummedRound, SumRequest, TrainOutcome
+from fedrod_ray.executors.base import (
+    Executor,
+    Job,
+    RoundFailedError,
+    RoundSkipped,
+    SummedRound,
+    SumRequest,
+    TrainOutcome,
+)
 from fedrod_ray.executors.runtimes import Runtime, register
 from fedrod_ray.federation_state.setup import Setup, prepare
 from fedrod_ray.personalization import build_method
@@ -39,7 +47,7 @@ from fedrod_ray.server_math.aggregate import StateDict
 from fedrod_ray.server_math.distributed_dp import DistributedRound
 
 from . import distributed, wire
-from .secure import MODULUS, Layout, Scales, SecAggSettings, round_sums
+from .secure import MODULUS, Layout, Scales, SecAggSettings, round_sums, too_few_nodes
 
 
 class NodeLostError(RuntimeError):
@@ -217,6 +225,10 @@ class FlowerExecutor(Executor):
         for cid in ids:
             if cid in hosts:
                 by_node[hosts[cid]].append(cid)
+        # Under the distributed mechanism every node noises its share, sampled clients or not: the total is private
+        # at the stated epsilon even when one node holds them all.
+        if dround is None and (why := too_few_nodes(by_node, settings)) is not None:
+            raise RoundSkipped(f"round {round_idx + 1}: {why}")
         if dround is not None and len(by_node) > self._participants():
             raise RoundFailedError(f"round {round_idx + 1}: {len(by_node)} SuperNodes would sum their shares, more than "
                                    f"privacy.max_participants ({self._participants()}), for which the ring was sized")

@@ -34,6 +34,7 @@ SECURE = "secure-aggregation"
 # SecAgg+'s settings in the app's run config, with the name of each in Flower's workflow.
 SETTINGS = {"secagg-num-shares": "num_shares", "secagg-reconstruction-threshold": "reconstruction_threshold",
             "secagg-clipping-range": "clipping_range", "secagg-quantization-range": "quantization_range"}
+MIN_SAMPLED = "secagg-min-sampled-nodes"
 MODULUS = 2**32  # SecAgg+'s modulus_range (Flower's default and largest): the sum of the quantized vectors wraps at it
 
 
@@ -47,6 +48,9 @@ class SecAggSettings:
     reconstruction_threshold: int
     clipping_range: float
     quantization_range: int
+    # The fewest SuperNodes whose clients a round's secure sum may hold (``secagg-min-sampled-nodes``): a sum
+    # over fewer is one node's sum (one client's, where the node hosts one), so such a round is skipped.
+    min_sampled_nodes: int = 2
 
     def quantum(self) -> float:
         """The width of one quantization level: each node's entry is rounded (stochastically) by less."""
@@ -60,8 +64,9 @@ def settings_from(run_config: Mapping) -> SecAggSettings | None:
     if not isinstance(on, bool):
         raise ConfigError(f"run config {SECURE}: must be true or false, got {on!r}")
     values = {key: run_config.get(key, 0) for key in SETTINGS}
+    spread = run_config.get(MIN_SAMPLED, 2)
     if not on:
-        given = [key for key, v in values.items() if v]
+        given = [key for key, v in values.items() if v] + ([MIN_SAMPLED] if MIN_SAMPLED in run_config else [])
         if given:
             raise ConfigError(f"run config {given[0]}: has no effect without {SECURE}=true")
         return None
@@ -70,7 +75,10 @@ def settings_from(run_config: Mapping) -> SecAggSettings | None:
         if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int) or v <= 0:
             raise ConfigError(f"run config {key}: {SECURE}=true needs a positive "
                               f"{'number' if kind is float else 'integer'}, got {v!r}")
-    s = SecAggSettings(**{name: values[key] for key, name in SETTINGS.items()})
+    if isinstance(spread, bool) or not isinstance(spread, int) or spread < 1:
+        raise ConfigError(f"run config {MIN_SAMPLED}: must be a positive integer (1 accepts a round whose sampled "
+                          f"clients sit on one SuperNode, whose sum is that node's), got {spread!r}")
+    s = SecAggSettings(**{name: values[key] for key, name in SETTINGS.items()}, min_sampled_nodes=spread)
     if s.num_shares < 3:
         raise ConfigError(f"run config secagg-num-shares: SecAgg+ needs at least 3, got {s.num_shares}")
     if not 2 <= s.reconstruction_threshold < s.num_shares:
@@ -239,3 +247,15 @@ def round_sums(vector: np.ndarray, layout: Layout, scales: Scales, anchor: State
     losses = Losses(count, float(parts["loss"]) / samples if count else math.nan,
                     float(parts["personal_loss"]) / samples if count and has_personal_loss else None)
     return sums, count, losses
+
+
+def too_few_nodes(by_node: dict[int, list[int]], settings: SecAggSettings) -> str | None:
+    """Why a round whose sampled clients sit on the SuperNodes of ``by_node`` (node -> its sampled clients) is
+    not summed securely (None: it is): their sum would be over fewer nodes than ``secagg-min-sampled-nodes``,
+    and a sum over one node is that node's sum, whatever SecAgg+ masks."""
+    holding = sum(1 for cids in by_node.values() if cids)
+    if holding >= settings.min_sampled_nodes:
+        return None
+    clients = sum(len(cids) for cids in by_node.values())
+    return (f"its {clients} sampled client(s) sit on {holding} SuperNode(s), fewer than run config {MIN_SAMPLED}="
+            f"{settings.min_sampled_nodes}: their secure sum would reveal a single node's sum")

@@ -24,7 +24,15 @@ require_flower()
 import test_flower
 from fedrod_ray_flower import wire
 from fedrod_ray_flower.node import NodeData
-from fedrod_ray_flower.secure import Layout, Scales, check_secure, node_vector, round_sums, settings_from
+from fedrod_ray_flower.secure import (
+    Layout,
+    Scales,
+    check_secure,
+    node_vector,
+    round_sums,
+    settings_from,
+    too_few_nodes,
+)
 from safetensors.torch import load_file
 from test_flower import TIMING, _bytes_of, distinctive, records, write_config
 
@@ -343,3 +351,20 @@ def test_client_level_dp_under_secagg_spends_what_the_ray_runtime_spends(federat
     guarantee = [json.loads(p.read_text())["privacy"] for p in (run_dir / "final" / "meta.json",
                                                                 in_process("dp") / "final" / "meta.json")]
     assert guarantee[0] == guarantee[1]
+
+
+def test_a_round_whose_sampled_clients_sit_on_too_few_nodes_is_not_summed():
+    """From the server's side: SecAgg+ over three nodes of which only one holds sampled clients gives that
+    node's sum (the others send zeros). Such a round is declined before any node trains."""
+    s = settings_from(ON)
+    assert s.min_sampled_nodes == 2
+    assert too_few_nodes({1: [3, 4], 2: [5], 3: []}, s) is None
+    assert too_few_nodes({1: [3, 4], 2: [], 3: []}, s) == (
+        "its 2 sampled client(s) sit on 1 SuperNode(s), fewer than run config secagg-min-sampled-nodes=2: their "
+        "secure sum would reveal a single node's sum")
+    assert too_few_nodes({1: [3, 4], 2: [], 3: []}, settings_from({**ON, "secagg-min-sampled-nodes": 1})) is None
+    for bad in (0, True, 1.5):
+        with pytest.raises(ConfigError, match="run config secagg-min-sampled-nodes"):
+            settings_from({**ON, "secagg-min-sampled-nodes": bad})
+    with pytest.raises(ConfigError, match="run config secagg-min-sampled-nodes: has no effect"):
+        settings_from({"secure-aggregation": False, "secagg-min-sampled-nodes": 2, "min-nodes": 1})

@@ -13,11 +13,11 @@ import torch
 
 from fedrod_ray.clients.client import ClientFailure, ClientUnavailable
 from fedrod_ray.config import config_from_dict
-from fedrod_ray.executors.base import SummedRound
+from fedrod_ray.executors.base import RoundSkipped, SummedRound
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.federation_state.setup import make_host, prepare
 from fedrod_ray.round_loop.federation import Federation, RoundFailedError
-from fedrod_ray.server_math.aggregate import WeightedSum
+from fedrod_ray.server_math.aggregate import OrderedAverager, WeightedSum
 from fedrod_ray.server_math.sums import Losses, RoundSums
 from fedrod_ray.server_math.uploads import non_finite, upload_problem
 
@@ -119,3 +119,36 @@ def test_a_secure_sum_that_is_not_finite_is_never_applied():
     with pytest.raises(RoundFailedError, match=r"round 1: the secure sum is not finite \(generic\."):
         fed.step(0)
     assert all(torch.equal(before[k], v) for k, v in fed.global_shared.items())
+
+
+class Declines(InProcessExecutor):
+    """A secure-sum runtime that declines round 1 (``RoundSkipped``) and sums the clients' results itself after."""
+
+    sums_only = True
+
+    def train_sums(self, round_idx, jobs, message, request):
+        if round_idx == 0:
+            raise RoundSkipped("round 1: its sampled clients sit on one node")
+        generic, rest, uploads, clipped = (OrderedAverager(len(jobs)) for _ in range(4))
+        for slot, (res, _state) in self.train(round_idx, jobs, message):
+            generic.add(slot, {k: v for k, v in res.shared.items() if k in request.generic_keys}, res.num_samples)
+            rest.add(slot, {k: v for k, v in res.shared.items() if k not in request.generic_keys}, res.num_samples)
+            uploads.add(slot, res.upload, 1.0)
+            clipped.skip(slot)
+        sums = RoundSums(generic.sum(), rest.sum(), uploads.sum(), clipped.sum())
+        return SummedRound(sums, Losses(len(jobs), 1.0, None), [cid for cid, _ in jobs])
+
+
+def test_a_round_a_secure_sum_declines_changes_nothing_and_says_why():
+    setup = prepare(config_from_dict(BASE, ["train.head=none", "train.rounds=2"]))
+    logs: list[str] = []
+    fed = Federation(setup, Declines(make_host(setup)), log=logs.append)
+    before = {k: v.clone() for k, v in fed.global_shared.items()}
+    record = fed.step(0)
+    assert record["round_skipped"] == "round 1: its sampled clients sit on one node"
+    assert "[round 1] not aggregated: round 1: its sampled clients sit on one node" in logs
+    assert all(torch.equal(before[k], v) for k, v in fed.global_shared.items())
+    assert all(state.rounds_trained == 0 for _, state in fed.clients.items())
+    record = fed.step(1)  # the next round is summed and applied
+    assert "round_skipped" not in record and record["clients_done"] == 3
+    assert not all(torch.equal(before[k], v) for k, v in fed.global_shared.items())

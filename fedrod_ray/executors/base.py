@@ -34,6 +34,11 @@ class RoundFailedError(RuntimeError):
     the round's aggregation."""
 
 
+class RoundSkipped(Exception):
+    """A ``sums_only`` runtime declines a round it cannot sum without revealing less than its policy allows
+    (its sampled clients sit on too few nodes): nothing of the round is applied, and its record says why."""
+
+
 @dataclass(frozen=True)
 class SumRequest:
     """What a ``sums_only`` runtime needs of the server to sum a round: which shared weights the rule weighs
@@ -85,7 +90,8 @@ class Executor:
         raise NotImplementedError(f"{type(self).__name__} trains no client one by one (sums_only)")
 
     def train_sums(self, round_idx: int, jobs: list[Job], message: RoundInput, request: SumRequest) -> SummedRound:
-        """The round's clients trained and summed where the server cannot open the sum per client."""
+        """The round's clients trained and summed where the server cannot open the sum per client; raises
+        ``RoundSkipped`` for a round it declines."""
         raise NotImplementedError(f"{type(self).__name__} offers no secure aggregation")
 
     def ask(self, round_idx: int, phase: str, common: StateDict,
