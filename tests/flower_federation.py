@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import ipaddress
+import json
 import os
 import signal
 import subprocess
@@ -114,8 +115,12 @@ class FlowerFederation:
     2 CPUs from that environment and stops at the end."""
 
     def __init__(self, root: Path, nodes: list[Path], tls: dict[str, Path] | None = None,
-                 simulation: dict[str, str] | None = None):
+                 simulation: dict[str, str] | None = None, auth: bool = False, node_config: str = ""):
+        """``auth``: Flower's SuperNode authentication (``--enable-supernode-auth``, over ``tls``): each
+        SuperNode gets a key pair (``node_key``), registered with the SuperLink before it starts.
+        ``node_config``: what every SuperNode's node config holds besides its paths (its policy)."""
         self.root, self.nodes, self.tls, self.simulation = root, nodes, tls, simulation is not None
+        self.auth, self.node_config = auth, node_config
         self.port = free_port()
         self.home = root / "flwr-home"
         self.home.mkdir(parents=True, exist_ok=True)
@@ -131,10 +136,13 @@ class FlowerFederation:
         self.superlink = self._start("superlink", [str(BIN / "flower-superlink"), *security, "--isolation",
                                                    "subprocess", "--port", str(self.port), "--database",
                                                    str(self.database), "--disable-runtime-dependency-installation",
-                                                   *(["--simulation"] if self.simulation else [])])
+                                                   *(["--simulation"] if self.simulation else []),
+                                                   *(["--enable-supernode-auth"] if auth else [])])
         self._wait_for("superlink", "Uvicorn running")
         self.supernodes: list[subprocess.Popen | None] = [None] * len(nodes)
         for i in range(0 if self.simulation else len(nodes)):
+            if auth:
+                self.register(self.node_key(f"node{i}"))
             self.start_node(i)
 
     def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
@@ -163,12 +171,56 @@ class FlowerFederation:
         cfg.run_dir = RunStorage(str(run_dir)).uri
         return self.state_path(i) / run_key(cfg)
 
+    def node_key(self, name: str) -> Path:
+        """A SuperNode's private key (an EC P-384 key in OpenSSH format, what ``--auth-supernode-private-key``
+        reads), made once; its public key beside it, ``.pub``."""
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        path = self.root / "keys" / f"{name}.key"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            key = ec.generate_private_key(ec.SECP384R1())
+            path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                               serialization.NoEncryption()))
+            path.with_suffix(".pub").write_bytes(key.public_key().public_bytes(
+                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+        return path
+
+    def flwr(self, *args: str) -> dict:
+        """``flwr ARGS test --format json`` against this SuperLink (its Control API): the JSON it prints."""
+        done = subprocess.run([str(BIN / "flwr"), *args, "test", "--format", "json"], check=False, env=self.env,
+                              cwd=self.root, capture_output=True, text=True, timeout=120)
+        out = json.loads(done.stdout)
+        assert out.get("success"), done.stdout + done.stderr
+        return out
+
+    def register(self, key: Path) -> int:
+        """Register the SuperNode of private key ``key`` (``flwr supernode register``): its node id."""
+        return int(self.flwr("supernode", "register", str(key.with_suffix(".pub")))["node-id"])
+
+    def online(self) -> set[int]:
+        """The node ids of the SuperNodes the SuperLink has online (``flwr supernode list``)."""
+        return {int(n["node-id"]) for n in self.flwr("supernode", "list")["nodes"] if n["status"] == "online"}
+
     def start_node(self, i: int) -> None:
+        """SuperNode ``i`` (under ``auth``, with its registered key)."""
+        self._launch(i, self.node_key(f"node{i}") if self.auth else None)
+
+    def add_node(self, data: Path, key: Path | None) -> int:
+        """One more SuperNode, serving ``data``, authenticated with ``key`` (None: not at all): its index."""
+        self.nodes.append(data)
+        self.supernodes.append(None)
+        self._launch(len(self.nodes) - 1, key)
+        return len(self.nodes) - 1
+
+    def _launch(self, i: int, key: Path | None) -> None:
         security = ["--root-certificates", str(self.tls["ca"])] if self.tls else ["--insecure"]
-        config = f'data-path="{self.nodes[i]}" state-path="{self.state_path(i)}"'
+        config = f'data-path="{self.nodes[i]}" state-path="{self.state_path(i)}" {self.node_config}'.strip()
         self.supernodes[i] = self._start(f"supernode{i}", [
             str(BIN / "flower-supernode"), *security, "--superlink", f"127.0.0.1:{self.port}", "--port",
-            str(free_port()), "--node-config", config])
+            str(free_port()), "--node-config", config,
+            *(["--auth-supernode-private-key", str(key)] if key else [])])
 
     def kill_node(self, i: int) -> None:
         """SIGKILL SuperNode ``i`` and every process it started."""
