@@ -113,7 +113,8 @@ class FlowerExecutor(Executor):
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.QUERY))
         hosts: dict[int, int] = {}
         for reply in self.grid.send_and_receive(msgs, timeout=self.timeout):
-            if reply.has_error():
+            if reply.has_error():  # e.g. its policy or fedrod-ray version refuses this server: it says why
+                self.log(f"SuperNode {reply.metadata.src_node_id} did not report its clients: {reply.error.reason}")
                 continue
             for cid in wire.header(reply.content)["clients"]:
                 if cid in hosts:
