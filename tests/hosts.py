@@ -88,7 +88,7 @@ class Hosts:
         return f"l{self.names.index(name)}", "eth0"
 
     # --- setup ---
-    def __enter__(self) -> Hosts:
+    def __enter__(self) -> Hosts:  # noqa: PYI034 (3.10: no typing.Self)
         if not is_root():
             raise PermissionError("the hosts harness needs root (network and mount namespaces)")
         sweep()
@@ -312,7 +312,7 @@ def sweep() -> None:
 
 
 def _close_all() -> None:
-    for hosts in list(_open):
+    for hosts in _open:
         hosts.close()
 
 

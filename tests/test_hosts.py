@@ -1,23 +1,16 @@
 """Separate hosts on one machine (tests/hosts.py): each party sees only its own data, links carry a rate, a
-delay, go down and come back, and nothing of a harness outlives it, also when its process is interrupted; then a
-Ray cluster started across them as a real one is (tests/hosts_ray.py) trains at the sites bitwise as the same
-federation in one process (which tests/test_sites.py shows equal to the run on ``ray.cluster_utils``)."""
+delay, go down and come back, and nothing of a harness outlives it, also when its process is interrupted."""
 
 from __future__ import annotations
 
-import json
-import math
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import REPO
 from hosts import SERVER_ADDR, Hosts, is_root, leftovers
-from safetensors.torch import load_file
 
 pytestmark = pytest.mark.skipif(not is_root(), reason="the hosts harness needs root: network and mount "
                                                       "namespaces, veth pairs, tc (CI runs as root)")
@@ -132,68 +125,3 @@ def test_a_harness_that_fails_to_start_leaves_nothing(dirs):
     with pytest.raises(ValueError, match="under the harness's own directory"), hosts:
         pass
     assert leftovers(hosts.tag) == []
-
-
-# --- Ray across the hosts -----------------------------------------------------------------------------------
-
-KEYS = ("round", "clients", "clients_done", "clients_failed", "train_loss", "personal_loss", "gfl_gm")
-PFL = ("pfl_gm", "pfl_pm", "pfl_pm_global")
-
-
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def ray_hosts(tmp_path_factory, shared_data_dir):
-    """Two sites of real MNIST clients (tests/sites_data.py), each in its own namespaces with only its own data
-    directory; the server's with its test set and its run directory; a Ray cluster across them."""
-    from hosts_ray import ray_env, start_head, start_site, wait_nodes
-    from sites_data import make_sites
-
-    root = tmp_path_factory.mktemp("hosts") / "data"
-    paths = make_sites(root, shared_data_dir)
-    (root / "runs").mkdir()
-    keep = {"server": [paths["server"], root / "runs"], "a": [paths["a"]], "b": [paths["b"]]}
-    env = ray_env()
-    with Hosts(keep, hide=[root, shared_data_dir]) as hosts:
-        start_head(hosts, env)
-        for name in ("a", "b"):
-            start_site(hosts, name, env)
-        wait_nodes(hosts, env, ["a", "b"])
-        yield hosts, env, paths, root
-        tag = hosts.tag
-    assert leftovers(tag) == []
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("head", ["hyper", "ditto"])
-def test_ray_job_at_sites_across_hosts_equals_the_run_in_one_process(ray_hosts, head, tmp_path, one_torch_thread):
-    """``ray job submit`` from the server's namespaces of a run at the two sites: the same final weights and
-    records as the federation in one process over the same clients (tests/test_sites.py's comparison, which
-    also holds the run on ``ray.cluster_utils`` to these very weights), the P-FL means to 1e-12 (sums from the
-    sites); the server's namespace never held a training file."""
-    from sites_data import memory_config, sites_config
-
-    from fedrod_ray.config import config_from_dict
-    from fedrod_ray.drivers.runner import run_local
-    from fedrod_ray.outputs.storage import RunStorage
-    from hosts_ray import submit
-
-    hosts, env, paths, root = ray_hosts
-    run = root / "runs" / head
-    cfg_file = root / "runs" / f"{head}.json"
-    cfg_file.write_text(json.dumps(sites_config(paths, head)))
-    submit(hosts, env, ["python", "-m", "fedrod_ray.cli", "train", "--config", str(cfg_file), "--run-dir", str(run)])
-    memory = tmp_path / "memory"
-    run_local(config_from_dict(memory_config(paths, head)), RunStorage(str(memory)), log=lambda s: None)
-
-    a, b = load_file(memory / "final" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    for m, s in zip(records(memory), records(run), strict=True):
-        assert {k: m.get(k) for k in KEYS} == {k: s.get(k) for k in KEYS}
-        for k in PFL:
-            assert (math.isnan(m[k]) and math.isnan(s[k])) or abs(m[k] - s[k]) < 1e-12, (k, m, s)
-        assert s["gfl_at"] == "server: its test set"
-    seen = hosts.exec("server", "find", str(root), str(paths["server"].parent), "-path", "*/clients/*").stdout
-    assert seen == "", seen
