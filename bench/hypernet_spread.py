@@ -74,16 +74,16 @@ def main() -> None:
     fed = federation("pFedHN", args.alpha)
     v = fed.method_state[EMBEDDINGS]
     out.append(["pFedHN", "learned embedding (N(0, 1))", v.shape[1], input_spread(v), spread(models(fed, v))])
-    fed = federation("PeFLL", args.alpha, standardize=False)
+    fed = federation("PeFLL", args.alpha, descriptor_scaling="none")
     v = descriptors(fed)
     out.append(["PeFLL", "descriptor (ours: the batch mean)", v.shape[1], input_spread(v), spread(models(fed, v))])
     m, s = v[0].mean().item(), v[0].std().item()
     v = (v - m) / s
-    out.append(["PeFLL", "descriptor rescaled as the official code", v.shape[1], input_spread(v),
+    out.append(["PeFLL", "descriptor rescaled as the official code (`descriptor_scaling: official`)", v.shape[1], input_spread(v),
                 spread(models(fed, v))])
-    fed = federation("PeFLL", args.alpha, standardize=True)
+    fed = federation("PeFLL", args.alpha, descriptor_scaling="standardize")
     v = descriptors(fed)
-    out.append(["PeFLL", "descriptor standardized (`standardize: true`)", v.shape[1], input_spread(v),
+    out.append(["PeFLL", "descriptor standardized (`descriptor_scaling: standardize`)", v.shape[1], input_spread(v),
                 spread(models(fed, v))])
     print(f"Dir({args.alpha}), seed 0, before training, {fed.setup.num_clients} clients; the official rescaling's "
           f"m = {m:.4f}, s = {s:.4f} (1/s = {1 / s:.1f})")

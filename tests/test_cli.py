@@ -345,7 +345,7 @@ def test_version_and_list():
         "mtl (train.head_params: lam=0.1), fedbabu (train.head_params: finetune_epochs=5), "
         "pfedhn (train.head_params: embed_dim=None, hidden=100, server_lr=0.001), "
         "pefll (train.head_params: embed_dim=None, hidden=100, server_lr=0.0002, reg_hyper=0.001, "
-        "reg_embed=0.001, reg_model=0.0, standardize=False)")
+        "reg_embed=0.001, reg_model=0.0, descriptor_scaling='none')")
     assert lines["generic rules (train.generic_rule)"] == (
         "fedavg, feddyn (train.rule_params: alpha=0.01), fedprox (train.rule_params: mu=0.01), local, scaffold")
     assert lines["balanced losses (train.balanced_loss)"] == (

@@ -27,10 +27,13 @@ from fedrod_ray.personalization.pefll import (
     ENET,
     GRAD,
     MODEL,
+    SCALE,
     EmbeddingNetwork,
     adam_step,
     descriptor,
+    first_scale,
     psi,
+    rescaled,
     server_step,
 )
 from fedrod_ray.personalization.pfedhn import NET, generate, hyper_vjp
@@ -116,10 +119,18 @@ def test_a_standardized_descriptor_is_the_batch_mean_less_its_mean_over_its_stan
     assert torch.equal(descriptor(Scale(), psi_, x, y, standardize=True), torch.tensor([-1.0, 0.0, 1.0]))
 
 
-def test_standardizing_needs_a_descriptor_of_two_coordinates_or_more():
+@pytest.mark.parametrize("scaling", ["standardize", "official"])
+def test_rescaling_needs_a_descriptor_of_two_coordinates_or_more(scaling):
     with pytest.raises(ConfigError) as e:
-        make_federation(*PEFLL, "train.head_params={standardize: true, embed_dim: 1}")
-    assert str(e.value).startswith("train.head_params.standardize"), str(e.value)
+        make_federation(*PEFLL, f"train.head_params={{descriptor_scaling: {scaling}, embed_dim: 1}}")
+    assert str(e.value).startswith("train.head_params.descriptor_scaling"), str(e.value)
+
+
+def test_the_old_standardize_key_is_refused_naming_what_replaced_it():
+    with pytest.raises(ConfigError) as e:
+        make_federation(*PEFLL, "train.head_params={standardize: true}")
+    assert str(e.value).startswith("train.head_params.standardize was replaced by "
+                                   "train.head_params.descriptor_scaling"), str(e.value)
 
 
 @pytest.mark.parametrize("standardize", [False, True])
@@ -127,7 +138,8 @@ def test_the_backward_pass_split_between_server_and_client_is_the_gradient_of_th
     """psi -> v = mean E(x, y; psi) (standardized or not) -> w = H(v; phi): the server's (dw/dphi)^T c and
     (dw/dv)^T c, then the client's answer (dv/dpsi)^T (dw/dv)^T c on the same batch, are
     torch.autograd.functional.vjp of the whole map."""
-    fed = make_federation(*PEFLL, f"train.head_params={{standardize: {str(standardize).lower()}}}")
+    scaling = "standardize" if standardize else "none"
+    fed = make_federation(*PEFLL, f"train.head_params={{descriptor_scaling: {scaling}}}")
     host, method, state = fed.executor.host, fed.method, fed.method_state
     v = host.answer(CID, DESCRIBE, psi(state), {}, ROUND)[DESCRIPTOR]
     g = torch.Generator().manual_seed(2)
@@ -188,6 +200,42 @@ def test_a_round_describes_sends_models_trains_then_runs_the_backward_pass_on_th
     table = torch.stack([host.answer(m, DESCRIBE, psi(new), {}, 0)[DESCRIPTOR] for m in range(6)])
     assert torch.equal(new[DESCRIPTORS], table)
     assert _same(gm, mean_state(method.model_from(new, table[m]) for m in range(6)))
+
+
+def test_the_official_rescaling_is_the_first_descriptors_mean_and_std_fixed_and_differentiated_through():
+    """descriptor_scaling: official: the round's lowest described client's raw descriptor gives (m, s), which
+    the messages carry and the uploads bring back; H takes (v - m) / s, each client is sent its gradient
+    through that map, (dw/dv')^T c / s, and the PMs' descriptors are rescaled by the same (m, s)."""
+    fed = make_federation(*PEFLL, "train.head_params={descriptor_scaling: official}")
+    host, method, state = fed.executor.host, fed.method, fed.method_state
+    assert state[SCALE].isnan().all()
+    ids = [3, 1]
+    sent = method.messages(state, ids, {}, 0, 0, host_ask(host, 0, []))
+    raw = {cid: host.answer(cid, DESCRIBE, psi(state), {}, 0)[DESCRIPTOR] for cid in ids}
+    m, s = raw[1].mean(), raw[1].std()
+    assert torch.equal(sent[3][SCALE], torch.stack([m, s])) and torch.equal(sent[1][SCALE], sent[3][SCALE])
+    v3 = (raw[3] - m) / s
+    assert torch.equal(rescaled(raw[3], sent[3][SCALE]), v3) and torch.equal(first_scale(raw[1]), sent[1][SCALE])
+    assert _same({k[len(MODEL):]: t for k, t in sent[3].items() if k.startswith(MODEL)}, method.model_from(state, v3))
+    trained = {cid: {k[len(MODEL):]: t * 0.9 for k, t in sent[cid].items() if k.startswith(MODEL)} for cid in ids}
+    results = {cid: LocalResult(trained[cid], 5, 0.0, None, 1, 0.0,
+                                method_upload={DESCRIPTOR: raw[cid], SCALE: sent[cid][SCALE]}) for cid in ids}
+    _, new = method.server_update(dict(fed.global_shared), results, {}, state, fed.initial, 6, host_ask(host, 0, []))
+    assert torch.equal(new[SCALE], sent[1][SCALE])
+    grads = {}
+    for cid in ids:
+        v = (raw[cid] - m) / s
+        w = method.model_from(state, v)
+        phi_g, gv = hyper_vjp(method.net, state, v, {k: w[k] - trained[cid][k] for k in w})
+        for k, t in {**phi_g, **host.answer(cid, BACKWARD, psi(state), {GRAD: gv / s}, 0)}.items():
+            grads[k] = grads.get(k, 0) + t / 2
+    expected = server_step(state, grads, method.params)
+    for k in grads:
+        assert torch.allclose(new[k], expected[k], rtol=1e-5, atol=1e-7), k
+    table = torch.stack([(host.answer(c, DESCRIBE, psi(new), {}, 0)[DESCRIPTOR] - m) / s for c in range(6)])
+    assert torch.equal(new[DESCRIPTORS], table)
+    assert torch.equal(method.new_client_message(new, fed.global_shared)[SCALE], new[SCALE])
+    assert SCALE not in method.new_client_message(state, fed.global_shared)  # none taken yet
 
 
 def test_a_client_that_does_not_answer_the_backward_question_is_left_out_of_psis_mean_not_phis():
@@ -298,10 +346,10 @@ def test_pefll_trains_and_resumes_bitwise_from_its_checkpoint(tmp_path):
 # --- a client that never trained --------------------------------------------------------------------------------
 
 
-def test_a_new_clients_zero_shot_model_is_one_pass_of_e_and_one_of_h_and_after_it_is_fine_tuned():
-    """Zero-shot: the model the server would make from the descriptor the client gives (E over its seeded
-    batch, then H), made on the client from both networks; after: that model fine-tuned on its data."""
-    fed = make_federation(*PEFLL)
+def test_a_new_clients_zero_shot_model_is_e_over_its_training_set_then_h_and_after_it_is_fine_tuned():
+    """Zero-shot: the model the server would make from the client's descriptor over its whole training set
+    (then H), made on the client from both networks; after: that model fine-tuned on its data."""
+    fed = make_federation(*PEFLL, "train.batch_size=3")  # several batches per client
     fed.step(0)
     host, cid = fed.executor.host, fed.setup.num_clients  # a held-out client
     method, state = fed.method, fed.method_state
@@ -312,13 +360,22 @@ def test_a_new_clients_zero_shot_model_is_one_pass_of_e_and_one_of_h_and_after_i
     ctx = host.context_of(cid, 1)
     zero_shot = {k: v.clone() for k, v in host.method.new_client_model(host.model, message, host.data(cid),
                                                                       ctx).state_dict().items()}
-    v = host.answer(cid, DESCRIBE, psi(state), {}, 1)[DESCRIPTOR]
+    # E over the client's whole training set (the official code's evaluation), not the round's one batch.
+    batches = next(client_batches(host.data(cid), ctx, DESCRIBE_TAG, epochs=1))
+    assert len(batches) > 1
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    enet = method.embedding_network(psi(state), host.data(cid))
+    v = descriptor(enet, psi(state), x, y)
+    each = sum(descriptor(enet, psi(state), xb, yb) * len(yb) for xb, yb in batches) / len(host.data(cid))
+    assert torch.allclose(v, each, atol=1e-6)  # the mean over every example, whatever the batches
     assert _same(zero_shot, method.model_from(state, v))
+    one_batch = host.answer(cid, DESCRIBE, psi(state), {}, 1)[DESCRIPTOR]
+    assert not _same(zero_shot, method.model_from(state, one_batch))
     tuned = host.method.adapt(host.model, message, host.data(cid), None, 1, ctx)
     assert "pefll adapts only" in str(pytest.raises(ValueError, host.method.adapt, host.model,
                                                     RoundInput(fed.global_shared), host.data(1), None, 1,
                                                     host.context_of(1, 1)).value)
-    reference = make_federation(*PEFLL).executor.host
+    reference = make_federation(*PEFLL, "train.batch_size=3").executor.host
     fine_tune(reference.model, zero_shot, host.data(cid), None, 1, ctx)
     assert _same(tuned.state_dict(), reference.model.state_dict())
 

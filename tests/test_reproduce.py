@@ -101,7 +101,7 @@ def test_the_rows_say_what_the_contract_says():
     # pFedHN and PeFLL: their server learning rate and embedding size as their sweeps chose; PeFLL's
     # descriptors standardized, as its sweep ran.
     for label, head, params in (("pFedHN", "pfedhn", {"server_lr": 1e-3, "embed_dim": 13}),
-                                ("PeFLL", "pefll", {"server_lr": 5e-4, "embed_dim": 26, "standardize": True})):
+                                ("PeFLL", "pefll", {"server_lr": 5e-4, "embed_dim": 26, "descriptor_scaling": "standardize"})):
         assert (main[label]["train.head"], main[label]["train.balanced_loss"]) == (head, "ce")
         assert main[label]["train.head_params"] == params
         assert TABLES["new-clients"][label] == {**main[label], "eval.finetune_epochs": FINETUNE_EPOCHS}

@@ -22,6 +22,9 @@ RENAMED = {
     "privacy.secure_rng": "privacy.noise_seed (the noise and the client sampling now come from the OS's CSPRNG "
                           "by default; an integer noise_seed opts into seeded, reproducible ones for experiments, "
                           "which are not private against anyone who knows the seed)",
+    "train.head_params.standardize": "train.head_params.descriptor_scaling (PeFLL: standardize: true -> "
+                                     "descriptor_scaling: standardize, each descriptor by its own mean and std; "
+                                     "official: the official code's fixed rescaling; none)",
 }
 _EXPECTED = {"int_type": "expected an integer", "float_type": "expected a number", "bool_type": "expected true/false",
              "string_type": "expected a string", "dict_type": "expected a mapping",

@@ -5,8 +5,11 @@ The server holds both: the embedding network E(x, y; psi) and the hypernetwork H
 descriptor instead of a learned embedding). A round, with the two-way exchange of the paper's algorithm:
 
 1. each sampled client, sent psi, answers with its descriptor v_m = the mean of E over one mini-batch of its
-   own examples (a seeded draw of the round; ``standardize``: then standardized over its coordinates); the
-   server sends it w_m = H(v_m; phi);
+   own examples (a seeded draw of the round, as the official code's training draws one batch); the server
+   sends it w_m = H(v_m; phi). ``descriptor_scaling`` rescales v_m before H: ``standardize`` by its own
+   mean and standard deviation over its coordinates, on the client (FL-bench's PeFLL); ``official`` by the
+   mean and standard deviation of the first descriptor of the run, fixed from then on, on the server (the
+   official code's);
 2. the client runs E epochs of SGD from w_m and returns w~_m;
 3. the server takes c_m = Delta_m + lam_theta w_m (Delta_m = w_m - w~_m) and back-propagates it through H:
    g_phi += (dw_m/dphi)^T c_m, and each client is sent (dw_m/dv_m)^T c_m, from which it answers with
@@ -17,9 +20,10 @@ descriptor instead of a learned embedding). A round, with the two-way exchange o
 
 Then every training client is asked for its descriptor under the new psi: the PM of client m is
 H(v_m; phi), and the global weights the server keeps are the GM, the mean of the PMs (no global model). A
-client that never trained needs none: one pass of E over its data and one of H give its model (it
-receives both networks and makes it itself: the same model as the exchange, v_m up and H(v_m) down); its
-adaptation fine-tunes that model.
+client that never trained needs none: one pass of E over its whole training set (as the official code's
+evaluation describes a client) and one of H give its model (it receives both networks, and the fixed
+rescaling, and makes it itself: the same model as the exchange, v_m up and H(v_m) down); its adaptation
+fine-tunes that model.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ ADAM_AVG = "adam_avg/"  # Adam's first and second moments of each of phi's and p
 ADAM_SQ = "adam_sq/"
 ADAM_STEP = "adam_step"  # the number of Adam steps taken (float64 scalar)
 DESCRIPTORS = "descriptors"  # (M, embed_dim): each training client's last descriptor, its PM's input
+# descriptor_scaling: official: (mean, std) of the run's first descriptor, NaN until it is taken (server state,
+# and the round's messages and uploads, which carry it from the round that takes it to the server's update)
+SCALE = "descriptor_scale"
 
 DESCRIBE, BACKWARD = "describe", "backward"  # the questions the server asks its clients
 DESCRIPTOR, GRAD, MODEL = "descriptor", "grad", "model/"
@@ -99,6 +106,16 @@ def descriptor(enet: EmbeddingNetwork, psi: StateDict, x: torch.Tensor, y: torch
     return (v - v.mean()) / v.std() if standardize else v
 
 
+def rescaled(v: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The official code's fixed rescaling, (v - m) / s with scale = (m, s); None: v (no fixed rescaling)."""
+    return v if scale is None else (v - scale[0]) / scale[1]
+
+
+def first_scale(v: torch.Tensor) -> torch.Tensor:
+    """(m, s): the mean and standard deviation of ``v``'s coordinates, which rescale every later descriptor."""
+    return torch.stack([v.mean(), v.std()])
+
+
 def adam_step(param: torch.Tensor, grad: torch.Tensor, avg: torch.Tensor, sq: torch.Tensor, step: int,
               lr: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step of torch.optim.Adam (no weight decay, no amsgrad) as new tensors, its ``step``-th (from 1):
@@ -114,9 +131,10 @@ def init_state(params: PeFLLParams, num_clients: int, shapes: dict[str, torch.Si
     """The hypernetwork and the embedding network (PyTorch's default initialisation, from the run's seed),
     Adam's zero moments and step, and zero descriptors: (the hypernetwork's module, the server state)."""
     d = embed_dim(params, num_clients)
-    if params.standardize and d < 2:
-        raise ConfigError(f"train.head_params.standardize: a descriptor of {d} coordinate has no standard deviation "
-                          "to standardize by; set train.head_params.embed_dim to 2 or more, or remove it")
+    if params.descriptor_scaling != "none" and d < 2:
+        raise ConfigError(f"train.head_params.descriptor_scaling: a descriptor of {d} coordinate has no standard "
+                          "deviation to rescale by; set train.head_params.embed_dim to 2 or more, or "
+                          "descriptor_scaling to none")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derived_seed(seed, INIT_TAG))
         net = HyperNetwork(d, params.hidden, shapes)
@@ -125,7 +143,8 @@ def init_state(params: PeFLLParams, num_clients: int, shapes: dict[str, torch.Si
                **{ENET + k: p.detach().clone() for k, p in enet.named_parameters()}}
     return net, {**trained, **{ADAM_AVG + k: torch.zeros_like(t) for k, t in trained.items()},
                  **{ADAM_SQ + k: torch.zeros_like(t) for k, t in trained.items()},
-                 ADAM_STEP: torch.zeros((), dtype=torch.float64), DESCRIPTORS: torch.zeros(num_clients, d)}
+                 ADAM_STEP: torch.zeros((), dtype=torch.float64), DESCRIPTORS: torch.zeros(num_clients, d),
+                 **({SCALE: torch.full((2,), math.nan)} if params.descriptor_scaling == "official" else {})}
 
 
 def psi(state: StateDict) -> StateDict:
@@ -181,12 +200,18 @@ class PeFLL(Personalization):
             self._enet = EmbeddingNetwork(data.x.shape[1], len(data.counts), d)
         return self._enet
 
-    def describe(self, psi_: StateDict, data, ctx) -> torch.Tensor:
-        """The client's descriptor under ``psi_``: the mean of E over its seeded batch of the round."""
+    @property
+    def standardize(self) -> bool:
+        return self.params.descriptor_scaling == "standardize"
+
+    def describe(self, psi_: StateDict, data, ctx, whole: bool = False) -> torch.Tensor:
+        """The client's descriptor under ``psi_``: the mean of E over its seeded batch of the round (training,
+        as the official code's); ``whole``: over its whole training set (evaluation, as the official code's)."""
         enet = self.embedding_network(psi_, data).to(ctx.device)
-        xb, yb = next(client_batches(data, ctx, DESCRIBE_TAG, epochs=1))[0]
+        batches = next(client_batches(data, ctx, DESCRIBE_TAG, epochs=1))
+        xb, yb = (torch.cat(part) for part in zip(*batches)) if whole else batches[0]
         with torch.no_grad():
-            return descriptor(enet, {k: t.to(ctx.device) for k, t in psi_.items()}, xb, yb, self.params.standardize)
+            return descriptor(enet, {k: t.to(ctx.device) for k, t in psi_.items()}, xb, yb, self.standardize)
 
     def answer(self, phase, model, common, question, data, ctx):
         """``describe``: the client's descriptor under psi (``common``); ``backward``: psi's gradient through
@@ -198,7 +223,7 @@ class PeFLL(Personalization):
         enet = self.embedding_network(common, data).to(ctx.device)
         xb, yb = next(client_batches(data, ctx, DESCRIBE_TAG, epochs=1))[0]
         psi_ = {k: t.to(ctx.device).detach().requires_grad_() for k, t in common.items()}
-        grads = torch.autograd.grad(descriptor(enet, psi_, xb, yb, self.params.standardize), list(psi_.values()),
+        grads = torch.autograd.grad(descriptor(enet, psi_, xb, yb, self.standardize), list(psi_.values()),
                                     grad_outputs=question[GRAD].to(ctx.device))
         return {k: g.cpu() for k, g in zip(psi_, grads)}
 
@@ -210,7 +235,7 @@ class PeFLL(Personalization):
         start(model, {k[len(MODEL):]: v for k, v in sent.items() if k.startswith(MODEL)}, ctx)
         loss, steps = sgd_epochs(model, optimizer(model.parameters(), ctx), client_batches(data, ctx))
         return (result(model, num_samples=len(data), loss=loss, steps=steps, t0=t0,
-                       upload={DESCRIPTOR: sent[DESCRIPTOR]}), None, {})
+                       upload={k: sent[k] for k in (DESCRIPTOR, SCALE) if k in sent}), None, {})
 
     # --- the server ------------------------------------------------------------------------------------------
 
@@ -220,9 +245,15 @@ class PeFLL(Personalization):
         return generate(self.net, server_state, v)
 
     def messages(self, server_state, ids, uploads, round_idx, seed, ask):
+        """Each described client's H(v_m), v_m rescaled (official: by the run's first descriptor, taken here
+        from the round's lowest described id in the round that has none yet, and sent along to come back)."""
         described = ask(DESCRIBE, psi(server_state), {cid: {} for cid in ids})
-        return {cid: {**{MODEL + k: w for k, w in self.model_from(server_state, a[DESCRIPTOR]).items()},
-                      DESCRIPTOR: a[DESCRIPTOR]} for cid, a in sorted(described.items())}
+        scale = server_state.get(SCALE)
+        if scale is not None and scale.isnan().any() and described:
+            scale = first_scale(described[min(described)][DESCRIPTOR])
+        extra = {} if scale is None else {SCALE: scale}
+        return {cid: {**{MODEL + k: w for k, w in self.model_from(server_state, rescaled(a[DESCRIPTOR], scale)).items()},
+                      DESCRIPTOR: a[DESCRIPTOR], **extra} for cid, a in sorted(described.items())}
 
     def server_update(self, averaged, results, uploads, server_state, initial, num_clients, ask):
         """The round's backward pass (through H here, through E on each client), one Adam step on the mean of
@@ -230,16 +261,20 @@ class PeFLL(Personalization):
         training client's new descriptor: the PMs, whose mean is the new global weights."""
         if not results:  # every client of the round failed: nothing to step on
             return self.refresh(server_state, num_clients, ask)
+        if SCALE in server_state and server_state[SCALE].isnan().any():  # the round that took the scale
+            server_state = {**server_state, SCALE: results[min(results)].method_upload[SCALE]}
+        scale = server_state.get(SCALE)
         lam = self.params.reg_model
         grads: StateDict = {}
         grad_v: dict[int, StateDict] = {}
         for cid in sorted(results):
-            v = results[cid].method_upload[DESCRIPTOR]
+            v = rescaled(results[cid].method_upload[DESCRIPTOR], scale)
             w = self.model_from(server_state, v)
             cotangent = {k: w[k] - results[cid].shared[k] + lam * w[k] for k in w}
-            phi_grads, grad_v[cid] = hyper_vjp(self.net, server_state, v, cotangent)
+            phi_grads, grad = hyper_vjp(self.net, server_state, v, cotangent)
             grads = {k: grads[k] + g if k in grads else g for k, g in phi_grads.items()}
-            grad_v[cid] = {GRAD: grad_v[cid]}
+            # through the fixed rescaling to the client's descriptor: d((v - m) / s)/dv = 1 / s
+            grad_v[cid] = {GRAD: grad if scale is None else grad / scale[1]}
         grads = {k: g / len(results) for k, g in grads.items()}
         psi_ = psi(server_state)
         answers = ask(BACKWARD, psi_, grad_v)
@@ -252,9 +287,11 @@ class PeFLL(Personalization):
         """Every training client's descriptor under the current psi (one that does not answer keeps its last),
         and the mean of their PMs: (the global weights, the server state)."""
         described = ask(DESCRIBE, psi(state), {m: {} for m in range(num_clients)})
+        if SCALE in state and state[SCALE].isnan().any() and described:  # no round has trained yet
+            state = {**state, SCALE: first_scale(described[min(described)][DESCRIPTOR])}
         table = state[DESCRIPTORS].clone()
         for m, a in described.items():
-            table[m] = a[DESCRIPTOR]
+            table[m] = rescaled(a[DESCRIPTOR], state.get(SCALE))
         state = {**state, DESCRIPTORS: table}
         return mean_state(self.model_from(state, table[m]) for m in range(num_clients)), state
 
@@ -265,16 +302,19 @@ class PeFLL(Personalization):
     # --- a client that never trained ---------------------------------------------------------------------
 
     def new_client_message(self, server_state, global_shared):
-        """Both networks, phi and psi."""
-        return {k: t for k, t in server_state.items() if k.startswith((NET, ENET))}
+        """Both networks, phi and psi, and the fixed rescaling (official)."""
+        return {k: t for k, t in server_state.items()
+                if k.startswith((NET, ENET)) or (k == SCALE and not t.isnan().any())}
 
     @torch.no_grad()
     def zero_shot(self, model, received: StateDict, data, ctx) -> StateDict:
-        """H(v; phi), v the client's descriptor: one pass of E over a batch of its data, one of H."""
+        """H(v; phi), v the client's descriptor: one pass of E over its whole training set, one of H."""
         if self._net is None:
             self._net = hypernetwork_for(received, model)
         phi = {k: t.to(ctx.device) for k, t in received.items() if k.startswith(NET)}
-        return generate(self._net.to(ctx.device), phi, self.describe(psi(received), data, ctx))
+        v = rescaled(self.describe(psi(received), data, ctx, whole=True),
+                     received[SCALE].to(ctx.device) if SCALE in received else None)
+        return generate(self._net.to(ctx.device), phi, v)
 
     def new_client_model(self, model, message, data, ctx):
         model.load_partial(self.zero_shot(model, message.per_client[ctx.client_id], data, ctx))

@@ -6,7 +6,7 @@ generic baselines), a linear personalized head, a hypernetwork; then the persona
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field
 from pydantic.dataclasses import dataclass
@@ -65,10 +65,10 @@ class PeFLLParams:
     reg_hyper: NonNegativeFloat = 1e-3  # lam_h: the regulariser (lam_h / 2) ||phi||^2 of the hypernetwork
     reg_embed: NonNegativeFloat = 1e-3  # lam_v: (lam_v / 2) ||psi||^2 of the embedding network
     reg_model: NonNegativeFloat = 0.0  # lam_theta: (lam_theta / 2) ||w_m||^2 of each generated model
-    # each descriptor standardized over its coordinates, (v - mean v) / std v, before H (FL-bench's PeFLL; the
-    # official code rescales every descriptor by the first one's mean and std): H's first models differ by ~1%
-    # between clients instead of ~0.1% (docs/method.md)
-    standardize: bool = False
+    # the descriptor before H: none; standardize: each by its own coordinates' mean and std, (v - mean v) / std v
+    # (FL-bench's PeFLL; H's first models differ by ~1% between clients instead of ~0.1%); official: every one by
+    # the fixed mean and std of the run's first descriptor (the official code's rescaling; docs/method.md)
+    descriptor_scaling: Literal["none", "standardize", "official"] = "none"
 
 
 @dataclass(config=CLOSED)
