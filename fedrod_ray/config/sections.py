@@ -190,6 +190,10 @@ class PrivacyConfig:
     clip_norm: PositiveFloat = 1.0  # S: the L2 norm each client's update is clipped to (adaptive: the first)
     sampling: Annotated[StrictStr, OneOf(SAMPLINGS)] = "poisson"  # see SAMPLINGS
     adaptive_clip: AdaptiveClipConfig | None = None  # None: the clip norm stays S
+    # false: the records and logs say nothing of which clients a round sampled (no failed_ids, unavailable_ids,
+    # virtual clock; "a sampled client" for an id), as the accountant's amplification by sampling assumes.
+    # true: they do, and the run's log says that the epsilon then does not hold against their readers
+    disclose_sampling: StrictBool = False
     # None: the noise and the client sampling come from the OS's CSPRNG (not reproducible). An integer: both
     # seeded (the noise by (noise_seed, round), the sampling by (seed, round)), reproducible, for experiments
     # only: not private against anyone who knows the seeds, which config.yaml holds.

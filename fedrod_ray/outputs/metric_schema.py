@@ -21,6 +21,8 @@ FEDBUFF = "every server step, with `rounds.mode: fedbuff`"
 RESTARTED = "rounds trained again by a restarted Ray coordinator (`runtime.coordinator_restarts`)"
 AT_SITES = "every round, with `data.dataset: sites`"
 AT_SITES_EVALUATION = "evaluation rounds, with `data.dataset: sites`"
+# A field that says which clients a round sampled, left out of a private run's records (outputs.sampling_secrecy).
+NOT_PRIVATE = "; not with `privacy.enabled` (unless `privacy.disclose_sampling`): it names sampled clients"
 
 
 @dataclass(frozen=True)
@@ -42,17 +44,17 @@ METRICS = (
     Metric("clients", EVERY_ROUND, "clients sampled this round"),
     Metric("clients_done", EVERY_ROUND, "sampled clients that finished their local training"),
     Metric("clients_failed", EVERY_ROUND, "sampled clients that failed"),
-    Metric("failed_ids", EVERY_ROUND, "the failed clients' ids"),
+    Metric("failed_ids", EVERY_ROUND, "the failed clients' ids" + NOT_PRIVATE),
     Metric("train_loss", EVERY_ROUND, "mean balanced loss of the local steps, weighted by sample count",
            label="loss"),
     Metric("personal_loss", EVERY_ROUND,
            "the same for the personalized loss; empty without a personalized head"),
     Metric("train_seconds", EVERY_ROUND, "local training and aggregation, in seconds"),
     Metric("virtual_time", EVERY_ROUND, "the virtual clock after this round: the simulated seconds the rounds so "
-           "far took on the clients' devices (`rounds`, docs/rounds.md)", label="virtual", title="virtual time (s)"),
+           "far took on the clients' devices (`rounds`, docs/rounds.md)" + NOT_PRIVATE, label="virtual", title="virtual time (s)"),
     Metric("round_virtual_seconds", EVERY_ROUND, "this round's simulated seconds: sync, the slowest sampled "
            "client's update; deadline, the deadline (or the last client, if all made it); fedbuff, the time "
-           "since the last server step"),
+           "since the last server step" + NOT_PRIVATE),
     Metric("gfl_gm", EVALUATION, "G-FL: the generic model's (GM) accuracy on the balanced test set",
            label="G-FL", title="G-FL (GM)", accuracy=True),
     Metric("pfl_gm", EVALUATION, "P-FL of the GM: each training client's test accuracy re-weighted by its "
@@ -116,7 +118,7 @@ SITE_METRICS = (
     Metric("clients_unavailable", AT_SITES, "sampled clients at sites with no live node (or whose site went "
            "away while they trained): not failures; their state is as it was", label="unavailable",
            title="clients unavailable"),
-    Metric("unavailable_ids", AT_SITES, "the unavailable clients' ids"),
+    Metric("unavailable_ids", AT_SITES, "the unavailable clients' ids" + NOT_PRIVATE),
     Metric("gfl_at", AT_SITES_EVALUATION, "where G-FL was computed: on the server, on its test set"),
     Metric("pfl_at", AT_SITES_EVALUATION, "where P-FL was computed: at the sites, on the clients' own test sets "
            "or on the server's test set re-weighted there by each client's class distribution"),

@@ -25,6 +25,7 @@ from ..federation_state.client_store import ClientStore, LocalModels
 from ..federation_state.dp_rounds import ClientLevelDP, check_shared, shared_dim
 from ..federation_state.setup import Setup
 from ..federation_state.state import Arrival, Snapshot
+from ..outputs.sampling_secrecy import disclosure_line, private_log, private_text, redact_record
 from ..personalization import Ask, ServerContext, build_method
 from ..server_math.aggregate import OrderedAverager, StateDict
 from ..server_math.buffered import buffered_update, staleness_weight
@@ -75,7 +76,7 @@ class Federation:
         self.round_progress = (0, 0, 0)  # (round, finished, sampled) of the round in hand
         self.cfg = setup.cfg
         self.executor = executor
-        self.log = log
+        self.log = private_log(log, self.cfg.privacy)  # no client's id under DP (sampling_secrecy)
         self.rule = build_rule(self.cfg.train.generic_rule, self.cfg.train.rule_params)
         self.method = build_method(self.cfg.train.head, self.cfg.train.head_params)
         self.model = setup.build_model()
@@ -118,6 +119,8 @@ class Federation:
                 log(f"privacy: the noise and the client sampling are seeded (privacy.noise_seed="
                     f"{self.cfg.privacy.noise_seed}, seed={self.cfg.seed}): reproducible, but not private against "
                     "anyone who knows the seed (config.yaml holds it)")
+            if disclosure_line(self.cfg.privacy):
+                log(disclosure_line(self.cfg.privacy))
         self.durations = self._durations()  # each client's local update, in virtual seconds
         self.virtual_time = 0.0
         rc = self.cfg.rounds
@@ -201,7 +204,7 @@ class Federation:
         if sample is not None:
             record.update(anchored(sample, self.estimate_offset))
         record["seconds"] = round(time.perf_counter() - t0, 4)
-        return record
+        return redact_record(record, cfg.privacy)
 
     def _round(self, r: int, t0: float) -> dict:
         """Round ``r`` with every client sampled at its start (``rounds.mode``: sync or deadline): its record
@@ -420,10 +423,11 @@ class Federation:
         if len(failures) > rt.max_failed_fraction * sampled or sampled - len(failures) < min(
                 rt.min_clients_per_round, sampled):
             ids = ", ".join(str(f.client_id) for f in failures)
-            raise RoundFailedError(
+            raise RoundFailedError(private_text(
                 f"round {r + 1}: {len(failures)} of {sampled} clients failed (clients {ids}); the limits are "
                 f"runtime.max_failed_fraction={rt.max_failed_fraction} and "
-                f"runtime.min_clients_per_round={rt.min_clients_per_round}. First error: {failures[0].error}")
+                f"runtime.min_clients_per_round={rt.min_clients_per_round}. First error: {failures[0].error}",
+                self.cfg.privacy))
 
     def evaluate(self, final: bool = False) -> dict:
         """The metrics of the current state (``evaluation``); ``final`` adds the fine-tuned P-FL."""
