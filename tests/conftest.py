@@ -83,6 +83,50 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+# --- parallel workers (pytest-xdist) -----------------------------------------------------------------
+
+# Most of the suite's time is waiting (a Ray or Flower's processes starting, a server, a subprocess): two
+# workers (`-n 2` in pyproject.toml's addopts) run two test files at a time, one waiting while the other
+# computes. Each file runs whole on one worker, so its module fixtures (a cluster, a head node, a Flower
+# federation) start once; each worker has its own session Ray (``ray_session``), home and tmp_path.
+# Files that must never run at the same time share a group, which runs on one worker, file after file.
+GROUPS = {
+    # Ray Serve's HAProxy binds fixed ports (stats 8404, metrics 9101): one Serve on the host at a time.
+    **dict.fromkeys(("test_api_limits.py", "test_api_release.py", "test_api_servers.py"), "ray-serve"),
+}
+# The files that take longest, handed out first so that none is left to run alone at the end: a multi-node
+# cluster, a head node's job submissions, Flower's processes, Tune runs, killed and restarted Ray runs.
+LONGEST_FIRST = ("test_sites.py", "test_deploy.py", "test_ray_runtime.py", "test_flower.py", "test_tune.py",
+                 "test_flower_secagg.py", "test_privacy.py", "test_reproduce.py", "ray-serve", "test_cli.py")
+
+
+def _work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file's group, or its file (``GROUPS``)."""
+    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return GROUPS.get(name, name)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with ``GROUPS`` kept together and ``LONGEST_FIRST`` handed out first."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            # The base class hands out the queue's first unit: put the longest one left there.
+            first = min(self.workqueue, key=lambda unit: rank.get(unit, len(rank)))
+            self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    return Scheduling(config, log)
+
+
 # --- Ray: one private local instance per test session -------------------------------------------------
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # before anything imports ray
@@ -103,9 +147,16 @@ def home_holds_nothing_of_the_users():
     assert not written, f"the test suite wrote into the home directory what it must not: {written}"
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The home goes in every process, also in the controller of parallel workers, which runs no test (and so
+    not the fixture above) but made a home of its own when it imported this file."""
+    shutil.rmtree(TEST_HOME, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
-    """A private local Ray (2 CPUs, no dashboard) for the whole session, shut down and removed at the end.
+    """A private local Ray (2 CPUs, no dashboard) for the whole session (each parallel worker's own), shut down
+    and removed at the end.
 
     Its temp dir is short because Ray's unix socket paths must fit in 107 bytes. Tests that need a Ray of
     their own (a multi-node cluster, the CLI's ``--mode ray``) start it in a subprocess instead.
