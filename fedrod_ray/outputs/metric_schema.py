@@ -20,6 +20,7 @@ DEADLINE = "every round, with `rounds.mode: deadline`"
 FEDBUFF = "every server step, with `rounds.mode: fedbuff`"
 RESTARTED = "rounds trained again by a restarted Ray coordinator (`runtime.coordinator_restarts`)"
 AT_SITES = "every round, with `data.dataset: sites`"
+SKIPPED = "rounds that Flower's SecAgg+ declined (`secagg-min-sampled-nodes`)"
 AT_SITES_EVALUATION = "evaluation rounds, with `data.dataset: sites`"
 # A field that says which clients a round sampled, left out of a private run's records (outputs.sampling_secrecy).
 NOT_PRIVATE = "; not with `privacy.enabled` (unless `privacy.disclose_sampling`): it names sampled clients"
@@ -126,6 +127,9 @@ SITE_METRICS = (
 )
 # What happened to the run (docs/ray.md).
 RUN_METRICS = (
+    Metric("round_skipped", SKIPPED, "why the round was not aggregated: its sampled clients sit on fewer "
+           "SuperNodes than run config `secagg-min-sampled-nodes` (docs/flower.md); the global model and every "
+           "client are as they were"),
     Metric("coordinator_restart", RESTARTED, "the coordinator actor died in this round or after it, before the "
            "round's checkpoint, and the driver started it again from the last checkpoint: that restart's number "
            "in this invocation (1 for the first); the round's figures are those of the restarted coordinator's "

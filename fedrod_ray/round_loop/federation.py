@@ -19,7 +19,7 @@ from ..algorithms import build_rule
 from ..client_update.local import LocalResult, RoundInput, round_lr
 from ..clients.client import ClientFailure, ClientState, ClientUnavailable
 from ..config import ConfigError
-from ..executors.base import Executor, RoundFailedError, SumRequest
+from ..executors.base import Executor, RoundFailedError, RoundSkipped, SumRequest
 from ..federation_state.buffered_rounds import BufferedRounds
 from ..federation_state.client_store import ClientStore, LocalModels
 from ..federation_state.dp_rounds import ClientLevelDP, check_shared, shared_dim
@@ -31,6 +31,7 @@ from ..server_math.aggregate import OrderedAverager, StateDict
 from ..server_math.buffered import buffered_update, staleness_weight
 from ..server_math.server import clients_per_round, sample_clients, sample_count
 from ..server_math.sums import Losses, RoundSums, mean_losses
+from ..server_math.uploads import non_finite, upload_problem
 from ..timing.clock import (
     client_speeds,
     communication_seconds,
@@ -58,6 +59,7 @@ class Collected:
     new_states: dict[int, ClientState] = field(default_factory=dict)
     failures: list[ClientFailure] = field(default_factory=list)
     unavailable: list[ClientUnavailable] = field(default_factory=list)
+    skipped: str | None = None  # why a secure aggregation declined the round (``RoundSkipped``)
 
 
 class Federation:
@@ -102,25 +104,7 @@ class Federation:
         self.privacy_state: StateDict = {}
         self.rounds = self.cfg.train.rounds  # the rounds this run trains: fewer where a DP budget runs out
         if self.cfg.privacy.enabled:
-            check_shared(self.global_shared)
-            if self.cfg.privacy.mechanism != "central" and not executor.sums_only:
-                # Each participant noises its share of a secure sum (executors.base: sums_only).
-                raise ConfigError(f"privacy.mechanism: {self.cfg.privacy.mechanism} needs a secure sum that each "
-                                  "participant noises its share of: Flower's SecAgg+ (docs/flower.md, run config "
-                                  "secure-aggregation=true); in process and on Ray, use central")
-            self.dp = ClientLevelDP(self.cfg, setup.num_clients, shared_dim(self.global_shared))
-            self.privacy_state = self.dp.init_state()
-            self.rounds = self.dp.rounds
-            if self.rounds < self.cfg.train.rounds:
-                log(f"privacy: the budget of epsilon {self.cfg.privacy.target_epsilon:g} lasts {self.rounds} of "
-                    f"the {self.cfg.train.rounds} rounds at noise multiplier {self.dp.noise_multiplier:g}: the run "
-                    f"stops after round {self.rounds}")
-            if self.dp.seeded:
-                log(f"privacy: the noise and the client sampling are seeded (privacy.noise_seed="
-                    f"{self.cfg.privacy.noise_seed}, seed={self.cfg.seed}): reproducible, but not private against "
-                    "anyone who knows the seed (config.yaml holds it)")
-            if disclosure_line(self.cfg.privacy):
-                log(disclosure_line(self.cfg.privacy))
+            self._start_privacy()
         self.durations = self._durations()  # each client's local update, in virtual seconds
         self.virtual_time = 0.0
         rc = self.cfg.rounds
@@ -129,6 +113,29 @@ class Federation:
             concurrency = rc.concurrency or clients_per_round(setup.num_clients, self.cfg.train.client_fraction)
             self.buffered = BufferedRounds(self.cfg.seed, self.durations, concurrency, rc.buffer_size,
                                            self._train_buffered, self._arrive)
+
+    def _start_privacy(self) -> None:
+        """Client-level DP's accountant, state and the number of rounds its budget lasts, with what the run
+        must say of them."""
+        check_shared(self.global_shared)
+        if self.cfg.privacy.mechanism != "central" and not self.executor.sums_only:
+            # Each participant noises its share of a secure sum (executors.base: sums_only).
+            raise ConfigError(f"privacy.mechanism: {self.cfg.privacy.mechanism} needs a secure sum that each "
+                              "participant noises its share of: Flower's SecAgg+ (docs/flower.md, run config "
+                              "secure-aggregation=true); in process and on Ray, use central")
+        self.dp = ClientLevelDP(self.cfg, self.setup.num_clients, shared_dim(self.global_shared))
+        self.privacy_state = self.dp.init_state()
+        self.rounds = self.dp.rounds
+        if self.rounds < self.cfg.train.rounds:
+            self.log(f"privacy: the budget of epsilon {self.cfg.privacy.target_epsilon:g} lasts {self.rounds} of "
+                     f"the {self.cfg.train.rounds} rounds at noise multiplier {self.dp.noise_multiplier:g}: the run "
+                     f"stops after round {self.rounds}")
+        if self.dp.seeded:
+            self.log(f"privacy: the noise and the client sampling are seeded (privacy.noise_seed="
+                     f"{self.cfg.privacy.noise_seed}, seed={self.cfg.seed}): reproducible, but not private against "
+                     "anyone who knows the seed (config.yaml holds it)")
+        if disclosure_line(self.cfg.privacy):
+            self.log(disclosure_line(self.cfg.privacy))
 
     def _durations(self) -> np.ndarray:
         """The virtual seconds of each training client's local update (``fedrod_ray.timing.clock``)."""
@@ -230,15 +237,8 @@ class Federation:
                                    "run stops here (runtime.site_wait_s says how long a round waits for a site to "
                                    "come back)")
         self._check_failures(r, len(ids) - len(out.unavailable), out.failures)
-        update = shared_update(out.sums, self.global_shared, self.generic_keys, self.rule, self.server_state,
-                               self.setup.num_clients, dp, self.privacy_state, r)
-        self.server_state, self.privacy_state = update.server_state, update.privacy_state
-        # Committed with the round, all at once: a round that raises leaves every client as it was.
-        self.clients.update(out.new_states)
-        averaged, self.method_state = self.method.server_update(
-            {k: update.weights[k] for k in self.shared_keys}, out.results, self._uploads(), self.method_state,
-            self.initial, self.setup.num_clients, self._asker(r))
-        self.global_shared = {k: averaged[k] for k in self.shared_keys}
+        if out.skipped is None:  # a skipped round changes nothing but the clock
+            self._apply(r, out)
         self.next_round = r + 1
         self.virtual_time += seconds
 
@@ -250,7 +250,21 @@ class Federation:
             record.update(clients=len(sampled), clients_dropped=len(sampled) - len(ids))
         if dp:
             record.update(dp_epsilon=dp.epsilon(r + 1), dp_clip_norm=clip_norm)
+        if out.skipped is not None:
+            record["round_skipped"] = out.skipped
         return record
+
+    def _apply(self, r: int, out: Collected) -> None:
+        """Round ``r``'s server step from what its clients gave (``out``), committed all at once: a round that
+        raises leaves the server and every client as they were."""
+        update = shared_update(out.sums, self.global_shared, self.generic_keys, self.rule, self.server_state,
+                               self.setup.num_clients, self.dp, self.privacy_state, r)
+        self.server_state, self.privacy_state = update.server_state, update.privacy_state
+        self.clients.update(out.new_states)
+        averaged, self.method_state = self.method.server_update(
+            {k: update.weights[k] for k in self.shared_keys}, out.results, self._uploads(), self.method_state,
+            self.initial, self.setup.num_clients, self._asker(r))
+        self.global_shared = {k: averaged[k] for k in self.shared_keys}
 
     def _collect(self, r: int, ids: list[int], jobs: list, message: RoundInput) -> Collected:
         """Round ``r``'s clients ``ids`` trained (``executor.train``), their results folded into the round's
@@ -265,6 +279,7 @@ class Federation:
         failures: list[ClientFailure] = []
         unavailable: list[ClientUnavailable] = []  # at sites: clients whose site is away (not failures)
         for slot, out in self.executor.train(r, jobs, message):
+            out = self._checked(out, ids[slot], message)
             if isinstance(out, ClientUnavailable):
                 for averager in (generic, rest, uploads, clipped):
                     averager.skip(slot)
@@ -294,6 +309,16 @@ class Federation:
         sums = RoundSums(generic.sum(), rest.sum(), uploads.sum(), clipped.sum(), unclipped)
         return Collected(sums, mean_losses(list(results.values())), results, new_states, failures, unavailable)
 
+    @staticmethod
+    def _checked(out, cid: int, message: RoundInput):
+        """A client's training outcome as the server takes it: a result whose upload the server refuses
+        (``uploads.upload_problem``) becomes the client's failure."""
+        if isinstance(out, ClientFailure | ClientUnavailable):
+            return out
+        res = out[0]
+        problem = upload_problem(res.shared, (res.upload, res.method_upload), message.weights, message.clip_norm)
+        return out if problem is None else ClientFailure(cid, f"UploadRefused: the server refused {problem}", "")
+
     def _collect_sums(self, r: int, ids: list[int], jobs: list, message: RoundInput) -> Collected:
         """Round ``r``'s clients ``ids`` trained and summed by a secure aggregation (``executor.train_sums``):
         the server keeps of a client only that it trained and (a copy of) the weights it was sent, never what it
@@ -305,7 +330,14 @@ class Federation:
         request = SumRequest(frozenset(self.generic_keys), self._upload_shapes(), self.dp is not None,
                              tuple(int(n) for n in self.setup.sizes),
                              self.dp.distributed_round(r) if self.dp and self.dp.distributed else None)
-        summed = self.executor.train_sums(r, jobs, message, request)
+        try:
+            summed = self.executor.train_sums(r, jobs, message, request)
+        except RoundSkipped as e:
+            self.log(f"[round {r + 1}] not aggregated: {e}")
+            return Collected(RoundSums.empty(), Losses(0, float("nan"), None), skipped=str(e))
+        if (key := non_finite(summed.sums.total_state())) is not None:
+            raise RoundFailedError(f"round {r + 1}: the secure sum is not finite ({key}): a participant sent a "
+                                   "non-finite contribution, and the round is not applied")
         for f in summed.failures:
             self.log(f"[round {r + 1}] client {f.client_id} failed: {f.error}\n{f.traceback}")
         self._check_failures(r, len(ids), summed.failures)
@@ -355,6 +387,7 @@ class Federation:
         jobs, message = self._send(version, [a.client_id for a in pending])
         trained = list(pending)
         for slot, out in self.executor.train(version, jobs, message):
+            out = self._checked(out, pending[slot].client_id, message)
             if isinstance(out, ClientFailure):
                 trained[slot] = dataclasses.replace(pending[slot], error=out.error)
                 self.log(f"[step {version + 1}] client {out.client_id} failed: {out.error}\n{out.traceback}")
