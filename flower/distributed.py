@@ -2,9 +2,9 @@
 DP"): each SuperNode noises its share in the integers before SecAgg+ masks it, so the server unmasks a noised sum.
 
 The mechanism's math is ``fedrod_ray.server_math.distributed_dp``'s; this only carries its integers through
-SecAgg+. A node's vector is the ring vector of its clients' clipped updates (``encode``), then two fixed-point
-entries for the round's losses (diagnostics, summed but not noised, as in the central mechanism), each entry z in
-[0, m). SecAgg+ is run with modulus m, quantization range T = m - 1 and clipping range c = (m - 1) / 2: each
+SecAgg+. A node's vector is the ring vector of its clients' clipped updates (``encode``), then the round's
+losses (diagnostics, summed but not noised, as in the central mechanism) in fixed point, as base-B digits whose
+sums never carry; each entry z in [0, m). SecAgg+ is run with modulus m, quantization range T = m - 1 and clipping range c = (m - 1) / 2: each
 node sends z - c, which SecAgg+'s quantization maps back to z exactly (its grid step 2c / T is 1), and the masks
 and the sum are mod m. The server inverts SecAgg+'s dequantization of the total (``ring_total``) to the sum
 mod m, then ``decode``s it. Who took part, and so the sample counts, the server knows from the nodes' reports."""
@@ -23,7 +23,9 @@ from fedrod_ray.server_math.distributed_dp import DistributedRound, Encoding, de
 from fedrod_ray.server_math.privacy import SecureNoise, SeededNoise
 from fedrod_ray.server_math.sums import Losses, RoundSums
 
-LOSSES = 2  # the ring's last entries: the round's loss and personal loss, each summed n * loss / samples
+LOSSES = 2  # the round's loss and personal loss, each summed as n * loss / samples over the node's clients
+FIXED = 2**20  # the losses' fixed point: a node's sum in units of 2^-20
+LARGEST = 2**40  # and at most 2^40 units (a loss sum of 2^20): it travels as base-B digits that never carry
 
 
 def check_settings(cfg: ExperimentConfig, reconstruction_threshold: int) -> None:
@@ -41,14 +43,20 @@ def workflow_ranges(dround: DistributedRound) -> tuple[float, int, int]:
     return (m - 1) / 2, m - 1, m
 
 
-def _loss_scale(dround: DistributedRound, clipping_range: float, participants: int) -> float:
-    """The losses' fixed-point scale: the sum over ``participants`` nodes of entries within ``clipping_range``
-    stays below m / 2, so it never wraps."""
-    return (dround.encoding.modulus // 2 - 1) / (clipping_range * participants)
+def _digits(dround: DistributedRound, participants: int) -> tuple[int, int]:
+    """(B, digits): the base of the losses' digits, so that ``participants`` nodes' digits sum below m / 2 (no
+    wrap, no carry), and how many digits a sum up to ``LARGEST`` needs."""
+    base = dround.encoding.modulus // (2 * participants)
+    return base, math.ceil(math.log(LARGEST) / math.log(base))
+
+
+def _to_digits(value: float, base: int, digits: int) -> list[int]:
+    v = min(max(round(value * FIXED), 0), LARGEST - 1)
+    return [(v // base**j) % base for j in range(digits)]
 
 
 def node_vector(results: list[LocalResult], anchor: StateDict, keys: list[str], dround: DistributedRound,
-                samples: float, clipping_range: float, participants: int, first_client: int) -> np.ndarray:
+                samples: float, participants: int, first_client: int) -> np.ndarray:
     """A node's vector for SecAgg+: its clients' clipped updates (each ``results``' shared weights less
     ``anchor``, flattened over ``keys``) encoded with its noise, and the losses in fixed point (``samples``: the
     round's total sample count), as the float64 values SecAgg+ quantizes back to the ring's integers.
@@ -59,12 +67,10 @@ def node_vector(results: list[LocalResult], anchor: StateDict, keys: list[str], 
     updates = [torch.cat([(r.shared[k].to(torch.float64) - anchor[k].to(torch.float64)).reshape(-1) for k in keys])
                for r in results]
     ring = encode(updates, enc, dround.signs(), noise)
+    base, digits = _digits(dround, participants)
     losses = [sum(r.num_samples * r.loss for r in results) / max(samples, 1.0),
               sum(r.num_samples * (r.personal_loss or 0.0) for r in results) / max(samples, 1.0)]
-    if not all(0 <= v <= clipping_range for v in losses):
-        raise ValueError(f"this node's losses {losses} are beyond run config secagg-clipping-range ({clipping_range:g})")
-    scale = _loss_scale(dround, clipping_range, participants)
-    fixed = torch.tensor([round(v * scale) for v in losses], dtype=torch.int64)
+    fixed = torch.tensor([d for v in losses for d in _to_digits(v, base, digits)], dtype=torch.int64)
     return torch.cat([ring, fixed]).numpy().astype(np.float64) - (enc.modulus - 1) / 2
 
 
@@ -78,7 +84,7 @@ def ring_total(mean: np.ndarray, nodes: int, dround: DistributedRound) -> torch.
 
 
 def round_sums(total: torch.Tensor, keys: list[str], anchor: StateDict, dround: DistributedRound, done: int,
-               samples: float, done_samples: float, clipping_range: float, participants: int,
+               samples: float, done_samples: float, participants: int,
                has_personal_loss: bool) -> tuple[RoundSums, Losses]:
     """The round's sums from the ring's ``total``: the noised sum of the ``done`` clients' clipped updates,
     added back to ``anchor`` as the sum of their clipped uploads (``RoundSums.clipped``; with its noise even
@@ -92,8 +98,10 @@ def round_sums(total: torch.Tensor, keys: list[str], anchor: StateDict, dround: 
         out[k] = noised[i:i + n].reshape(anchor[k].shape) + done * anchor[k].to(torch.float64)
         i += n
     clipped = WeightedSum(out, float(done), done, {k: anchor[k].dtype for k in keys})
-    scale = _loss_scale(dround, clipping_range, participants)
-    loss, personal = (float(v) / scale * samples / max(done_samples, 1.0) for v in total[enc.padded:])
+    base, digits = _digits(dround, participants)
+    tail = [int(v) for v in total[enc.padded:]]
+    loss, personal = (sum(d * base**j for j, d in enumerate(tail[i * digits:(i + 1) * digits])) / FIXED * samples
+                      / max(done_samples, 1.0) for i in range(LOSSES))
     losses = Losses(done, loss if done else math.nan, personal if done and has_personal_loss else None)
     none = WeightedSum(None, 0.0, 0)
     return RoundSums(none, none, none, clipped, 0), losses
@@ -113,5 +121,4 @@ def node_vector_for(head: dict, results: list[LocalResult], anchor: StateDict, k
     d = head["distributed"]
     dround = DistributedRound(Encoding(d["gamma"], d["modulus"], d["local_sigma"], d["bound"], d["dim"]),
                               d["rotation_seed"], d["noise_seed"])
-    return node_vector(results, anchor, keys, dround, head["scales"][1], head["clipping_range"], d["participants"],
-                       first_client)
+    return node_vector(results, anchor, keys, dround, head["scales"][1], d["participants"], first_client)

@@ -183,7 +183,7 @@ class FlowerExecutor(Executor):
         if request.distributed is not None:  # each node noised its share (flower.distributed)
             sums, losses = distributed.round_sums(
                 vector, layout.keys("clipped"), message.weights, request.distributed, len(done), scales.samples,
-                float(sum(request.sizes[c] for c in done)), self.secagg.clipping_range, self._participants(), personal)
+                float(sum(request.sizes[c] for c in done)), self._participants(), personal)
             return SummedRound(sums, losses, done, failures)
         sums, count, losses = round_sums(vector, layout, scales, message.weights, personal)
         if count != len(done):
