@@ -15,6 +15,7 @@ from test_federation import make_federation
 
 from fedrod_ray.config import ConfigError, config_from_dict
 from fedrod_ray.models.readouts import DBEReadout
+from fedrod_ray.personalization import ServerContext, build_method
 from fedrod_ray.personalization.fedala import START, WEIGHTS, ala_step, blend, learn_weights
 from fedrod_ray.personalization.feddbe import (
     CONSENSUS,
@@ -214,3 +215,41 @@ def test_the_selection_sweeps_search_around_the_official_values_on_another_seed(
     assert seen == grid and len(seen) == 4
     row = MAIN[{"fedala": "FedALA", "feddbe": "FedDBE"}[head]]["train.head_params"]
     assert tuple(row[k] for k in keys) in grid
+
+
+# --- the server steps, by hand ---------------------------------------------------------------------------------
+
+
+def test_fedala_server_step_is_fedavg_with_no_message_and_no_state():
+    method = build_method("fedala")
+    ctx = ServerContext(2, {"w": torch.zeros(2)}, 0, (1, 28, 28), 10)
+    assert method.init_server_state(ctx) == {}
+    assert method.messages({}, [0, 1], {0: None, 1: None}, 0, 0, None) == {}
+    averaged = {"w": torch.tensor([0.25, 0.75])}  # (100 (1, 0) + 300 (0, 1)) / 400, the rule's average
+    new, state = method.server_update(averaged, {}, {}, {}, {}, 2, None)
+    assert new is averaged and state == {}
+
+
+def test_feddbe_server_asks_every_client_once_then_keeps_the_consensus_and_averages():
+    method = build_method("feddbe")
+    state = method.init_server_state(ServerContext(2, {SHIFT: torch.zeros(2)}, 0, (1, 28, 28), 10))
+    assert state[READY] == 0.0 and torch.equal(state[CONSENSUS], torch.zeros(2))
+    asked = []
+
+    def ask(phase, common, questions):
+        asked.append((phase, sorted(questions)))
+        return {0: {RUNNING: torch.tensor([1.0, 0.0]), SAMPLES: torch.tensor(100.0)},
+                1: {RUNNING: torch.tensor([0.0, 1.0]), SAMPLES: torch.tensor(300.0)}}
+
+    # Round 1: every training client is asked (not only the sampled one), and the sampled one is sent zbar^g.
+    sent = method.messages(state, [1], {0: None, 1: None}, 0, 0, ask)
+    assert asked == [(INITIAL, [0, 1])] and list(sent) == [1]
+    assert torch.allclose(sent[1][CONSENSUS], torch.tensor([0.25, 0.75]))
+    averaged = {"w": torch.tensor([2.0])}
+    new, state = method.server_update(averaged, {}, {}, state, {}, 2, ask)
+    assert new is averaged and state[READY] == 1.0
+    assert torch.allclose(state[CONSENSUS], torch.tensor([0.25, 0.75]))
+    # Later rounds ask nothing and send the same zbar^g; a new client receives it too.
+    sent = method.messages(state, [0, 1], {0: None, 1: None}, 1, 0, ask)
+    assert len(asked) == 1 and all(torch.equal(m[CONSENSUS], state[CONSENSUS]) for m in sent.values())
+    assert torch.equal(method.new_client_message(state, averaged)[CONSENSUS], state[CONSENSUS])
