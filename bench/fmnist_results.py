@@ -24,9 +24,9 @@ import shutil
 from pathlib import Path
 
 import yaml
+from fedrod_ray_tune.provenance import PROVENANCE_FILE, RUNS, record
 from fedrod_ray_tune.report import COLUMNS, mean_std, plot_curves
 from fedrod_ray_tune.report import CURVES as CURVE_KEYS
-from fedrod_ray_tune.provenance import PROVENANCE_FILE, RUNS, record
 from fedrod_ray_tune.repro_spec import ReproSpec
 from fedrod_ray_tune.reproduce import status, trials_on_disk
 from fedrod_ray_tune.tables import DP_EPSILONS
@@ -75,7 +75,8 @@ ALONE_JOBS = {f"{row}_a{alpha}": f"Main table, Dir({alpha}): one personalized-FL
 ALONE_JOBS |= {f"privacy_eps{eps}": "Client-level DP: the privacy table's two methods at one ε alone"
                for eps in ("inf", *DP_EPSILONS)}
 # The new-clients table's rows of the methods built for new clients (`<method>_new_clients`), a job each.
-NEW_CLIENT_JOBS = {"hyper_new_clients": "New clients: Fed-RoD (hyper), seeds 1 and 2",
+NEW_CLIENT_JOBS = {"fedavg_new_clients": "New clients: FedAvg alone",
+                   "hyper_new_clients": "New clients: Fed-RoD (hyper), seeds 1 and 2",
                    "fedbabu_new_clients": "New clients: FedBABU alone",
                    "pfedhn_new_clients": "New clients: pFedHN alone", "pefll_new_clients": "New clients: PeFLL alone"}
 ALONE_JOBS |= NEW_CLIENT_JOBS

@@ -1,7 +1,8 @@
 """Sweeps and reproduction trials as in-process runs on one machine without Ray (a borrowed GPU box, say),
 in parallel processes, then read back into the folders ``fedrod-ray tune`` and ``fedrod-ray reproduce`` write.
 
-The sweeps of the methods built for new clients (tune/pfl_*.yaml) choose values their table rows then use,
+The sweeps (tune/pfl_*.yaml for the main tables' rows, tune/new_*.yaml, ranked on held-out validation
+clients, for the new-clients table's) choose values their table rows then use,
 and a machine lent for minutes cannot wait for a human in between: ``run`` trains the sweeps' trials, takes
 each sweep's best (its ``metric`` at its last round, as ``fedrod-ray tune`` ranks them), and trains the table
 jobs with it, until a deadline; a run stopped there keeps its checkpoints and metrics, and its row says the
@@ -38,19 +39,37 @@ sys.path.insert(0, str(ROOT))
 BASE = ROOT / "configs" / "fmnist_paper.yaml"
 # deploy/reproduce_fmnist.sh's jobs that this runs: the new-client split and the main tables' two alphas.
 NEW_CLIENT_SPLIT = {"data.alpha": 0.3, "data.num_clients": 50, "data.new_clients": 50, "train.client_fraction": 0.4}
-ROW_OF = {"fedbabu": "FedBABU", "pfedhn": "pFedHN", "pefll": "PeFLL", "hyper": "Fed-RoD (hyper)"}
+ROW_OF = {"fedbabu": "FedBABU", "pfedhn": "pFedHN", "pefll": "PeFLL", "hyper": "Fed-RoD (hyper)", "fedavg": "FedAvg"}
+# The new-clients jobs' budgets beside the split, each at FedAvg's client compute (100 rounds x 20 clients x 5
+# epochs = 10,000 client-epochs): the hypernetwork methods at their official 5,000 server steps, pFedHN's one a
+# returned client (250 rounds x 20 clients, 2 epochs each), PeFLL's one a round (5,000 rounds x 2 clients, 1
+# epoch each), the learning rate decaying over the run as over 100 rounds, evaluated 5 times.
+NEW_CLIENT_BUDGET = {
+    "pfedhn": {"train.rounds": 250, "train.local_epochs": 2, "train.lr_decay": 0.995988, "eval.eval_every": 50},
+    "pefll": {"train.rounds": 5000, "train.client_fraction": 0.04, "train.local_epochs": 1,
+              "train.lr_decay": 0.999799, "eval.eval_every": 1000},
+}
 
 
-def job_spec(job: str, seeds: list[int]):
+def sweep_of(job: str) -> str:
+    """The sweep whose choice ``job``'s row takes: tune/new_<head>.yaml's for a new-clients job (ranked on
+    held-out validation clients), tune/pfl_<head>.yaml's for a main-table one."""
+    head, _, table = job.partition("_")
+    return f"new_{head}" if table == "new_clients" else f"pfl_{head}"
+
+
+def job_spec(job: str, seeds: list[int], sets: dict | None = None):
     """``fedrod-ray reproduce``'s spec of one of reproduce_fmnist.sh's jobs: <head>_a0.3, <head>_a0.1,
-    <head>_new_clients (<head>: a key of ROW_OF)."""
+    <head>_new_clients (<head>: a key of ROW_OF); ``sets`` (plan's --set) on top."""
     from fedrod_ray_tune.repro_spec import build_spec
 
     head, _, table = job.partition("_")
     if table == "new_clients":
-        return build_spec("new-clients", BASE, seeds, overrides=dict(NEW_CLIENT_SPLIT), rows=[ROW_OF[head]])
+        return build_spec("new-clients", BASE, seeds, rows=[ROW_OF[head]],
+                          overrides={**NEW_CLIENT_SPLIT, **NEW_CLIENT_BUDGET.get(head, {}), **(sets or {})})
     alpha = {"a0.3": 0.3, "a0.1": None}[table]
-    return build_spec("main", BASE, seeds, overrides={"data.alpha": alpha} if alpha else {}, rows=[ROW_OF[head]])
+    return build_spec("main", BASE, seeds, overrides={**({"data.alpha": alpha} if alpha else {}), **(sets or {})},
+                      rows=[ROW_OF[head]])
 
 
 def local_config(cfg) -> dict:
@@ -67,11 +86,13 @@ def local_config(cfg) -> dict:
 
 
 def plan(args) -> None:
+    from fedrod_ray_tune.repro_spec import parse_sets
     from fedrod_ray_tune.space import load_sweep
 
+    sets = parse_sets(args.set)
     sweeps, jobs = [], []
     for path in args.sweep:
-        spec = load_sweep(ROOT / path)
+        spec = load_sweep(ROOT / path, [f"set.{a}" for a in args.set])
         keys = list(spec.search)
         for i, values in enumerate(itertools.product(*(spec.search[k]["grid"] for k in keys))):
             params = dict(zip(keys, values))
@@ -80,12 +101,14 @@ def plan(args) -> None:
     for job in args.job:
         head = job.partition("_")[0]
         seeds = [int(s) for s in args.seeds.get(job, "0").split(",")]
-        spec = job_spec(job, seeds)
+        spec = job_spec(job, seeds, sets)
         for seed in seeds:
             row = ROW_OF[head]
             jobs.append({"job": job, "head": head, "row": row, "seed": seed, "name": f"{job}_s{seed}",
+                         "sweep": sweep_of(job),
                          "config": local_config(spec.row_config(row, seed))})
-    specs = {job: job_spec(job, [int(s) for s in args.seeds.get(job, "0").split(",")]).to_dict() for job in args.job}
+    specs = {job: job_spec(job, [int(s) for s in args.seeds.get(job, "0").split(",")], sets).to_dict()
+             for job in args.job}
     Path(args.plan).write_text(json.dumps({"command": command(args), "sweeps": sweeps, "jobs": jobs, "specs": specs},
                                           indent=1))
     print(f"{len(sweeps)} sweep trials, {len(jobs)} table runs -> {args.plan}")
@@ -188,9 +211,9 @@ def run(args) -> None:
     runs = Runs(out, args.device, args.workers)
     sweeps = [{**e, "dir": "sweeps"} for e in doc["sweeps"]]
     swept = {e["sweep"] for e in sweeps}
-    waiting = [{**e, "dir": "jobs"} for e in doc["jobs"] if f"pfl_{e['head']}" in swept]
+    waiting = [{**e, "dir": "jobs"} for e in doc["jobs"] if e["sweep"] in swept]
     # The longest first: the table runs that wait for no sweep, then the sweeps' (shorter) trials.
-    queue = [{**e, "dir": "jobs"} for e in doc["jobs"] if f"pfl_{e['head']}" not in swept] + sweeps
+    queue = [{**e, "dir": "jobs"} for e in doc["jobs"] if e["sweep"] not in swept] + sweeps
     names = {e["name"] for e in sweeps}
     sweeps_done = stopped = False
     while queue or runs.running or waiting:
@@ -208,7 +231,7 @@ def run(args) -> None:
             chosen = best_values(sweeps, out / "sweeps")
             (out / "chosen.json").write_text(json.dumps(chosen, indent=1))
             print(f"{time.strftime('%H:%M:%S')} chosen: {chosen}", flush=True)
-            queue += [{**e, "config": with_values(e["config"], chosen.get(f"pfl_{e['head']}", {}))} for e in waiting]
+            queue += [{**e, "config": with_values(e["config"], chosen.get(e["sweep"], {}))} for e in waiting]
             waiting, sweeps_done = [], True
         if now >= args.deadline:
             if not stopped:
@@ -265,7 +288,7 @@ def collect_job(job: str, entries: list[dict], doc: dict, chosen: dict, out: Pat
     spec = json.loads(json.dumps(doc["specs"][job]))
     sweeps = {}
     for e in entries:
-        sweep = f"pfl_{e['head']}"
+        sweep = e["sweep"]
         if chosen.get(sweep):
             spec["rows"][e["row"]] = unflattened_row(spec["rows"][e["row"]], chosen[sweep])
             sweeps[e["row"]] = {"sweep": sweep, "trials": f"{sweep}.csv", "chosen": chosen[sweep]}
@@ -313,6 +336,8 @@ def main() -> None:
     a.add_argument("--sweep", action="append", default=[])
     a.add_argument("--job", action="append", default=[])
     a.add_argument("--seeds", type=json.loads, default={}, help='JSON: job -> "0,1,2" (default "0")')
+    a.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override of every sweep trial and table run (a smoke test's rounds and clients)")
     a.set_defaults(fn=plan)
     b = sub.add_parser("run")
     b.add_argument("plan")

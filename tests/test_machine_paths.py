@@ -15,16 +15,16 @@ MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:(?:work|root|Users|tmp)/|home/(?!ra
 # Lines that must keep such a path: (file, or a folder ending in "/"; the line's text; why).
 ALLOWED = (
     ("bench/results/", re.compile(r"^\s*(run_dir|data_dir|data\.data_dir):"),
-     "a run's own record of where its run directory and data were (its config.yaml copied byte for byte, or "
-     "its reproduction's --set data.data_dir): rewriting it would forge the record"),
+     ("a run's own record of where its run directory and data were (its config.yaml copied byte for byte, "
+      "or its reproduction's --set data.data_dir): rewriting it would forge the record")),
     ("deploy/reproduce_fmnist.sh", re.compile(r"RAY_TMPDIR:-/tmp/"),
      "a default scratch folder the script creates on whatever machine runs it"),
     ("tune/trial.py", re.compile(r"/tmp/ray/session_"), "Ray's own session folder, named to explain Tune"),
     ("docs/tune.md", re.compile(r"/tmp/ray/session_"), "Ray's own session folder, named to explain Tune"),
     ("docs/benchmarks.md", re.compile(r"/tmp/dataonce-before"),
      "a scratch tree the `git archive ... | tar -x -C` beside it creates"),
-    ("tests/hosts.py", re.compile(r"/tmp/"), "the multi-host harness's scratch under /tmp, which it creates, "
-     "mounts tmpfs over and removes on any machine"),
+    ("tests/hosts.py", re.compile(r"/tmp/"), ("the multi-host harness's scratch under /tmp, which it creates, "
+                                               "mounts tmpfs over and removes on any machine")),
     ("tests/test_hosts.py", re.compile(r"/tmp/fh-"), "a path the harness must refuse to hide (its own prefix)"),
     ("tests/test_machine_paths.py", re.compile(r"."), "this test's own patterns and examples"),
 )

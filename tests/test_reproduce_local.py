@@ -42,3 +42,29 @@ def test_chosen_values_are_set_at_their_dotted_keys_in_a_copy_of_the_config():
     assert out == {"train": {"head": "pfedhn", "head_params": {"hidden": 100, "server_lr": 0.01, "embed_dim": 13}},
                    "seed": 0, "eval": {"finetune_epochs": 2}}
     assert config["train"]["head_params"] == {"hidden": 100, "server_lr": 0.001}
+
+
+def test_the_new_client_jobs_give_the_hypernetworks_their_official_steps_at_fedavgs_compute():
+    """pFedHN steps once a returned client, PeFLL once a round: both at the official 5,000 steps, every job at
+    FedAvg's client-epochs, its learning rate decayed over the run as FedAvg's over 100 rounds."""
+    from fedrod_ray.server_math.server import clients_per_round
+
+    budget = {}
+    for head in ("fedavg", "hyper", "fedbabu", "pfedhn", "pefll"):
+        cfg = reproduce_local.job_spec(f"{head}_new_clients", [0]).row_config(reproduce_local.ROW_OF[head], 0)
+        per_round = clients_per_round(cfg.data.num_clients, cfg.train.client_fraction)
+        budget[head] = (cfg.train.rounds, per_round, cfg.train.rounds * per_round * cfg.train.local_epochs,
+                        cfg.train.lr * cfg.train.lr_decay ** cfg.train.rounds)
+        assert (cfg.data.num_clients, cfg.data.new_clients, cfg.train.head) == (50, 50, head if head != "fedavg"
+                                                                               else "none")
+    assert budget["pfedhn"][0] * budget["pfedhn"][1] == 5000 and budget["pefll"][0] == 5000
+    assert {b[2] for b in budget.values()} == {10_000}
+    assert all(abs(b[3] / budget["fedavg"][3] - 1) < 1e-3 for b in budget.values())
+    assert [reproduce_local.sweep_of(j) for j in ("pefll_new_clients", "pefll_a0.3")] == ["new_pefll", "pfl_pefll"]
+
+
+def test_a_sweeps_choice_goes_into_the_rows_mapping_where_the_row_sets_it_whole():
+    row = {"train.head": "pefll", "train.head_params": {"server_lr": 5e-4, "embed_dim": 26}}
+    out = reproduce_local.unflattened_row(row, {"train.head_params.server_lr": 1e-3, "train.lr": 0.02})
+    assert out == {"train.head": "pefll", "train.head_params": {"server_lr": 1e-3, "embed_dim": 26}, "train.lr": 0.02}
+    assert row["train.head_params"]["server_lr"] == 5e-4

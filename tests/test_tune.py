@@ -118,6 +118,27 @@ def test_with_an_estimate_a_trial_keeps_its_exact_evaluations_as_the_config_says
     assert math.isclose(objective(record, "hmean", estimate=True), 2 * 0.5 * 0.75 / 1.25)  # 0.6
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"metric": "pfl_new_after", "set": {"data.new_clients": 0}}, r"metric: pfl_new_after is the held-out clients' P-FL; set data\.new_clients"),
+    ({"metric": "pfl_new_after", "set": {"data.new_clients": 2}}, r"metric: pfl_new_after is measured after fine-t"),
+    ({"metric": "pfl_new_before", "set": {"data.new_clients": 2}}, r"scheduler: asha ranks trials every round"),
+])
+def test_a_sweep_ranked_on_new_clients_needs_them_and_no_asha(tmp_path, fields, message):
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(sweep_file(tmp_path, **fields))
+    ok = load_sweep(sweep_file(tmp_path, metric="pfl_new_after", scheduler="none",
+                               set={"data.new_clients": 2, "eval.finetune_epochs": 1}))
+    assert ok.metric == "pfl_new_after"
+
+
+def test_a_new_client_metric_is_the_exact_evaluations_never_an_estimate():
+    from fedrod_ray_tune.trial import round_objective
+
+    record = {"gfl_gm": 0.6, "pfl_pm": 0.9, "pfl_new_before": 0.7, "pfl_new_after": 0.8, "gfl_gm_est": 0.5}
+    assert objective(record, "pfl_new_after") == 0.8 and objective(record, "pfl_new_before", estimate=True) == 0.7
+    assert round_objective({"gfl_gm_est": 0.5, "pfl_pm_est": 0.7}, "pfl_new_after", estimate=True) is None
+
+
 def test_objective_and_pareto_front_by_hand():
     record = {"gfl_gm": 0.6, "pfl_pm": 0.9}
     assert objective(record, "gfl") == 0.6 and objective(record, "pfl_pm") == 0.9

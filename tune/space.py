@@ -8,7 +8,7 @@ before any trial starts.
       train.lr: {loguniform: [0.005, 0.05]}
       train.rule_params.mu: {choice: [0.001, 0.01]}
     num_samples: 2          # draws of the random dimensions (x the grid)
-    metric: hmean           # gfl | pfl_pm | hmean (harmonic mean of the two; the default)
+    metric: hmean           # gfl | pfl_pm | hmean (harmonic mean of the two; the default) | pfl_new_before | pfl_new_after
     scheduler: asha         # asha | none
     asha: {grace_period: 1, reduction_factor: 2}
     resources: {client_slots: 1, client: {num_cpus: 1}}   # per trial
@@ -29,7 +29,11 @@ import yaml
 from fedrod_ray.client_update.local import derived_seed
 from fedrod_ray.config import ConfigError, ExperimentConfig, apply_override, config_from_dict, load_config
 
-METRICS = ("gfl", "pfl_pm", "hmean")
+# The held-out new clients' P-FL (data.new_clients) before and after their fine-tuning, measured at an exact
+# evaluation only: a sweep for the new-clients table ranks on new clients of its own split (its seed), not
+# the table's reported ones.
+NEW_CLIENT_METRICS = ("pfl_new_before", "pfl_new_after")
+METRICS = ("gfl", "pfl_pm", "hmean", *NEW_CLIENT_METRICS)
 SCHEDULERS = ("asha", "none")
 SAMPLERS = ("grid", "choice", "uniform", "loguniform")
 SPEC_KEYS = {"base", "set", "search", "num_samples", "metric", "scheduler", "asha", "resources", "name",
@@ -170,6 +174,18 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepSpe
     return spec
 
 
+def _check_new_client_metric(metric: str, scheduler: str, base) -> None:
+    """A sweep ranked on held-out clients needs them (and, after, their fine-tuning), and no ASHA, which
+    ranks every round: they are measured at the exact evaluations only."""
+    if base.data.new_clients < 1:
+        raise ConfigError(f"metric: {metric} is the held-out clients' P-FL; set data.new_clients to 1 or more")
+    if metric == "pfl_new_after" and base.eval.finetune_epochs < 1:
+        raise ConfigError("metric: pfl_new_after is measured after fine-tuning; set eval.finetune_epochs to 1 or more")
+    if scheduler == "asha":
+        raise ConfigError(f"scheduler: asha ranks trials every round, and {metric} is measured only at the exact "
+                          "evaluations; use scheduler: none")
+
+
 def _check(spec: SweepSpec) -> None:
     if spec.metric not in METRICS:
         raise ConfigError(f"metric: {spec.metric!r} is not one of {list(METRICS)}")
@@ -195,6 +211,8 @@ def _check(spec: SweepSpec) -> None:
         base = spec.experiment_config({})
     except ConfigError as e:
         raise ConfigError(f"set: {e}") from None
+    if spec.metric in NEW_CLIENT_METRICS:
+        _check_new_client_metric(spec.metric, spec.scheduler, base)
     if spec.privacy_budget is not None:
         budget = spec.privacy_budget
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf:

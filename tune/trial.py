@@ -34,7 +34,7 @@ from fedrod_ray.outputs.storage import RunStorage
 from fedrod_ray.outputs.tracking import scalars
 from fedrod_ray.round_loop.federation import Federation
 
-from .space import SweepSpec
+from .space import NEW_CLIENT_METRICS, SweepSpec
 
 # A trial's searched values, in its folder (Tune's params.json is a copy Tune may rewrite at any time).
 PARAMS_FILE = "trial.json"
@@ -44,7 +44,9 @@ RUN_CHECKPOINT_FILE = "run_checkpoint.json"
 
 def objective(record: dict, metric: str, estimate: bool = False) -> float:
     """The value the sweep maximises: G-FL, P-FL (PM), or their harmonic mean; ``estimate``: of their
-    estimates (gfl_gm_est, pfl_pm_est)."""
+    estimates (gfl_gm_est, pfl_pm_est); or the held-out clients' P-FL (never estimated)."""
+    if metric in NEW_CLIENT_METRICS:
+        return record[metric]
     suffix = "_est" if estimate else ""
     gfl, pfl = record["gfl_gm" + suffix], record["pfl_pm" + suffix]
     if metric == "gfl":
@@ -57,6 +59,8 @@ def objective(record: dict, metric: str, estimate: bool = False) -> float:
 def round_objective(record: dict, metric: str, estimate: bool) -> float | None:
     """What a round reports as its objective: the estimate's where the trial estimates (every round), else
     the exact evaluation's; None for a round without one."""
+    if metric in NEW_CLIENT_METRICS:
+        return record.get(metric)
     if estimate or "gfl_gm" in record:
         return objective(record, metric, estimate)
     return None
