@@ -1,4 +1,4 @@
-"""Separate hosts on one machine, for tests and benchmarks (docs/sites.md, "Rehearse a deployment"): each party
+"""Separate hosts on one machine, for tests and benchmarks (docs/sites.md, "Deployment"): each party
 (the server; each site) runs in a network namespace of its own, linked to the server's by a veth pair (or, with a
 latency, a pair of TUN devices joined by a delaying relay), with its own address, and in a mount namespace of its
 own in which the data the harness hides is absent except that party's own directories.
@@ -79,10 +79,6 @@ class Hosts:
     def mnt(self, name: str) -> Path:
         return self.dir / "mnt" / name
 
-    def ray_dir(self, name: str) -> Path:
-        """The party's Ray temp dir (seen by it alone: its mount namespace keeps it)."""
-        return self.dir / "r" / name
-
     def link_of(self, name: str) -> tuple[str, str]:
         """(the server end's interface, in the server's namespace; the site end's, in the site's)."""
         return f"l{self.names.index(name)}", "eth0"
@@ -114,7 +110,6 @@ class Hosts:
         for k, name in enumerate(self.names):
             sh("ip", "netns", "add", self.ns(name))
             self.ip(name, "link", "set", "lo", "up")
-            self.ray_dir(name).mkdir(parents=True)
             self._mount_ns(name)
         server = self.names[0]
         self.ip(server, "addr", "add", f"{SERVER_ADDR}/32", "dev", "lo")
@@ -179,24 +174,6 @@ class Hosts:
         self.procs.append(proc)
         return proc
 
-    def pids(self, party: str) -> list[int]:
-        """The processes in ``party``'s network namespace (every one of them started by this harness)."""
-        return sorted(int(p) for p in sh("ip", "netns", "pids", self.ns(party), check=False).stdout.split())
-
-    def kill(self, party: str) -> None:
-        """SIGKILL every process of ``party`` (a host that dies) and wait until none is left."""
-        for _ in range(50):
-            pids = self.pids(party)
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{party}: processes still alive after SIGKILL: {self.pids(party)}")
-
     # --- links ---
     def link(self, name: str, up: bool) -> None:
         """Set site ``name``'s link (both ends) up or down; up restores its route to the other parties."""
@@ -232,14 +209,13 @@ class Hosts:
         if self.closed:
             return
         self.closed = True
-        for proc in self.procs:
-            _end(proc)
-        for name in self.names:
-            if (NETNS_DIR / self.ns(name)).exists():
-                self.kill(name)
-        _teardown(self.tag)
-        if self in _open:
-            _open.remove(self)
+        try:
+            for proc in self.procs:
+                _end(proc)
+        finally:  # whatever failed above, the namespaces (and every process in them) and mounts go
+            _teardown(self.tag)
+            if self in _open:
+                _open.remove(self)
 
 
 def _end(proc: subprocess.Popen) -> None:
@@ -248,17 +224,22 @@ def _end(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    proc.wait()
+    proc.wait(30)
 
 
 def _teardown(tag: str) -> None:
     """Delete the namespaces and mounts named by ``tag`` and its directory (whatever is left of them)."""
     for ns in _namespaces(tag):
-        for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for _ in range(100):  # until no process is left in it (a Ray node's may still be starting others)
+            pids = sh("ip", "netns", "pids", ns, check=False).stdout.split()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
         sh("ip", "netns", "del", ns, check=False)
     for relay in _relays(tag):
         try:
@@ -329,7 +310,12 @@ def _install_handlers() -> None:
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum, frame):
-        _close_all()
+        try:
+            _close_all()
+        finally:
+            _reraise(signum, frame)
+
+    def _reraise(signum, frame):
         if callable(previous):
             previous(signum, frame)
         else:
