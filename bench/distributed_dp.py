@@ -49,7 +49,8 @@ def write_config(folder: Path, name: str, head: str, args, privacy: dict | None)
     cfg["name"], cfg["data"]["data_dir"] = name, str(resolve_data_dir(None))
     cfg["data"]["num_clients"] = args.clients
     cfg["train"].update(head=head, rounds=args.rounds)
-    cfg["eval"] = {"eval_every": args.rounds, "clients": min(100, args.clients)}
+    # P-FL over a seeded sample of 100 clients where there are more (as the config does), else over all.
+    cfg["eval"] = {"eval_every": args.rounds, **({"clients": 100} if args.clients > 100 else {})}
     cfg["runtime"] = {"torch_threads": 1}
     if privacy is not None:
         cfg["privacy"] = {"enabled": True, "clip_norm": args.clip, "sampling": "poisson", **privacy}
