@@ -44,6 +44,9 @@ def clients(run_dir):
     workers = create_app(Settings(model_dir=str(run_dir), parse_process_bytes=8 * 1024))
     local = create_app(Settings(model_dir=str(run_dir), parse_process_bytes=IN_PROCESS))
     with TestClient(workers) as a, TestClient(local) as b:
+        # Each head cache keys its ids with a secret of its own (api/heads.py): one secret for both, so that the
+        # same request gets the same head id from either app.
+        local.state.service.current.heads.secret = workers.state.service.current.heads.secret
         yield a, b
     assert not workers.state.parse_workers.pids(), "the app's shutdown stops its workers"
 
