@@ -98,6 +98,7 @@ def test_fedala_lower_tensors_take_the_global_model_and_the_top_ones_blend():
     global_["generic_head.weight"] += 0.01
     personal, top = host.method.aggregate_locally(host.model, global_, local, state.personal, host.data(cid),
                                                   host.context_of(cid, 1), 18)
+    assert torch.equal(top["generic_head.weight"], host.model.state_dict()["generic_head.weight"])
     got = host.model.state_dict()
     assert got["body.7.bias"][0] == 7.0 and torch.equal(got["body.0.weight"], global_["body.0.weight"])
     w = personal[WEIGHTS + "generic_head.weight"]
