@@ -86,10 +86,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # --- parallel workers (pytest-xdist) -----------------------------------------------------------------
 
 # Most of the suite's time is waiting (a Ray or Flower's processes starting, a server, a subprocess): two
-# workers (`-n 2` in pyproject.toml's addopts) run two test files at a time, one waiting while the other
-# computes. Each file runs whole on one worker, so its module fixtures (a cluster, a head node, a Flower
-# federation) start once; each worker has its own session Ray (``ray_session``), home and tmp_path.
-# Files that must never run at the same time share a group, which runs on one worker, file after file.
+# workers run two test files at a time, one waiting while the other computes. Each file runs whole on one
+# worker, so its module fixtures (a cluster, a head node, a Flower federation) start once; each worker has its
+# own session Ray (``ray_session``), home and tmp_path. Files that must never run at the same time share a
+# group, which runs on one worker, file after file.
+WORKERS = 2
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject.toml's addopts): ``WORKERS`` for the whole suite or its fast lane (no path named,
+    pyproject's testpaths); none, so in this process as without xdist, for the files or tests a command names."""
+    return WORKERS if config.args_source == pytest.Config.ArgsSource.TESTPATHS else 0
+
 GROUPS = {
     # Ray Serve's HAProxy binds fixed ports (stats 8404, metrics 9101): one Serve on the host at a time.
     **dict.fromkeys(("test_api_limits.py", "test_api_release.py", "test_api_servers.py"), "ray-serve"),
