@@ -103,10 +103,12 @@ GROUPS = {
     # Ray Serve's HAProxy binds fixed ports (stats 8404, metrics 9101): one Serve on the host at a time.
     **dict.fromkeys(("test_api_limits.py", "test_api_release.py", "test_api_servers.py"), "ray-serve"),
 }
-# The files that take longest, handed out first so that none is left to run alone at the end: a multi-node
-# cluster, a head node's job submissions, Flower's processes, Tune runs, killed and restarted Ray runs.
-LONGEST_FIRST = ("test_sites.py", "test_deploy.py", "test_ray_runtime.py", "test_flower.py", "test_tune.py",
-                 "test_flower_secagg.py", "test_privacy.py", "test_reproduce.py", "ray-serve", "test_cli.py")
+# The files that take longest (by --durations), handed out first so that none is left to run alone at the end:
+# Flower's processes, killed and restarted Ray runs, a multi-node cluster, a head node's job submissions, runs
+# trained and resumed in this process, Tune runs.
+LONGEST_FIRST = ("test_flower.py", "test_ray_runtime.py", "test_sites.py", "test_deploy.py",
+                 "test_personalization.py", "test_privacy.py", "test_tune.py", "test_flower_secagg.py",
+                 "test_reproduce.py", "ray-serve", "test_api.py", "test_cli.py")
 
 
 def _work_unit(nodeid: str) -> str:
