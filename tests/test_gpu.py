@@ -108,6 +108,8 @@ IN_PROCESS_METHODS = {
     "linear": (), "hyper": (), "ditto": ("train.balanced_loss=ce",), "fedrep": ("train.balanced_loss=ce",),
     "fedbabu": ("train.balanced_loss=ce",), "pfedhn": ("train.balanced_loss=ce",),
     "pefll": ("train.balanced_loss=ce",), "scaffold": ("train.generic_rule=scaffold",),
+    # FedALA's weight learning and FedDBE's initial period and feature bias (at kappa 1: 50 diverges on tiny runs).
+    "fedala": ("train.balanced_loss=ce",), "feddbe": ("train.balanced_loss=ce", "train.head_params={kl_weight: 1}"),
 }
 
 
