@@ -298,6 +298,8 @@ def test_the_central_accountant_is_unchanged_by_the_distributed_one():
     distributed = ClientLevelDP(config_from_dict({**BASE, "privacy": DISTRIBUTED}), 20, dim=123)
     assert distributed.distributed and distributed.encoding.dim == 123
     assert distributed.epsilon(4) > dp.epsilon(4)
+    with pytest.raises(ConfigError, match="privacy.mechanism"):  # as a Tune sweep asks, without a model
+        ClientLevelDP(config_from_dict({**BASE, "privacy": DISTRIBUTED}), 20)
 
 
 # --- from the attacker's side ----------------------------------------------------------------------------------

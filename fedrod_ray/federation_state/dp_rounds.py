@@ -75,6 +75,9 @@ class ClientLevelDP:
             self.expected = float(clients_per_round(num_clients, t.client_fraction))
             self.rate = self.expected / num_clients
         self.distributed = p.mechanism == "distributed_dgauss"
+        if self.distributed and dim <= 0:
+            raise ConfigError("privacy.mechanism: distributed_dgauss is accounted for a federation's model (its number "
+                              "of shared weights), on Flower's SecAgg+ only: not in a Tune sweep or without a model")
         if self.distributed:
             mechanism = distributed_accounting.DistributedMechanism(
                 p.noise_multiplier or 0.0, p.clip_norm, self.rate, self.expected, p.min_participants,
