@@ -26,6 +26,7 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -118,7 +119,7 @@ def command(args) -> str:
     """This command as run, its own files named as the module's docstring names them (PLAN.json, OUT, DEST),
     not by this machine's paths."""
     names = {getattr(args, k, None): v for k, v in (("plan", "PLAN.json"), ("out", "OUT"), ("dest", "DEST"))}
-    return " ".join(["python deploy/reproduce_local.py", *(names.get(a, a) for a in sys.argv[1:])])
+    return shlex.join(["python", "deploy/reproduce_local.py", *(names.get(a, a) for a in sys.argv[1:])])
 
 
 def last_record(run_dir: Path) -> dict:
