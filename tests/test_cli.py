@@ -345,7 +345,7 @@ def test_version_and_list():
         "mtl (train.head_params: lam=0.1), fedbabu (train.head_params: finetune_epochs=5), "
         "pfedhn (train.head_params: embed_dim=None, hidden=100, server_lr=0.001), "
         "pefll (train.head_params: embed_dim=None, hidden=100, server_lr=0.0002, reg_hyper=0.001, "
-        "reg_embed=0.001, reg_model=0.0, descriptor_scaling='none'), gpfl (train.head_params: lam=0.01, mu=0.1), "
+        "reg_embed=0.001, reg_model=0.0, descriptor_scaling=none), gpfl (train.head_params: lam=0.01, mu=0.1), "
         "fedcp (train.head_params: lam=5.0), "
         "fedala (train.head_params: eta=1.0, rand_percent=80.0, layer_idx=1, threshold=0.1, num_pre_loss=10), "
         "feddbe (train.head_params: momentum=1.0, kl_weight=50.0)")
