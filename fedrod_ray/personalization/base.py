@@ -35,6 +35,7 @@ adaptation from what it received (default: fine-tuning, ``finetune.fine_tune``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -192,6 +193,14 @@ class Personalization:
         rounds: its own (with ``pm_from_global``: one made on the server, of the global weights or of the
         method's ``server_state``)."""
         return state
+
+
+def on_latest_global(state, global_shared: StateDict, rounds_done: int):
+    """A PM made of the latest global weights and the client's own parts (``state.personal``), for a method whose
+    client keeps only those (``pm_job``); a client that never trained keeps its state, and its PM is the GM."""
+    if state.personal is None:
+        return state
+    return dataclasses.replace(state, local_model=global_shared, rounds_trained=rounds_done)
 
 
 def mean_state(states: Iterable[StateDict]) -> StateDict:

@@ -17,7 +17,6 @@ also at evaluation. docs/method.md says where this departs from the official cod
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -27,7 +26,7 @@ from torch.func import functional_call
 from ..client_update.local import derived_seed
 from ..models import GENERIC_HEAD, READOUT
 from ..specs.methods import FedCPParams
-from .base import Personalization
+from .base import Personalization, on_latest_global
 from .finetune import FINETUNE_TAG
 from .registry import register
 from .sgd import client_batches, cpu_state, frozen, optimizer, result, sgd_epochs, start
@@ -126,9 +125,7 @@ class FedCP(Personalization):
     def pm_job(self, state, global_shared, rounds_done, server_state, client_id):
         """The latest global theta, h^g and CPN with the client's h^p and c (a client that never trained: none,
         its PM is the GM)."""
-        if state.personal is None:
-            return state
-        return dataclasses.replace(state, local_model=global_shared, rounds_trained=rounds_done)
+        return on_latest_global(state, global_shared, rounds_done)
 
     def load_pm(self, model, state, data, ctx):
         super().load_pm(model, state, data, ctx)

@@ -19,7 +19,6 @@ z^p = 0: its zero-shot PM is the GM; its "after" is the client loss from the GM 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -29,7 +28,7 @@ from ..client_update.local import round_lr
 from ..models import READOUT
 from ..server_math.aggregate import StateDict
 from ..specs.methods import FedDBEParams
-from .base import Personalization
+from .base import Personalization, on_latest_global
 from .finetune import FINETUNE_TAG
 from .registry import register
 from .sgd import client_batches, cpu_state, result, sgd_epochs, start
@@ -128,9 +127,7 @@ class FedDBE(Personalization):
 
     def pm_job(self, state, global_shared, rounds_done, server_state, client_id):
         """The latest global weights with the client's z^p (a client that never trained: its PM is the GM)."""
-        if state.personal is None:
-            return state
-        return dataclasses.replace(state, local_model=global_shared, rounds_trained=rounds_done)
+        return on_latest_global(state, global_shared, rounds_done)
 
     def load_pm(self, model, state, data, ctx):
         model.load_partial({**state.local_model, SHIFT: state.personal[SHIFT]})

@@ -15,7 +15,6 @@ the official code.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -25,7 +24,7 @@ from ..client_update.local import round_lr
 from ..models import READOUT
 from ..models.readouts import cosine_logits
 from ..specs.methods import GPFLParams
-from .base import Personalization
+from .base import Personalization, on_latest_global
 from .finetune import FINETUNE_TAG
 from .registry import register
 from .sgd import client_batches, cpu_state, result, sgd_epochs, start
@@ -88,9 +87,7 @@ class GPFL(Personalization):
     def pm_job(self, state, global_shared, rounds_done, server_state, client_id):
         """The latest global theta, E and CoV with the client's h, g and p (a client that never trained: none,
         its PM is the GM)."""
-        if state.personal is None:
-            return state
-        return dataclasses.replace(state, local_model=global_shared, rounds_trained=rounds_done)
+        return on_latest_global(state, global_shared, rounds_done)
 
     def adapt(self, model, message, data, personal, epochs, ctx):
         """``epochs`` epochs of the client's loss from the global weights and its own h, g, p (a new client: the
