@@ -172,15 +172,18 @@ def _version(run_dir) -> str:
 
 # --- a crafted meta.json's shapes ---------------------------------------------------------------------------
 
+# The peak RSS of this program alone: VmHWM starts again at exec, where ru_maxrss keeps what the forked process
+# held before it (under pytest-xdist, a worker's 1.6 GB).
 PEAK_RSS = """
-import resource, sys
+import sys
 from fedrod_ray.models.export import ExportError, load_final
 try:
     load_final(sys.argv[1])
     print("loaded")
 except ExportError as e:
     print(e)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+with open("/proc/self/status") as f:
+    print(next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")))
 """
 
 

@@ -35,6 +35,7 @@ from fedrod_ray.drivers import ray_runtime
 from fedrod_ray.drivers.runner import run_local
 from fedrod_ray.executors.in_process import InProcessExecutor
 from fedrod_ray.executors.ray import Layout, LostCall, RayExecutor, plan_layout
+from fedrod_ray.executors.runtimes import RUNTIMES
 from fedrod_ray.executors.shared_setup import DATASET_ARRAYS, PARTITION_ARRAYS, share
 from fedrod_ray.federation_state.checkpoint import CheckpointWriter, load_checkpoint
 from fedrod_ray.federation_state.setup import make_host, prepare
@@ -1117,7 +1118,7 @@ def test_a_ray_run_keeps_no_setup_in_the_driver_and_trains_as_in_process(ray_ses
         if line.startswith("ray: "):
             alive_when_ready.append(sum(ref() is not None for ref in prepared))
 
-    monkeypatch.setattr(ray_runtime, "prepare", prepare_and_watch)
+    monkeypatch.setitem(RUNTIMES, "ray", dataclasses.replace(RUNTIMES["ray"], prepare=prepare_and_watch))
     records = ray_runtime.run_ray(tiny_config(), RunStorage(str(tmp_path / "run")), log=log)
     assert len(prepared) == 4 and alive_when_ready == [0]
     _, _, records_ref, _, _ = in_process_baseline("linear", tmp_path_factory.getbasetemp())

@@ -87,7 +87,7 @@ def run_ray(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | Non
     # Prepared here, in the driver, so that a missing dataset fails with the CLI's own message. Its arrays go
     # into the object store, and the coordinator is handed their references: this driver keeps no copy.
     # At sites, the server's test set only: the sites report their clients to the coordinator.
-    setup = runtime_of(cfg).prepare(cfg)
+    setup = runtime_of(cfg, on_ray=True).prepare(cfg)
     if (line := format_model(cfg.model.arch, setup.dataset.image_shape)) is not None:
         log(line)
     started = connect(cfg)

@@ -32,7 +32,7 @@ def run_local(cfg: ExperimentConfig, storage: RunStorage, snapshot: Snapshot | N
     if threads is not None:
         torch.set_num_threads(threads)
     log(f"torch threads: {torch.get_num_threads()} ({why})")
-    runtime = runtime_of(cfg)
+    runtime = runtime_of(cfg, on_ray=False)
     setup = runtime.prepare(cfg)
     if (line := format_model(cfg.model.arch, setup.dataset.image_shape)) is not None:
         log(line)

@@ -67,9 +67,11 @@ def register(runtime: Runtime) -> None:
     RUNTIMES[runtime.name] = runtime
 
 
-def runtime_of(cfg: ExperimentConfig) -> Runtime:
+def runtime_of(cfg: ExperimentConfig, on_ray: bool | None = None) -> Runtime:
     """The runtime ``cfg`` runs on: at its sites (``data.dataset: sites``), on Ray actors (``runtime.mode:
-    ray``), else in this process (one client at a time, or ``runtime.batched_clients`` at once)."""
+    ray``), else in this process (one client at a time, or ``runtime.batched_clients`` at once). ``on_ray``:
+    where a driver that has already chosen hosts the federation (the Ray driver and its coordinator: True; the
+    in-process driver: False), whatever ``runtime.mode`` says."""
     if cfg.sites:
         return RUNTIMES["sites"]
-    return RUNTIMES["ray" if cfg.runtime.mode == "ray" else "in_process"]
+    return RUNTIMES["ray" if (cfg.runtime.mode == "ray" if on_ray is None else on_ray) else "in_process"]

@@ -37,7 +37,7 @@ class CoordinatorImpl:
         torch.set_num_threads(max(1, cfg.runtime.torch_threads or 1))
         self.start_error: Exception | None = None
         try:  # at sites, the sites' actors report their clients, which make the whole setup
-            setup, self.executor = runtime_of(cfg).start(shared.setup(), shared=shared, log=print)
+            setup, self.executor = runtime_of(cfg, on_ray=True).start(shared.setup(), shared=shared, log=print)
             self.layout = self.executor.layout
             self.run = Run(Federation(setup, self.executor, log=print), RunStorage(storage_uri), snapshot)
         except STARTUP_ERRORS as e:
